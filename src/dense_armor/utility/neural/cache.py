@@ -1,0 +1,92 @@
+"""Streaming caches: what `init_cache` returns and `step` threads through.
+
+Two kinds of key/value cache serve the attention layers:
+
+- `KVCache`, the growing cache of the attention page: two arrays of shape `(t, d_model)` that gain
+  one row per step. Exact and simple; under `jax.jit` it recompiles at every length.
+- `FixedKVCache`, preallocated buffers of shape `(capacity, d_model)` plus a counter. Its shapes
+  never change, so a jitted or exported step compiles once (donate the cache to update it in place).
+
+Layers with other time state carry it in `PositionCache` (the step index) and `MeanCache` (a running
+sum and count). Every cache is a PyTree of arrays.
+
+A fixed cache that is full never overwrites a row. What happens instead is the cache's
+`on_overflow` mode, chosen at `init_cache`:
+
+- `"raise"` (default): the step raises `equinox.EquinoxRuntimeError` (eagerly and under `jax.jit`);
+- `"nan"`: the step's output is NaN and the cache's `overflow` flag becomes (and stays) `True`.
+  This mode uses no host callback, so it is the one an exported step uses.
+"""
+
+from typing import NamedTuple
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+__all__ = [
+    "OVERFLOW_MODES",
+    "FixedKVCache",
+    "KVCache",
+    "MeanCache",
+    "PositionCache",
+    "guard_overflow",
+    "validate_overflow_mode",
+]
+
+OVERFLOW_MODES = ("raise", "nan")
+
+
+def validate_overflow_mode(on_overflow: str) -> None:
+    if on_overflow not in OVERFLOW_MODES:
+        raise ValueError(
+            f"`on_overflow` must be one of {OVERFLOW_MODES}; received `on_overflow={on_overflow!r}`."
+        )
+
+
+def guard_overflow(y: Array, bad: Bool[Array, ""], on_overflow: str, message: str) -> Array:
+    """Return `y`, or fail as `on_overflow` says when `bad` is true."""
+    if on_overflow == "raise":
+        return eqx.error_if(y, bad, message)
+    return jnp.where(bad, jnp.asarray(jnp.nan, y.dtype), y)
+
+
+class KVCache(NamedTuple):
+    """The growing cache: keys and values of the steps seen so far, shape `(t, d_model)` each."""
+
+    keys: Float[Array, "t d_model"]
+    values: Float[Array, "t d_model"]
+
+
+class FixedKVCache(eqx.Module):
+    """Preallocated keys and values, shape `(capacity, d_model)`; rows `>= index` are unwritten."""
+
+    keys: Float[Array, "capacity d_model"]
+    values: Float[Array, "capacity d_model"]
+    index: Int[Array, ""]
+    overflow: Bool[Array, ""]
+    on_overflow: str = eqx.field(static=True, default="raise")
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[0]
+
+
+class PositionCache(eqx.Module):
+    """The index of the next step, for the positional encodings."""
+
+    index: Int[Array, ""]
+    overflow: Bool[Array, ""]
+    on_overflow: str = eqx.field(static=True, default="raise")
+
+
+class MeanCache(eqx.Module):
+    """The running sum and count of the steps seen so far, for `MeanOverTime`."""
+
+    total: Float[Array, " features"]
+    count: Int[Array, ""]
+
+
+def start_index() -> tuple[Int[Array, ""], Bool[Array, ""]]:
+    """A zero step counter and a clear overflow flag."""
+    return jnp.zeros((), jnp.int32), jnp.zeros((), bool)

@@ -1,0 +1,132 @@
+"""The pieces every layer shares: `Param`, the `Layer` base class and runtime shape checks.
+
+A layer acts on one unbatched sequence of shape `(T, features)`; batches go through `jax.vmap`
+(or `eqx.filter_vmap`), as in Equinox.
+"""
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax
+from beartype import beartype
+from jaxtyping import Array, jaxtyped
+
+__all__ = ["Layer", "Param", "Pointwise", "ShapeError", "require_positive", "shape_checked"]
+
+
+class ShapeError(ValueError):
+    """An input whose rank or size does not match what the layer expects."""
+
+
+class Param(eqx.Module):
+    """A trainable array. Its one field `value` holds the array, so `m.P.value` reads a table."""
+
+    value: Array
+
+
+def require_positive(**sizes: int) -> None:
+    """Raise `ValueError` naming the first size that is not a positive integer."""
+    for name, size in sizes.items():
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"`{name}` must be a positive integer; received `{name}={size!r}`.")
+
+
+Fn = TypeVar("Fn", bound=Callable[..., Any])
+
+
+def _expected_dims(annotation: Any) -> tuple[str, ...] | None:
+    dim_str = getattr(annotation, "dim_str", None)
+    return None if dim_str is None else tuple(dim_str.split())
+
+
+def _describe(dims: tuple[str, ...], sizes: dict[str, int]) -> str:
+    parts = [f"{d}={sizes[d]}" if d in sizes else d for d in dims]
+    return "(" + ", ".join(parts) + ")"
+
+
+def shape_checked(method: Fn) -> Fn:
+    """Check a layer method's array arguments before running it.
+
+    The method's jaxtyping annotations are checked by beartype (rank, dtype, and that a named axis
+    has one size across the arguments and the result). Before that, every named axis that is also
+    an integer attribute of the layer (`d_model`, `n_in`, ...) is compared with that attribute, and
+    a wrong rank or size raises `ShapeError` naming the expected and the received shape, with a
+    hint to use `jax.vmap` when the input carries one axis too many. Under `jax.jit` this runs
+    once per trace and costs nothing per call.
+    """
+    typechecked = jaxtyped(typechecker=beartype)(method)
+    signature = inspect.signature(method)
+    owner = method.__qualname__
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(self, *args, **kwargs)
+        for name, value in bound.arguments.items():
+            dims = _expected_dims(signature.parameters[name].annotation)
+            shape = getattr(value, "shape", None)
+            if dims is None or shape is None:
+                continue
+            fixed = [d for d in dims if not d.startswith(("*", "..."))]
+            variadic = len(fixed) != len(dims)
+            sizes = {d: getattr(self, d) for d in fixed if isinstance(getattr(self, d, None), int)}
+            rank_ok = len(shape) >= len(fixed) if variadic else len(shape) == len(fixed)
+            trailing = dict(zip(reversed(fixed), reversed(shape), strict=False))
+            size_ok = all(trailing[d] == size for d, size in sizes.items())
+            if rank_ok and size_ok:
+                continue
+            message = (
+                f"{owner}: received `{name}.shape={tuple(shape)}`; expected "
+                f"`{_describe(dims, sizes)}`."
+            )
+            if not variadic and len(shape) == len(fixed) + 1:
+                message += (
+                    " A layer acts on one unbatched sequence; batch with "
+                    "`jax.vmap(layer)(x)` or `eqx.filter_vmap`."
+                )
+            raise ShapeError(message)
+        return typechecked(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+class Layer(eqx.Module):
+    """Base class of every dense_armor layer.
+
+    `forward` is the computation; `__call__` is the same method, so a layer drops into any Equinox
+    code. `params()` lists the layer's `Param`s in the order of its fields, depth first.
+    Layers that can run in a causal model also stream: `init_cache(capacity)` and
+    `step(x_t, cache) -> (y_t, cache)`.
+    """
+
+    def forward(self, x: Any, *, key: Any = None) -> Any:
+        raise NotImplementedError
+
+    def __call__(self, x: Any, *, key: Any = None) -> Any:
+        return self.forward(x, key=key)
+
+    def params(self) -> list[Param]:
+        """The layer's `Param`s, in field order (depth first)."""
+        leaves = jax.tree_util.tree_leaves(self, is_leaf=lambda node: isinstance(node, Param))
+        return [leaf for leaf in leaves if isinstance(leaf, Param)]
+
+    def init_cache(self, capacity: int | None = None, *, on_overflow: str = "raise") -> Any:
+        raise TypeError(f"{type(self).__name__} does not stream: it has no `init_cache`.")
+
+    def step(self, x_t: Any, cache: Any) -> tuple[Any, Any]:
+        raise TypeError(f"{type(self).__name__} does not stream: it has no `step`.")
+
+
+class Pointwise(Layer):
+    """A layer that acts on each time step alone, so stepping it is its forward on one sample.
+
+    Its cache is `None`.
+    """
+
+    def init_cache(self, capacity: int | None = None, *, on_overflow: str = "raise") -> None:
+        return None
+
+    def step(self, x_t: Any, cache: None) -> tuple[Any, None]:
+        return self.forward(x_t), cache

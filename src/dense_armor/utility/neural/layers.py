@@ -1,0 +1,177 @@
+"""Dense, LayerNorm, Dropout, ReLU, FeedForward and MeanOverTime.
+
+All but `MeanOverTime` act on each time step alone: they accept `(..., features)` and keep the
+leading axes, so they serve both a sequence `(T, features)` and a single step `(features,)`.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from .cache import MeanCache
+from .core import Layer, Param, Pointwise, ShapeError, require_positive, shape_checked
+
+__all__ = ["Dense", "Dropout", "FeedForward", "LayerNorm", "MeanOverTime", "ReLU"]
+
+
+class Dense(Pointwise):
+    """An affine map `y = x W + b`, with `W` of shape `(n_in, n_out)` and `b` of shape `(n_out,)`.
+
+    **Arguments:** `n_in`, `n_out` (the widths), `key`. `W` and `b` start uniform in
+    `[-1/sqrt(n_in), 1/sqrt(n_in)]`, as in Equinox and PyTorch.
+
+    `params()` is `[W, b]`.
+    """
+
+    W: Param
+    b: Param
+    n_in: int = eqx.field(static=True)
+    n_out: int = eqx.field(static=True)
+
+    def __init__(self, n_in: int, n_out: int, key: PRNGKeyArray):
+        require_positive(n_in=n_in, n_out=n_out)
+        wkey, bkey = jr.split(key)
+        bound = 1.0 / n_in**0.5
+        self.W = Param(jr.uniform(wkey, (n_in, n_out), minval=-bound, maxval=bound))
+        self.b = Param(jr.uniform(bkey, (n_out,), minval=-bound, maxval=bound))
+        self.n_in = n_in
+        self.n_out = n_out
+
+    @shape_checked
+    def forward(
+        self, x: Float[Array, "*T n_in"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "*T n_out"]:
+        return x @ self.W.value.astype(x.dtype) + self.b.value.astype(x.dtype)
+
+
+class ReLU(Pointwise):
+    """`max(0, x)`, elementwise. No parameters."""
+
+    @shape_checked
+    def forward(
+        self, x: Float[Array, "*shape"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "*shape"]:
+        return jax.nn.relu(x)
+
+
+class LayerNorm(Pointwise):
+    """Normalise the last axis to mean 0 and variance 1, then scale by `gain` and shift by `bias`.
+
+    The statistics are computed in float32 whatever the input dtype; the output has the input's
+    dtype. `gain` starts at 1 and `bias` at 0; `params()` is `[gain, bias]`.
+    """
+
+    gain: Param
+    bias: Param
+    d_model: int = eqx.field(static=True)
+    eps: float = eqx.field(static=True)
+
+    def __init__(self, d_model: int, eps: float = 1e-5):
+        require_positive(d_model=d_model)
+        if not eps > 0:
+            raise ValueError(f"`eps` must be positive; received `eps={eps!r}`.")
+        self.gain = Param(jnp.ones((d_model,)))
+        self.bias = Param(jnp.zeros((d_model,)))
+        self.d_model = d_model
+        self.eps = eps
+
+    @shape_checked
+    def forward(
+        self, x: Float[Array, "*T d_model"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "*T d_model"]:
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(axis=-1, keepdims=True)
+        var = jnp.square(x32 - mean).mean(axis=-1, keepdims=True)
+        y = (x32 - mean) / jnp.sqrt(var + self.eps)
+        return (y * self.gain.value + self.bias.value).astype(x.dtype)
+
+
+class Dropout(Pointwise):
+    """Zero each element with probability `rate` and scale the rest by `1 / (1 - rate)`.
+
+    Active only when a `key` is passed and `rate > 0`; without a key it is the identity, so
+    inference is the default and is deterministic.
+    """
+
+    rate: float = eqx.field(static=True)
+
+    def __init__(self, rate: float = 0.0):
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"`rate` must lie in [0, 1]; received `rate={rate!r}`.")
+        self.rate = rate
+
+    @shape_checked
+    def forward(
+        self, x: Float[Array, "*shape"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "*shape"]:
+        if key is None or self.rate == 0.0:
+            return x
+        if self.rate == 1.0:
+            return jnp.zeros_like(x)
+        keep = jr.bernoulli(key, 1.0 - self.rate, x.shape)
+        return jnp.where(keep, x / (1.0 - self.rate), jnp.zeros_like(x))
+
+
+class FeedForward(Pointwise):
+    """`FFN(x) = max(0, x W_1 + b_1) W_2 + b_2` (Vaswani et al. 2017, Eq.(2), page 5).
+
+    `params()` is `[W_1, b_1, W_2, b_2]` (the two `Dense` layers `hidden` and `out`).
+    """
+
+    hidden: Dense
+    out: Dense
+    d_model: int = eqx.field(static=True)
+
+    def __init__(self, d_model: int, d_ff: int, key: PRNGKeyArray):
+        require_positive(d_model=d_model, d_ff=d_ff)
+        hkey, okey = jr.split(key)
+        self.hidden = Dense(d_model, d_ff, hkey)
+        self.out = Dense(d_ff, d_model, okey)
+        self.d_model = d_model
+
+    @shape_checked
+    def forward(
+        self, x: Float[Array, "*T d_model"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "*T d_model"]:
+        return self.out(jax.nn.relu(self.hidden(x)))
+
+
+class MeanOverTime(Layer):
+    """The mean over the time axis: `(T, features) -> (features,)`.
+
+    **Arguments:** `features`, the width, needed only to stream (`init_cache` preallocates the
+    running sum); `transformer_encoder` sets it. Stepping keeps a running sum and count, so the
+    output after `t` steps is the mean of those `t` samples. No parameters.
+    """
+
+    features: int | None = eqx.field(static=True, default=None)
+
+    def __init__(self, features: int | None = None):
+        if features is not None:
+            require_positive(features=features)
+        self.features = features
+
+    @shape_checked
+    def forward(
+        self, x: Float[Array, "T features"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, " features"]:
+        if x.shape[0] == 0:
+            raise ShapeError("MeanOverTime.forward: received an empty sequence (T=0).")
+        return x.mean(axis=0)
+
+    def init_cache(self, capacity: int | None = None, *, on_overflow: str = "raise") -> MeanCache:
+        if self.features is None:
+            raise ValueError(
+                "MeanOverTime needs its width to stream: build it as `MeanOverTime(features)`."
+            )
+        return MeanCache(jnp.zeros((self.features,)), jnp.zeros((), jnp.int32))
+
+    @shape_checked
+    def step(
+        self, x_t: Float[Array, " features"], cache: MeanCache
+    ) -> tuple[Float[Array, " features"], MeanCache]:
+        total = cache.total + x_t
+        count = cache.count + 1
+        return (total / count).astype(x_t.dtype), MeanCache(total, count)

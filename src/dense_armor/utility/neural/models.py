@@ -1,0 +1,128 @@
+"""Composition: `Sequential`, `AddPositions` and the `transformer_encoder` factory."""
+
+from typing import Any
+
+import equinox as eqx
+import jax.random as jr
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from .attention import TransformerBlock, sinusoidal_encoding
+from .cache import validate_overflow_mode
+from .core import Layer, require_positive
+from .layers import Dense, MeanOverTime
+from .positions import LearnedPositions, PositionalEncoding
+
+__all__ = ["AddPositions", "Sequential", "transformer_encoder"]
+
+
+class AddPositions(PositionalEncoding):
+    """Add the sinusoidal pattern of `sinusoidal_positions` to the input. No parameters.
+
+    **Arguments:** `max_len`, the longest sequence (and the last step) it accepts. The width is the
+    input's.
+    """
+
+    def __init__(self, max_len: int):
+        require_positive(max_len=max_len)
+        self.max_len = max_len
+
+    def rows(self, positions: Int[Array, "*P"], d_model: int) -> Float[Array, "*P d_model"]:
+        return sinusoidal_encoding(positions, d_model)
+
+
+class Sequential(Layer):
+    """Layers applied one after the other.
+
+    `forward(x, key=key)` splits `key` over the layers. `params()` lists the layers' parameters in
+    order. Streaming: the cache is the tuple of the layers' caches, and `step` threads `x_t` and
+    each cache through the layers.
+    """
+
+    layers: tuple[Layer, ...]
+
+    def __init__(self, *layers: Layer):
+        if not layers:
+            raise ValueError("Sequential needs at least one layer.")
+        self.layers = tuple(layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, i: int) -> Layer:
+        return self.layers[i]
+
+    def forward(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
+        keys = [None] * len(self.layers) if key is None else list(jr.split(key, len(self.layers)))
+        for layer, layer_key in zip(self.layers, keys, strict=True):
+            x = layer(x, key=layer_key)
+        return x
+
+    def init_cache(
+        self, capacity: int | None = None, *, on_overflow: str = "raise"
+    ) -> tuple[Any, ...]:
+        """The tuple of the layers' caches (`capacity=None`: growing; an int: fixed)."""
+        validate_overflow_mode(on_overflow)
+        return tuple(layer.init_cache(capacity, on_overflow=on_overflow) for layer in self.layers)
+
+    def step(self, x_t: Array, cache: tuple[Any, ...]) -> tuple[Array, tuple[Any, ...]]:
+        """One step through every layer; after `t+1` steps, `forward` on those steps."""
+        if not isinstance(cache, tuple) or len(cache) != len(self.layers):
+            raise ValueError(
+                f"Sequential.step: expected a tuple of {len(self.layers)} layer caches from "
+                "`init_cache`; received "
+                f"{type(cache).__name__}{f' of length {len(cache)}' if isinstance(cache, tuple) else ''}."
+            )
+        new = []
+        for layer, layer_cache in zip(self.layers, cache, strict=True):
+            x_t, layer_cache = layer.step(x_t, layer_cache)
+            new.append(layer_cache)
+        return x_t, tuple(new)
+
+
+def transformer_encoder(
+    n_in: int,
+    d_model: int,
+    n_heads: int,
+    d_ff: int,
+    depth: int,
+    n_out: int,
+    key: PRNGKeyArray,
+    max_len: int,
+    causal: bool = False,
+    dropout: float = 0.0,
+    positions: str = "sinusoidal",
+) -> Sequential:
+    """A sequence-to-vector encoder: `(T, n_in) -> (n_out,)`.
+
+    `Sequential(Dense(n_in, d_model), positions, depth x TransformerBlock(d_model, n_heads, d_ff),
+    MeanOverTime(d_model), Dense(d_model, n_out))`.
+
+    **Arguments:** in order `n_in`, `d_model`, `n_heads`, `d_ff`, `depth`, `n_out`, `key`,
+    `max_len`; then `causal=False` (makes every block causal, so the encoder streams),
+    `dropout=0.0` (of every block) and `positions`: `"sinusoidal"` (`AddPositions(max_len)`, no
+    parameters) or `"learned"` (`LearnedPositions(max_len, d_model, key)`).
+    """
+    require_positive(
+        n_in=n_in, d_model=d_model, d_ff=d_ff, depth=depth, n_out=n_out, max_len=max_len
+    )
+    if positions not in ("sinusoidal", "learned"):
+        raise ValueError(
+            f"`positions` must be 'sinusoidal' or 'learned'; received `positions={positions!r}`."
+        )
+    in_key, pos_key, out_key, *block_keys = jr.split(key, 3 + depth)
+    position_layer: PositionalEncoding = (
+        AddPositions(max_len)
+        if positions == "sinusoidal"
+        else LearnedPositions(max_len, d_model, pos_key)
+    )
+    blocks = [
+        TransformerBlock(d_model, n_heads, d_ff, k, causal=causal, dropout=dropout)
+        for k in block_keys
+    ]
+    return Sequential(
+        Dense(n_in, d_model, in_key),
+        position_layer,
+        *blocks,
+        MeanOverTime(d_model),
+        Dense(d_model, n_out, out_key),
+    )

@@ -1,0 +1,84 @@
+"""Positional encodings: what tells attention where each step sits in the sequence.
+
+`AddPositions` (in `models`) adds the fixed sinusoidal pattern; `LearnedPositions` adds a learned
+table. Both add the row of position `t` to step `t`, bounded by `max_len`, and both stream: the
+step counter lives in their cache.
+"""
+
+import equinox as eqx
+import jax.numpy as jnp
+import jax.random as jr
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from .cache import PositionCache, guard_overflow, start_index, validate_overflow_mode
+from .core import Layer, Param, ShapeError, require_positive, shape_checked
+
+__all__ = ["LearnedPositions", "PositionalEncoding"]
+
+
+class PositionalEncoding(Layer):
+    """Base class of the layers that add a row per position, for positions `0 .. max_len-1`.
+
+    A subclass gives `rows(positions, d_model)`. A sequence longer than `max_len` raises
+    `ShapeError` in `forward`; a step at position `max_len` or later fails as the cache's
+    `on_overflow` says (raise, or NaN output and the cache's `overflow` flag).
+    """
+
+    max_len: int = eqx.field(static=True)
+
+    def rows(self, positions: Int[Array, "*P"], d_model: int) -> Float[Array, "*P d_model"]:
+        raise NotImplementedError
+
+    @shape_checked
+    def forward(
+        self, x: Float[Array, "T d_model"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "T d_model"]:
+        if x.shape[0] > self.max_len:
+            raise ShapeError(
+                f"{type(self).__name__}.forward: received a sequence of `T={x.shape[0]}` steps "
+                f"(`x.shape={x.shape}`); expected at most `max_len={self.max_len}`."
+            )
+        return x + self.rows(jnp.arange(x.shape[0]), x.shape[1]).astype(x.dtype)
+
+    def init_cache(
+        self, capacity: int | None = None, *, on_overflow: str = "raise"
+    ) -> PositionCache:
+        """A step counter at 0. `capacity` is not needed here (the bound is `max_len`)."""
+        validate_overflow_mode(on_overflow)
+        return PositionCache(*start_index(), on_overflow=on_overflow)
+
+    @shape_checked
+    def step(
+        self, x_t: Float[Array, " d_model"], cache: PositionCache
+    ) -> tuple[Float[Array, " d_model"], PositionCache]:
+        """Add the row of the cache's position to `x_t`, and count one step."""
+        beyond = cache.index >= self.max_len
+        row = self.rows(jnp.minimum(cache.index, self.max_len - 1), x_t.shape[0])
+        y_t = guard_overflow(
+            x_t + row.astype(x_t.dtype),
+            beyond,
+            cache.on_overflow,
+            f"{type(self).__name__}: step at a position >= max_len={self.max_len}",
+        )
+        index = cache.index + jnp.where(beyond, 0, 1).astype(cache.index.dtype)
+        return y_t, PositionCache(index, cache.overflow | beyond, on_overflow=cache.on_overflow)
+
+
+class LearnedPositions(PositionalEncoding):
+    """A learned table `P` of shape `(max_len, d_model)`; adds `P[:T]` to a sequence of `T` steps.
+
+    **Arguments:** `max_len`, `d_model`, `key`. `P` starts normal with std 0.02 (our choice; the
+    paper gives none). `params()` is `[P]`.
+    """
+
+    P: Param
+    d_model: int = eqx.field(static=True)
+
+    def __init__(self, max_len: int, d_model: int, key: PRNGKeyArray):
+        require_positive(max_len=max_len, d_model=d_model)
+        self.P = Param(0.02 * jr.normal(key, (max_len, d_model)))
+        self.max_len = max_len
+        self.d_model = d_model
+
+    def rows(self, positions: Int[Array, "*P"], d_model: int) -> Float[Array, "*P d_model"]:
+        return self.P.value[positions]
