@@ -55,7 +55,7 @@ def scaled_dot_product_attention(
     scores = scores / math.sqrt(q.shape[-1])
     if mask is not None:
         try:
-            np.broadcast_shapes(mask.shape, scores.shape)
+            mask = jnp.broadcast_to(mask, scores.shape)
         except ValueError:
             raise ShapeError(
                 f"scaled_dot_product_attention: received `mask.shape={mask.shape}`; expected a "
@@ -81,7 +81,9 @@ def sinusoidal_encoding(positions: Int[Array, "*P"], d_model: int) -> Float[Arra
     require_positive(d_model=d_model)
     half = (d_model + 1) // 2
     frequencies = np.exp(-math.log(10000.0) * 2.0 * np.arange(half) / d_model)
-    angles = jnp.asarray(positions, jnp.float32)[..., None] * jnp.asarray(frequencies, jnp.float32)
+    angles = jnp.tensordot(
+        jnp.asarray(positions, jnp.float32), jnp.asarray(frequencies, jnp.float32), axes=0
+    )
     pairs = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)
     return pairs.reshape(*angles.shape[:-1], 2 * half)[..., :d_model]
 
@@ -190,12 +192,12 @@ class MultiHeadSelfAttention(Layer):
         """
         _require_causal(self)
         validate_overflow_mode(on_overflow)
+        # Keys and values get buffers of their own, so that both can be donated.
         if capacity is None:
-            empty = jnp.zeros((0, self.d_model))
-            return KVCache(empty, empty)
+            return KVCache(jnp.zeros((0, self.d_model)), jnp.zeros((0, self.d_model)))
         require_positive(capacity=capacity)
-        buffer = jnp.zeros((capacity, self.d_model))
-        return FixedKVCache(buffer, buffer, *start_index(), on_overflow=on_overflow)
+        keys, values = jnp.zeros((capacity, self.d_model)), jnp.zeros((capacity, self.d_model))
+        return FixedKVCache(keys, values, *start_index(), on_overflow=on_overflow)
 
     @shape_checked
     def step(

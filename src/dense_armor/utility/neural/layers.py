@@ -43,7 +43,8 @@ class Dense(Pointwise):
     def forward(
         self, x: Float[Array, "*T n_in"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "*T n_out"]:
-        return x @ self.W.value.astype(x.dtype) + self.b.value.astype(x.dtype)
+        y = x @ self.W.value.astype(x.dtype)
+        return y + jnp.broadcast_to(self.b.value.astype(x.dtype), y.shape)
 
 
 class ReLU(Pointwise):
@@ -85,7 +86,9 @@ class LayerNorm(Pointwise):
         mean = x32.mean(axis=-1, keepdims=True)
         var = jnp.square(x32 - mean).mean(axis=-1, keepdims=True)
         y = (x32 - mean) / jnp.sqrt(var + self.eps)
-        return (y * self.gain.value + self.bias.value).astype(x.dtype)
+        gain = jnp.broadcast_to(self.gain.value, y.shape)
+        bias = jnp.broadcast_to(self.bias.value, y.shape)
+        return (y * gain + bias).astype(x.dtype)
 
 
 class Dropout(Pointwise):
@@ -174,4 +177,4 @@ class MeanOverTime(Layer):
     ) -> tuple[Float[Array, " features"], MeanCache]:
         total = cache.total + x_t
         count = cache.count + 1
-        return (total / count).astype(x_t.dtype), MeanCache(total, count)
+        return (total / count.astype(total.dtype)).astype(x_t.dtype), MeanCache(total, count)

@@ -1,0 +1,31 @@
+"""Strict numerics for every test: silent broadcasting or dtype promotion is a bug here."""
+
+import jax
+import pytest
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+
+class KeyStream:
+    """A fresh PRNG key at every call, from a fixed seed."""
+
+    def __init__(self, seed: int = 0):
+        self._key = jax.random.PRNGKey(seed)
+
+    def __call__(self) -> jax.Array:
+        self._key, sub = jax.random.split(self._key)
+        return sub
+
+
+@pytest.fixture
+def getkey() -> KeyStream:
+    return KeyStream()
+
+
+@pytest.fixture(autouse=True)
+def _dtype_promotion(request):
+    """Strict promotion, except in tests marked `optax`: optax's own updates mix int and float."""
+    mode = "standard" if request.node.get_closest_marker("optax") else "strict"
+    with jax.numpy_dtype_promotion(mode):
+        yield

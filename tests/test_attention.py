@@ -1,0 +1,264 @@
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jaxtyping import TypeCheckError
+from reference import attention, block, multi_head
+
+from dense_armor.utility.neural import (
+    MultiHeadSelfAttention,
+    ShapeError,
+    TransformerBlock,
+    scaled_dot_product_attention,
+)
+
+
+def weights64(m):
+    return [np.asarray(p.value, np.float64) for p in m.params()]
+
+
+# scaled_dot_product_attention
+
+
+def test_attention_one_head_by_hand():
+    q = jnp.array([[1.0, 0.0]])
+    k = jnp.array([[1.0, 0.0], [0.0, 1.0]])
+    v = jnp.array([[10.0], [20.0]])
+    s = 1 / math.sqrt(2)
+    w1 = math.exp(s) / (math.exp(s) + 1.0)
+    expected = w1 * 10 + (1 - w1) * 20
+    y = scaled_dot_product_attention(q, k, v)
+    assert y.shape == (1, 1)
+    assert float(y[0, 0]) == pytest.approx(expected, rel=1e-6)
+    assert round(expected, 4) == 13.3024
+
+
+def test_attention_matches_jax_reference_with_heads_and_mask(getkey):
+    q = jax.random.normal(getkey(), (3, 5, 4))  # (heads, T, d_k)
+    k = jax.random.normal(getkey(), (3, 7, 4))
+    v = jax.random.normal(getkey(), (3, 7, 4))
+    mask = jax.random.bernoulli(getkey(), 0.7, (3, 5, 7)).at[:, :, 0].set(True)
+    ours = scaled_dot_product_attention(q, k, v, mask)
+    # jax.nn.dot_product_attention takes (B, T, N, H) and masks (B, N, T, S).
+    theirs = jax.nn.dot_product_attention(
+        q.transpose(1, 0, 2)[None],
+        k.transpose(1, 0, 2)[None],
+        v.transpose(1, 0, 2)[None],
+        mask=mask[None],
+    )[0].transpose(1, 0, 2)
+    np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    np.testing.assert_allclose(
+        ours, attention(*(np.asarray(a, np.float64) for a in (q, k, v)), np.asarray(mask)),
+        atol=1e-5,
+    )
+
+
+def test_attention_mask_broadcasts_over_heads(getkey):
+    q, k, v = (jax.random.normal(getkey(), (2, 4, 3)) for _ in range(3))
+    causal = jnp.tril(jnp.ones((4, 4), bool))
+    y = scaled_dot_product_attention(q, k, v, causal)
+    np.testing.assert_allclose(
+        y, attention(*(np.asarray(a, np.float64) for a in (q, k, v)), np.asarray(causal)),
+        atol=1e-5,
+    )
+
+
+def test_fully_masked_rows_give_zeros_and_finite_gradients(getkey):
+    q, k, v = (jax.random.normal(getkey(), (4, 3)) for _ in range(3))
+    mask = jnp.ones((4, 4), bool).at[1].set(False)
+
+    def loss(q, k, v):
+        return (scaled_dot_product_attention(q, k, v, mask) ** 2).sum()
+
+    y = scaled_dot_product_attention(q, k, v, mask)
+    assert bool(jnp.all(y[1] == 0.0))
+    assert bool(jnp.all(jnp.isfinite(y)))
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    for g in grads:
+        assert bool(jnp.all(jnp.isfinite(g)))
+    assert bool(jnp.all(grads[0][1] == 0.0))
+    none_visible = scaled_dot_product_attention(q, k, v, jnp.zeros((4, 4), bool))
+    assert bool(jnp.all(none_visible == 0.0))
+
+
+def test_attention_softmax_in_float32_for_bfloat16(getkey):
+    q, k, v = (jax.random.normal(getkey(), (6, 8)) for _ in range(3))
+    y16 = scaled_dot_product_attention(
+        q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+    )
+    assert y16.dtype == jnp.bfloat16
+    np.testing.assert_allclose(
+        np.asarray(y16, np.float32), scaled_dot_product_attention(q, k, v), atol=3e-2
+    )
+
+
+def test_attention_rejects_bad_shapes(getkey):
+    q = jax.random.normal(getkey(), (4, 3))
+    with pytest.raises(TypeCheckError):
+        scaled_dot_product_attention(q, jnp.ones((5, 2)), jnp.ones((5, 2)))
+    with pytest.raises(ShapeError, match=r"mask.shape=\(3, 4\)"):
+        scaled_dot_product_attention(q, q, q, jnp.ones((3, 4), bool))
+
+
+# MultiHeadSelfAttention
+
+
+def test_self_attention_shapes_and_params(getkey):
+    m = MultiHeadSelfAttention(8, 2, getkey())
+    assert m.forward(jnp.ones((4, 8))).shape == (4, 8)
+    assert m.params() == [m.W_Q, m.W_K, m.W_V, m.W_O]
+    assert all(p.value.shape == (8, 8) for p in m.params())
+    assert m(jnp.ones((4, 8))).shape == (4, 8)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_self_attention_matches_numpy_reference(getkey, causal):
+    m = MultiHeadSelfAttention(12, 3, getkey(), causal=causal)
+    x = jax.random.normal(getkey(), (6, 12))
+    expected = multi_head(np.asarray(x, np.float64), *weights64(m), 3, causal=causal)
+    np.testing.assert_allclose(m.forward(x), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_self_attention_matches_equinox_with_copied_weights(getkey, causal):
+    peer = eqx.nn.MultiheadAttention(4, 16, key=getkey())
+    m = MultiHeadSelfAttention(16, 4, getkey(), causal=causal)
+    m = eqx.tree_at(
+        lambda m: (m.W_Q.value, m.W_K.value, m.W_V.value, m.W_O.value),
+        m,
+        (
+            peer.query_proj.weight.T,
+            peer.key_proj.weight.T,
+            peer.value_proj.weight.T,
+            peer.output_proj.weight.T,
+        ),
+    )
+    x = jax.random.normal(getkey(), (7, 16))
+    mask = jnp.tril(jnp.ones((7, 7), bool)) if causal else None
+    np.testing.assert_allclose(m.forward(x), peer(x, x, x, mask=mask), atol=1e-5)
+
+
+def test_self_attention_causal_mask_is_minus_infinity(getkey):
+    """A masked key has weight exactly 0, however large its score would be."""
+    m = MultiHeadSelfAttention(4, 1, getkey(), causal=True)
+    x = jax.random.normal(getkey(), (3, 4))
+    huge_future = x.at[2].set(1e4)
+    np.testing.assert_array_equal(m.forward(x)[:2], m.forward(huge_future)[:2])
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**16), length=st.integers(2, 9))
+def test_self_attention_is_permutation_equivariant(seed, length):
+    key = jax.random.PRNGKey(seed)
+    m = MultiHeadSelfAttention(8, 2, key)
+    x = jax.random.normal(jax.random.fold_in(key, 1), (length, 8))
+    perm = np.random.default_rng(seed).permutation(length)
+    np.testing.assert_allclose(m.forward(x[perm]), m.forward(x)[perm], atol=1e-5)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**16), length=st.integers(2, 9), data=st.data())
+def test_causal_output_ignores_later_inputs(seed, length, data):
+    t = data.draw(st.integers(0, length - 2))
+    key = jax.random.PRNGKey(seed)
+    b = TransformerBlock(8, 2, 16, key, causal=True)
+    x = jax.random.normal(jax.random.fold_in(key, 1), (length, 8))
+    changed = x.at[t + 1 :].set(jax.random.normal(jax.random.fold_in(key, 2), (length - t - 1, 8)))
+    np.testing.assert_allclose(b.forward(changed)[: t + 1], b.forward(x)[: t + 1], atol=1e-6)
+
+
+@pytest.mark.parametrize("d_model, n_heads", [(10, 3), (8, 3), (2, 4)])
+def test_d_model_not_divisible_by_n_heads_raises(getkey, d_model, n_heads):
+    with pytest.raises(ValueError, match=f"d_model={d_model}.*n_heads={n_heads}"):
+        MultiHeadSelfAttention(d_model, n_heads, getkey())
+    with pytest.raises(ValueError, match="divisible"):
+        TransformerBlock(d_model, n_heads, 16, getkey())
+
+
+@pytest.mark.parametrize("bad", [0, -2])
+def test_non_positive_sizes_raise(getkey, bad):
+    with pytest.raises(ValueError, match="n_heads"):
+        MultiHeadSelfAttention(8, bad, getkey())
+    with pytest.raises(ValueError, match="d_ff"):
+        TransformerBlock(8, 2, bad, getkey())
+
+
+def test_wrong_width_or_rank_names_shapes(getkey):
+    m = MultiHeadSelfAttention(8, 2, getkey())
+    with pytest.raises(ShapeError, match=r"x.shape=\(4, 7\).*\(T, d_model=8\)"):
+        m.forward(jnp.ones((4, 7)))
+    with pytest.raises(ShapeError, match=r"x.shape=\(2, 4, 8\).*jax.vmap"):
+        m.forward(jnp.ones((2, 4, 8)))
+    with pytest.raises(ShapeError, match=r"x.shape=\(8,\)"):
+        m.forward(jnp.ones((8,)))
+
+
+def test_shape_errors_are_raised_under_jit(getkey):
+    m = MultiHeadSelfAttention(8, 2, getkey())
+    with pytest.raises(ShapeError, match="d_model=8"):
+        jax.jit(lambda m, x: m(x))(m, jnp.ones((4, 6)))
+
+
+# TransformerBlock
+
+
+def test_block_matches_numpy_reference(getkey):
+    b = TransformerBlock(8, 2, 16, getkey())
+    x = jax.random.normal(getkey(), (5, 8))
+    np.testing.assert_allclose(b.forward(x), block(np.asarray(x, np.float64), b), atol=1e-5)
+
+
+def test_block_causal_matches_numpy_reference(getkey):
+    b = TransformerBlock(8, 4, 12, getkey(), causal=True)
+    x = jax.random.normal(getkey(), (6, 8))
+    np.testing.assert_allclose(b.forward(x), block(np.asarray(x, np.float64), b), atol=1e-5)
+
+
+def test_block_params_order(getkey):
+    b = TransformerBlock(8, 2, 16, getkey())
+    p = b.params()
+    assert len(p) == 12
+    assert p[:4] == b.attention.params()
+    assert p[4:6] == [b.norm1.gain, b.norm1.bias]
+    assert p[6:10] == [b.feed_forward.hidden.W, b.feed_forward.hidden.b] + [
+        b.feed_forward.out.W,
+        b.feed_forward.out.b,
+    ]
+    assert p[10:] == [b.norm2.gain, b.norm2.bias]
+
+
+def test_block_output_is_layer_normalised(getkey):
+    b = TransformerBlock(8, 2, 16, getkey())
+    y = b.forward(jax.random.normal(getkey(), (4, 8)))
+    np.testing.assert_allclose(y.mean(axis=-1), 0.0, atol=1e-6)
+    np.testing.assert_allclose(y.std(axis=-1), 1.0, atol=1e-4)
+
+
+def test_block_dropout_acts_on_sublayer_outputs_before_the_residual(getkey):
+    """With rate 1 every sub-layer output is dropped: z = LN(LN(x)), by the page's equations."""
+    b = TransformerBlock(8, 2, 16, getkey(), dropout=1.0)
+    x = jax.random.normal(getkey(), (4, 8))
+    z = b.forward(x, key=getkey())
+    np.testing.assert_allclose(z, b.norm2(b.norm1(x)), atol=1e-6)
+
+
+def test_block_dropout_only_with_a_key(getkey):
+    x = jax.random.normal(getkey(), (6, 8))
+    key = getkey()
+    b = TransformerBlock(8, 2, 16, key, dropout=0.5)
+    plain = TransformerBlock(8, 2, 16, key)
+    np.testing.assert_array_equal(b.forward(x), plain.forward(x))
+    y1, y2 = b.forward(x, key=getkey()), b.forward(x, key=getkey())
+    assert not np.allclose(y1, y2)
+    np.testing.assert_array_equal(b.forward(x, key=key), b.forward(x, key=key))
+    np.testing.assert_array_equal(plain.forward(x, key=key), plain.forward(x))
+
+
+def test_block_rejects_bad_dropout(getkey):
+    with pytest.raises(ValueError, match="rate"):
+        TransformerBlock(8, 2, 16, getkey(), dropout=1.5)
