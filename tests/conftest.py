@@ -6,7 +6,6 @@ import pytest
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
-
 class KeyStream:
     """A fresh PRNG key at every call, from a fixed seed."""
 

@@ -8,7 +8,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jaxtyping import TypeCheckError
-from reference import attention, block, multi_head
 
 from dense_armor.utility.neural import (
     MultiHeadSelfAttention,
@@ -16,6 +15,7 @@ from dense_armor.utility.neural import (
     TransformerBlock,
     scaled_dot_product_attention,
 )
+from reference import attention, block, multi_head
 
 
 def weights64(m):
@@ -53,7 +53,8 @@ def test_attention_matches_jax_reference_with_heads_and_mask(getkey):
     )[0].transpose(1, 0, 2)
     np.testing.assert_allclose(ours, theirs, atol=1e-5)
     np.testing.assert_allclose(
-        ours, attention(*(np.asarray(a, np.float64) for a in (q, k, v)), np.asarray(mask)),
+        ours,
+        attention(*(np.asarray(a, np.float64) for a in (q, k, v)), np.asarray(mask)),
         atol=1e-5,
     )
 
@@ -63,7 +64,8 @@ def test_attention_mask_broadcasts_over_heads(getkey):
     causal = jnp.tril(jnp.ones((4, 4), bool))
     y = scaled_dot_product_attention(q, k, v, causal)
     np.testing.assert_allclose(
-        y, attention(*(np.asarray(a, np.float64) for a in (q, k, v)), np.asarray(causal)),
+        y,
+        attention(*(np.asarray(a, np.float64) for a in (q, k, v)), np.asarray(causal)),
         atol=1e-5,
     )
 
@@ -225,10 +227,8 @@ def test_block_params_order(getkey):
     assert len(p) == 12
     assert p[:4] == b.attention.params()
     assert p[4:6] == [b.norm1.gain, b.norm1.bias]
-    assert p[6:10] == [b.feed_forward.hidden.W, b.feed_forward.hidden.b] + [
-        b.feed_forward.out.W,
-        b.feed_forward.out.b,
-    ]
+    ff = b.feed_forward
+    assert p[6:10] == [ff.hidden.W, ff.hidden.b, ff.out.W, ff.out.b]
     assert p[10:] == [b.norm2.gain, b.norm2.bias]
 
 

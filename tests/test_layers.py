@@ -3,7 +3,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import layer_norm
 
 from dense_armor.utility.neural import (
     Dense,
@@ -15,6 +14,7 @@ from dense_armor.utility.neural import (
     ReLU,
     ShapeError,
 )
+from reference import layer_norm
 
 
 def test_dense_by_hand(getkey):

@@ -4,7 +4,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from reference import sinusoid
 
 from dense_armor.utility.neural import (
     AddPositions,
@@ -16,6 +15,7 @@ from dense_armor.utility.neural import (
     TransformerBlock,
     transformer_encoder,
 )
+from reference import sinusoid
 
 
 def test_encoder_structure(getkey):

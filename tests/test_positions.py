@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import sinusoid
 
 from dense_armor.utility.neural import (
     AddPositions,
@@ -13,6 +12,7 @@ from dense_armor.utility.neural import (
     sinusoidal_encoding,
     sinusoidal_positions,
 )
+from reference import sinusoid
 
 
 def test_sinusoidal_row_one_by_hand():
@@ -45,9 +45,7 @@ def test_sinusoidal_rejects_bad_sizes():
 
 def test_add_positions_adds_the_table(getkey):
     x = jax.random.normal(getkey(), (5, 6))
-    np.testing.assert_allclose(
-        AddPositions(8)(x), np.asarray(x) + sinusoid(5, 6), atol=1e-5
-    )
+    np.testing.assert_allclose(AddPositions(8)(x), np.asarray(x) + sinusoid(5, 6), atol=1e-5)
     assert AddPositions(8).params() == []
 
 

@@ -40,7 +40,8 @@ OVERFLOW_MODES = ("raise", "nan")
 def validate_overflow_mode(on_overflow: str) -> None:
     if on_overflow not in OVERFLOW_MODES:
         raise ValueError(
-            f"`on_overflow` must be one of {OVERFLOW_MODES}; received `on_overflow={on_overflow!r}`."
+            f"`on_overflow` must be one of {OVERFLOW_MODES}; "
+            f"received `on_overflow={on_overflow!r}`."
         )
 
 

@@ -2,7 +2,6 @@
 
 from typing import Any
 
-import equinox as eqx
 import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
@@ -67,10 +66,10 @@ class Sequential(Layer):
     def step(self, x_t: Array, cache: tuple[Any, ...]) -> tuple[Array, tuple[Any, ...]]:
         """One step through every layer; after `t+1` steps, `forward` on those steps."""
         if not isinstance(cache, tuple) or len(cache) != len(self.layers):
+            received = f"a tuple of {len(cache)}" if isinstance(cache, tuple) else type(cache)
             raise ValueError(
                 f"Sequential.step: expected a tuple of {len(self.layers)} layer caches from "
-                "`init_cache`; received "
-                f"{type(cache).__name__}{f' of length {len(cache)}' if isinstance(cache, tuple) else ''}."
+                f"`init_cache`; received {received}."
             )
         new = []
         for layer, layer_cache in zip(self.layers, cache, strict=True):

@@ -1,0 +1,38 @@
+"""Sessions: tests, lint, typecheck, doctest, export, bench. `nox -s tests` is the test command."""
+
+import nox
+
+nox.options.sessions = ["tests", "lint", "typecheck"]
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_venv = "yes"
+
+PYTHON = "3.11"
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """The test suite (without the benchmarks)."""
+    session.install("-e", ".[test,examples]")
+    session.run("pytest", "tests", "--ignore=tests/benchmarks", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def doctest(session: nox.Session) -> None:
+    """Only the documentation listings: each must print what its page shows."""
+    session.install("-e", ".[test]")
+    session.run("pytest", "tests/test_docs.py", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", "src", "tests", "examples", "export", "noxfile.py")
+    session.run("ruff", "format", "--check", "src", "tests", "examples", "export", "noxfile.py")
+
+
+@nox.session(python=PYTHON)
+def typecheck(session: nox.Session) -> None:
+    """mypy on src/."""
+    session.install("-e", ".[typecheck]")
+    session.run("mypy")
