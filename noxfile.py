@@ -36,3 +36,10 @@ def typecheck(session: nox.Session) -> None:
     """mypy on src/."""
     session.install("-e", ".[typecheck]")
     session.run("mypy")
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Benchmarks against peer libraries (installed here only); prints tables, asserts nothing."""
+    session.install("-e", ".[examples]", "flax>=0.10")
+    session.run("python", "-m", "tests.benchmarks.run", *session.posargs)

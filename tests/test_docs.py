@@ -1,8 +1,8 @@
 """Every Python listing of the documentation prints exactly the output block shown under it.
 
 A page is Markdown: a ```python block is a listing, and a ```text block right after it is what the
-listing prints. A listing with no such block must still run without error. Each listing runs alone, in a fresh interpreter with JAX's default settings, as a
-reader would run it.
+listing prints. A listing with no such block must still run without error. Each listing runs
+alone, in a fresh interpreter with JAX's default settings, as a reader would run it.
 """
 
 import os

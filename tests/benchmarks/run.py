@@ -1,0 +1,20 @@
+"""Run every benchmark and print its table: `nox -s bench` (or `python -m tests.benchmarks.run`)."""
+
+import datetime
+import sys
+
+from . import bench_streaming
+from .harness import machine
+
+BENCHMARKS = {"streaming": bench_streaming}
+
+
+def main() -> None:
+    chosen = sys.argv[1:] or list(BENCHMARKS)
+    print(f"dense_armor benchmarks, {datetime.date.today()}, {machine()}")
+    for name in chosen:
+        print(BENCHMARKS[name].run(), flush=True)
+
+
+if __name__ == "__main__":
+    main()
