@@ -1,0 +1,211 @@
+"""Training with optax on Equinox models: a jitted train step, evaluation, and a resumable fit loop.
+
+The fit loop is reproducible from its seed: batch `s` and its dropout key are functions of
+`(seed, s)` alone, so a run resumed from a checkpoint continues exactly as an uninterrupted one.
+"""
+
+import dataclasses
+import math
+import os
+import pathlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm.auto import tqdm
+
+from .checkpoint import ModelConfig, fill_tree, load_checkpoint, save_checkpoint, tree_arrays
+
+__all__ = ["FitResult", "cross_entropy_loss", "evaluate", "fit", "make_train_step"]
+
+LossFn = Callable[[Any, jax.Array, jax.Array, jax.Array | None], jax.Array]
+
+
+def cross_entropy_loss(
+    model: Any, xs: jax.Array, labels: jax.Array, key: jax.Array | None = None
+) -> jax.Array:
+    """Mean softmax cross-entropy of `model` on a batch `xs (B, T, n_in)` with integer `labels`.
+
+    With a `key`, each sample gets its own dropout key.
+    """
+    if key is None:
+        logits = jax.vmap(model)(xs)
+    else:
+        keys = jax.random.split(key, xs.shape[0])
+        logits = jax.vmap(lambda x, k: model(x, key=k))(xs, keys)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def make_train_step(
+    optimizer: optax.GradientTransformation, loss_fn: LossFn = cross_entropy_loss
+) -> Callable[..., tuple[Any, Any, jax.Array]]:
+    """A jitted `step(model, opt_state, xs, labels, key) -> (model, opt_state, loss)`."""
+
+    @eqx.filter_jit
+    def step(model: Any, opt_state: Any, xs: jax.Array, labels: jax.Array, key: jax.Array) -> Any:
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, xs, labels, key)
+        params = eqx.filter(model, eqx.is_inexact_array)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    return step
+
+
+@eqx.filter_jit
+def _batch_metrics(model: Any, xs: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+    logits = jax.vmap(model)(xs)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    return losses.sum(), (logits.argmax(axis=-1) == labels).sum()
+
+
+def evaluate(model: Any, xs: Any, labels: Any, batch_size: int = 512) -> dict[str, float]:
+    """Mean loss and accuracy of `model` over `(xs, labels)`, in batches (inference: no dropout)."""
+    if len(xs) == 0:
+        raise ValueError("evaluate: received an empty data set.")
+    total_loss, correct = 0.0, 0
+    for start in range(0, len(xs), batch_size):
+        loss, hits = _batch_metrics(
+            model,
+            jnp.asarray(xs[start : start + batch_size]),
+            jnp.asarray(labels[start : start + batch_size]),
+        )
+        total_loss += float(loss)
+        correct += int(hits)
+    return {"loss": total_loss / len(xs), "accuracy": correct / len(xs)}
+
+
+@dataclasses.dataclass
+class FitResult:
+    """The trained model, the optimizer state, and the history of evaluations."""
+
+    model: Any
+    opt_state: Any
+    history: list[dict[str, float]]
+    best: dict[str, float] | None
+
+
+def _batch_indices(seed: int, step: int, n: int, batch_size: int) -> np.ndarray:
+    per_epoch = n // batch_size
+    epoch, within = divmod(step, per_epoch)
+    order = np.random.default_rng([seed, epoch]).permutation(n)
+    return order[within * batch_size : (within + 1) * batch_size]
+
+
+def fit(
+    model: Any,
+    optimizer: optax.GradientTransformation,
+    train: tuple[Any, Any],
+    *,
+    steps: int,
+    batch_size: int = 64,
+    seed: int = 0,
+    valid: tuple[Any, Any] | None = None,
+    eval_every: int = 100,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    config: ModelConfig | None = None,
+    resume: bool = True,
+    progress: bool = True,
+    loss_fn: LossFn = cross_entropy_loss,
+) -> FitResult:
+    """Train `model` for `steps` optimizer steps on `train = (xs, labels)`.
+
+    Every `eval_every` steps (and at the end) it records the mean training loss since the last
+    record and, with `valid`, the validation loss and accuracy. With `checkpoint_dir` (and the
+    model's `config`), it saves `checkpoint_dir/last` (model, optimizer state, step, history) at
+    each record and `checkpoint_dir/best` whenever the validation accuracy improves (the training
+    loss without `valid`), and with `resume=True` it continues from `last` if present.
+
+    A progress bar shows the loss and the throughput (samples per second).
+    """
+    xs, labels = np.asarray(train[0]), np.asarray(train[1])
+    if len(xs) != len(labels):
+        raise ValueError(f"fit: {len(xs)} inputs but {len(labels)} labels.")
+    if not 1 <= batch_size <= len(xs):
+        raise ValueError(f"fit: `batch_size={batch_size}` must lie in [1, {len(xs)}].")
+    if steps < 0 or eval_every < 1:
+        raise ValueError(
+            f"fit: need `steps >= 0` and `eval_every >= 1`; got {steps}, {eval_every}."
+        )
+    if checkpoint_dir is not None and config is None:
+        raise ValueError("fit: saving checkpoints needs the model's `config`.")
+
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    history: list[dict[str, float]] = []
+    best: dict[str, float] | None = None
+    start_step = 0
+    last_dir = best_dir = None
+    if checkpoint_dir is not None:
+        last_dir = pathlib.Path(checkpoint_dir) / "last"
+        best_dir = pathlib.Path(checkpoint_dir) / "best"
+        if resume and (last_dir.exists() or last_dir.with_name("last.previous").exists()):
+            saved = load_checkpoint(last_dir)
+            model = saved.model
+            opt_state = fill_tree(opt_state, saved.state_arrays, what="optimizer state")
+            start_step = int(saved.state["step"])
+            history = list(saved.state["history"])
+            best = saved.state.get("best")
+
+    train_step = make_train_step(optimizer, loss_fn)
+    root_key = jax.random.PRNGKey(seed)
+    losses: list[jax.Array] = []
+    bar = tqdm(
+        total=steps, initial=start_step, disable=not progress, unit="step", dynamic_ncols=True
+    )
+    tick = time.perf_counter()
+    for step in range(start_step, steps):
+        batch = _batch_indices(seed, step, len(xs), batch_size)
+        model, opt_state, loss = train_step(
+            model,
+            opt_state,
+            jnp.asarray(xs[batch]),
+            jnp.asarray(labels[batch]),
+            jax.random.fold_in(root_key, step),
+        )
+        losses.append(loss)
+        bar.update(1)
+        done = step + 1
+        if done % eval_every and done != steps:
+            continue
+        train_loss = float(jnp.mean(jnp.stack(losses)))
+        if not math.isfinite(train_loss):
+            bar.close()
+            raise FloatingPointError(f"fit: the training loss is {train_loss} at step {done}.")
+        elapsed = time.perf_counter() - tick
+        record = {
+            "step": done,
+            "train_loss": train_loss,
+            "samples_per_s": len(losses) * batch_size / elapsed,
+        }
+        if valid is not None:
+            metrics = evaluate(model, valid[0], valid[1])
+            record.update(valid_loss=metrics["loss"], valid_accuracy=metrics["accuracy"])
+        history.append(record)
+        bar.set_postfix(
+            loss=f"{train_loss:.4f}",
+            **({"valid_acc": f"{record['valid_accuracy']:.3f}"} if valid is not None else {}),
+            samples_s=f"{record['samples_per_s']:.0f}",
+        )
+        score = record["valid_accuracy"] if valid is not None else -train_loss
+        improved = best is None or score > best["score"]
+        if improved:
+            best = {"score": score, **record}
+        if checkpoint_dir is not None and config is not None:
+            if improved and best_dir is not None:
+                save_checkpoint(best_dir, model, config, state={"record": record})
+            if last_dir is not None:
+                save_checkpoint(
+                    last_dir,
+                    model,
+                    config,
+                    state_arrays=tree_arrays(opt_state),
+                    state={"step": done, "history": history, "best": best, "seed": seed},
+                )
+        losses = []
+        tick = time.perf_counter()
+    bar.close()
+    return FitResult(model, opt_state, history, best)

@@ -1,0 +1,140 @@
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import dense_armor.checkpoint as checkpoint_module
+from dense_armor.checkpoint import (
+    CheckpointError,
+    ModelConfig,
+    load_checkpoint,
+    save_checkpoint,
+    tree_arrays,
+)
+
+CONFIG = ModelConfig(
+    "transformer_encoder",
+    {"n_in": 3, "d_model": 8, "n_heads": 2, "d_ff": 16, "depth": 1, "n_out": 2, "max_len": 12},
+)
+
+
+def same_model(a, b) -> bool:
+    wa, wb = tree_arrays(a), tree_arrays(b)
+    return wa.keys() == wb.keys() and all(np.array_equal(wa[k], wb[k]) for k in wa)
+
+
+def test_round_trip(tmp_path, getkey):
+    model = CONFIG.build(getkey())
+    path = save_checkpoint(tmp_path / "ckpt", model, CONFIG, state={"step": 3})
+    assert sorted(p.name for p in path.iterdir()) == [
+        "config.json",
+        "state.json",
+        "weights.safetensors",
+    ]
+    config = json.loads((path / "config.json").read_text())
+    assert config["factory"] == "transformer_encoder" and config["version"] == 1
+    weights = load_file(str(path / "weights.safetensors"))
+    assert ".layers[0].W.value" in weights
+    loaded = load_checkpoint(path)
+    assert same_model(loaded.model, model)
+    assert loaded.config == CONFIG and loaded.state == {"step": 3}
+    x = jax.random.normal(getkey(), (5, 3))
+    np.testing.assert_array_equal(loaded.model(x), model(x))
+
+
+def test_replacing_leaves_no_temporary_files(tmp_path, getkey):
+    for _ in range(2):
+        save_checkpoint(tmp_path / "ckpt", CONFIG.build(getkey()), CONFIG)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_interrupted_write_keeps_the_previous_checkpoint(tmp_path, getkey, monkeypatch):
+    first = CONFIG.build(getkey())
+    save_checkpoint(tmp_path / "ckpt", first, CONFIG)
+
+    def crash(tensors, filename, metadata=None):
+        with open(filename, "wb") as handle:
+            handle.write(b"\x00" * 10)  # a partial file, then the process "dies"
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint_module, "save_file", crash)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path / "ckpt", CONFIG.build(getkey()), CONFIG)
+    monkeypatch.undo()
+    assert same_model(load_checkpoint(tmp_path / "ckpt").model, first)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_crash_between_the_renames_falls_back_to_the_previous(tmp_path, getkey, monkeypatch):
+    first = CONFIG.build(getkey())
+    save_checkpoint(tmp_path / "ckpt", first, CONFIG)
+    real_rename = os.rename
+    calls = []
+
+    def rename(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # after moving the old one aside, before the new one lands
+        real_rename(src, dst)
+
+    monkeypatch.setattr(checkpoint_module.os, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path / "ckpt", CONFIG.build(getkey()), CONFIG)
+    monkeypatch.undo()
+    assert not (tmp_path / "ckpt").exists()
+    assert same_model(load_checkpoint(tmp_path / "ckpt").model, first)
+
+
+def test_weights_that_disagree_with_the_config(tmp_path, getkey):
+    path = save_checkpoint(tmp_path / "ckpt", CONFIG.build(getkey()), CONFIG)
+    weights = load_file(str(path / "weights.safetensors"))
+    weights[".layers[0].W.value"] = np.zeros((3, 9), np.float32)
+    save_file(weights, str(path / "weights.safetensors"))
+    with pytest.raises(CheckpointError, match=r"\.layers\[0\]\.W\.value.*\(3, 9\).*\(3, 8\)"):
+        load_checkpoint(path)
+    del weights[".layers[0].W.value"]
+    save_file(weights, str(path / "weights.safetensors"))
+    with pytest.raises(CheckpointError, match="missing"):
+        load_checkpoint(path)
+    weights[".layers[0].W.value"] = np.zeros((3, 8), np.float64)
+    save_file(weights, str(path / "weights.safetensors"))
+    with pytest.raises(CheckpointError, match="dtype float64"):
+        load_checkpoint(path)
+
+
+def test_bad_checkpoints_fail_clearly(tmp_path, getkey):
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        load_checkpoint(tmp_path / "nothing")
+    path = save_checkpoint(tmp_path / "ckpt", CONFIG.build(getkey()), CONFIG)
+    (path / "weights.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match="corrupt"):
+        load_checkpoint(path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "version": 99}))
+    with pytest.raises(CheckpointError, match="version 99"):
+        load_checkpoint(path)
+    (path / "config.json").write_text("{")
+    with pytest.raises(CheckpointError, match="corrupt JSON"):
+        load_checkpoint(path)
+    (path / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="missing file"):
+        load_checkpoint(path)
+    with pytest.raises(CheckpointError, match="unknown model factory"):
+        ModelConfig("resnet", {})
+
+
+def test_no_pickle_in_the_files(tmp_path, getkey):
+    path = save_checkpoint(tmp_path / "ckpt", CONFIG.build(getkey()), CONFIG)
+    for file in path.iterdir():
+        assert not file.read_bytes().startswith(b"\x80"), file  # a pickle's protocol marker
+
+
+def test_tree_arrays_keys_are_pytree_paths(getkey):
+    arrays = tree_arrays(CONFIG.build(getkey()))
+    assert ".layers[2].attention.W_Q.value" in arrays
+    assert all(isinstance(v, np.ndarray) for v in arrays.values())
+    assert not any(jnp.issubdtype(v.dtype, jnp.integer) for v in arrays.values())

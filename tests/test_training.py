@@ -1,0 +1,111 @@
+import equinox as eqx
+import jax
+import numpy as np
+import optax
+import pytest
+
+from dense_armor.checkpoint import ModelConfig, load_checkpoint, tree_arrays
+from dense_armor.training import cross_entropy_loss, evaluate, fit, make_train_step
+
+pytestmark = pytest.mark.optax
+
+CONFIG = ModelConfig(
+    "transformer_encoder",
+    {
+        "n_in": 3,
+        "d_model": 16,
+        "n_heads": 2,
+        "d_ff": 32,
+        "depth": 1,
+        "n_out": 2,
+        "max_len": 8,
+        "causal": True,
+        "dropout": 0.1,
+    },
+)
+
+
+def toy_data(n=96, seed=0):
+    rng = np.random.default_rng(seed)
+    xs = rng.normal(size=(n, 6, 3)).astype(np.float32)
+    labels = (xs[:, :, 0].sum(axis=1) > 0).astype(np.int32)
+    return xs, labels
+
+
+def test_train_step_decreases_the_loss():
+    xs, labels = toy_data(32)
+    model = CONFIG.build(jax.random.PRNGKey(0))
+    optimizer = optax.adam(3e-3)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    step = make_train_step(optimizer)
+    before = float(cross_entropy_loss(model, xs, labels))
+    for i in range(30):
+        model, opt_state, _ = step(model, opt_state, xs, labels, jax.random.PRNGKey(i))
+    assert float(cross_entropy_loss(model, xs, labels)) < 0.7 * before
+
+
+def test_evaluate_counts_accuracy_over_batches():
+    xs, labels = toy_data(50)
+    model = CONFIG.build(jax.random.PRNGKey(0))
+    predictions = np.asarray(jax.vmap(model)(xs)).argmax(-1)
+    metrics = evaluate(model, xs, labels, batch_size=16)
+    assert metrics["accuracy"] == pytest.approx(float((predictions == labels).mean()))
+    assert metrics["loss"] == pytest.approx(float(cross_entropy_loss(model, xs, labels)), rel=1e-5)
+    with pytest.raises(ValueError, match="empty"):
+        evaluate(model, xs[:0], labels[:0])
+
+
+def test_fit_resumes_exactly_as_an_uninterrupted_run(tmp_path):
+    train, valid = toy_data(96, 0), toy_data(32, 1)
+    options = dict(steps=12, batch_size=16, seed=5, valid=valid, eval_every=4, progress=False)
+    whole = fit(CONFIG.build(jax.random.PRNGKey(0)), optax.adam(1e-3), train, **options)
+
+    first = fit(
+        CONFIG.build(jax.random.PRNGKey(0)),
+        optax.adam(1e-3),
+        train,
+        **{**options, "steps": 8},
+        checkpoint_dir=tmp_path,
+        config=CONFIG,
+    )
+    assert len(first.history) == 2
+    resumed = fit(
+        CONFIG.build(jax.random.PRNGKey(99)),
+        optax.adam(1e-3),
+        train,
+        **options,
+        checkpoint_dir=tmp_path,
+        config=CONFIG,
+    )
+    assert [r["train_loss"] for r in resumed.history] == [r["train_loss"] for r in whole.history]
+    assert [r["valid_loss"] for r in resumed.history] == [r["valid_loss"] for r in whole.history]
+    a, b = tree_arrays(resumed.model), tree_arrays(whole.model)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    best = load_checkpoint(tmp_path / "best")
+    assert best.state["record"]["valid_accuracy"] == max(r["valid_accuracy"] for r in whole.history)
+
+
+def test_fit_rejects_bad_arguments():
+    xs, labels = toy_data(16)
+    model = CONFIG.build(jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match="batch_size"):
+        fit(model, optax.adam(1e-3), (xs, labels), steps=1, batch_size=32, progress=False)
+    with pytest.raises(ValueError, match="labels"):
+        fit(model, optax.adam(1e-3), (xs, labels[:3]), steps=1, progress=False)
+    with pytest.raises(ValueError, match="config"):
+        fit(model, optax.adam(1e-3), (xs, labels), steps=1, batch_size=8, checkpoint_dir="x")
+
+
+def test_fit_stops_on_a_non_finite_loss():
+    xs, labels = toy_data(16)
+    xs[0, 0, 0] = np.nan
+    with pytest.raises(FloatingPointError, match="step 2"):
+        fit(
+            CONFIG.build(jax.random.PRNGKey(0)),
+            optax.sgd(0.1),
+            (xs, labels),
+            steps=4,
+            batch_size=16,
+            eval_every=2,
+            progress=False,
+        )
