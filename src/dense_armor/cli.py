@@ -1,0 +1,104 @@
+"""The `dense-armor` command.
+
+dense-armor export CHECKPOINT_DIR --out DIR [--static B,T ...] [--capacity N]
+                   [--platforms cpu,cuda,tpu] [--force]
+dense-armor inspect DIR
+"""
+
+import argparse
+import json
+import pathlib
+import sys
+from collections.abc import Sequence
+
+
+def _shape(text: str) -> tuple[int, int]:
+    try:
+        b, t = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected B,T (two integers); got {text!r}") from None
+    return b, t
+
+
+def _platforms(text: str) -> list[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def _inspect(directory: pathlib.Path) -> str:
+    from .export.standalone import read_manifest, verify_files
+
+    manifest = read_manifest(directory)
+    verify_files(directory, manifest)
+    model = manifest["model"]
+    lines = [
+        f"{directory}: dense_armor artifact, format version {manifest['format_version']}",
+        f"  made with dense_armor {manifest['versions']['dense_armor']}, jax "
+        f"{manifest['versions']['jax']}, jaxlib {manifest['versions']['jaxlib']}",
+        f"  model: {model['factory']}({json.dumps(model['arguments'], sort_keys=True)})",
+        f"  weights: {len(manifest['weights']['names'])} arrays in {manifest['weights']['file']}",
+    ]
+    for name, spec in manifest["functions"].items():
+        inputs = [i for i in spec["inputs"] if i["role"] != "weight"]
+        signature = ", ".join(f"{i['name']}: {i['dtype']}{tuple(i['shape'])}" for i in inputs)
+        outputs = ", ".join(
+            f"{o['name']}: {o['dtype']}{tuple(o['shape'])}" for o in spec["outputs"]
+        )
+        lines.append(f"  {name} [{', '.join(spec['platforms'])}] ({spec['file']})")
+        lines.append(f"    (weights..., {signature})")
+        lines.append(f"    -> ({outputs})")
+        if spec.get("donated"):
+            lines.append(f"    donated: the {len(spec['donated'])} cache arrays")
+        if "capacity" in spec:
+            lines.append(f"    cache capacity {spec['capacity']}; overflow: {spec['overflow']}")
+    lines.append(f"  static modules: {len(manifest['static'])} (text and bytecode) in static/")
+    total = sum(f["bytes"] for f in manifest["files"].values())
+    lines.append(f"  files: {len(manifest['files'])}, {total / 1024:.1f} KiB, all sha256 verified")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dense-armor", description="dense_armor tools")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    ex = commands.add_parser("export", help="export a checkpoint to StableHLO artifacts")
+    ex.add_argument("checkpoint", type=pathlib.Path, help="checkpoint directory")
+    ex.add_argument("--out", type=pathlib.Path, required=True, help="artifact directory to write")
+    ex.add_argument(
+        "--static",
+        type=_shape,
+        action="append",
+        metavar="B,T",
+        help="a shape for the static modules; repeat for more (default: 1,max_len and 8,max_len)",
+    )
+    ex.add_argument("--capacity", type=int, help="cache capacity of the step (default: max_len)")
+    ex.add_argument("--platforms", type=_platforms, default=["cpu", "cuda", "tpu"])
+    ex.add_argument("--force", action="store_true", help="replace --out if it exists")
+
+    ins = commands.add_parser("inspect", help="print an artifact's manifest and verify its files")
+    ins.add_argument("directory", type=pathlib.Path)
+
+    args = parser.parse_args(argv)
+    from .checkpoint import CheckpointError
+    from .export import ArtifactError, export_checkpoint
+
+    try:
+        if args.command == "export":
+            summary = export_checkpoint(
+                args.checkpoint,
+                args.out,
+                capacity=args.capacity,
+                platforms=args.platforms,
+                static_shapes=args.static,
+                force=args.force,
+            )
+            print(summary)
+        else:
+            print(_inspect(args.directory))
+    except (ArtifactError, CheckpointError) as error:
+        print(f"dense-armor {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""Load and check a dense_armor artifact directory with jax, numpy and safetensors only.
+
+This file imports nothing from dense_armor: the export stage copies it into every artifact
+directory as `run.py`, so a deployment can run
+
+    python run.py ARTIFACT_DIR [--steps N]
+
+to verify every file's sha256, run the golden inputs through the exported forward and through
+`N` steps of the exported step function, and print the largest error against the outputs of the
+Python model. `load(ARTIFACT_DIR)` returns an `Artifact` with `forward`, `step` and `init_cache`.
+"""
+
+import argparse
+import hashlib
+import json
+import pathlib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax import export
+from safetensors.numpy import load_file
+
+FORMAT = "dense_armor.export"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class ArtifactError(ValueError):
+    """A missing, corrupt, tampered or foreign artifact file, or a bad call to a loaded function."""
+
+
+def sha256(path: pathlib.Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_manifest(directory: pathlib.Path) -> dict[str, Any]:
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise ArtifactError(f"{directory} has no {MANIFEST}: not a dense_armor artifact directory.")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ArtifactError(f"corrupt {path}: {error}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ArtifactError(f"{path} is not a dense_armor export manifest.")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ArtifactError(
+            f"{path} has format version {manifest.get('format_version')!r}; this loader reads "
+            f"version {FORMAT_VERSION}."
+        )
+    return manifest
+
+
+def verify_files(directory: pathlib.Path, manifest: dict[str, Any]) -> None:
+    """Check that every file the manifest lists exists with its size and sha256."""
+    for name, entry in manifest["files"].items():
+        path = directory / name
+        if not path.is_file():
+            raise ArtifactError(f"missing artifact file: {path}")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise ArtifactError(
+                f"{path} has {size} bytes; the manifest says {entry['bytes']} "
+                "(truncated or replaced)."
+            )
+        if sha256(path) != entry["sha256"]:
+            raise ArtifactError(f"{path} does not match its sha256 in the manifest (corrupted).")
+
+
+def _load_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
+    try:
+        return load_file(str(path))
+    except Exception as error:  # safetensors raises several types for a bad header
+        raise ArtifactError(f"unreadable safetensors file {path}: {error}") from None
+
+
+def _concrete(shape: Sequence[int | str], sizes: dict[str, int]) -> tuple[int, ...]:
+    return tuple(sizes[d] if isinstance(d, str) else d for d in shape)
+
+
+class Artifact:
+    """The exported functions of one artifact directory, with the weights bound.
+
+    - `forward(x)`: `x (B, T, n_in) -> y (B, n_out)`, any `B`, `1 <= T <= max_len`.
+    - `init_cache(batch)`: the step function's cache for `batch` streams, all zeros.
+    - `step(x_t, cache) -> (y_t, cache, overflow)`: `x_t (B, n_in)`; `overflow (B,)` is true where
+      a stream has outrun the cache's capacity, and its `y_t` row is NaN.
+    """
+
+    def __init__(self, directory: str | pathlib.Path, verify: bool = True):
+        self.directory = pathlib.Path(directory)
+        self.manifest = read_manifest(self.directory)
+        if verify:
+            verify_files(self.directory, self.manifest)
+        weights = _load_safetensors(self.directory / self.manifest["weights"]["file"])
+        names = self.manifest["weights"]["names"]
+        missing = [n for n in names if n not in weights]
+        if missing:
+            raise ArtifactError(f"the weights file lacks {missing[:3]}.")
+        self.weights = [jax.numpy.asarray(weights[n]) for n in names]
+        self.functions = {}
+        for name, spec in self.manifest["functions"].items():
+            blob = (self.directory / spec["file"]).read_bytes()
+            try:
+                self.functions[name] = export.deserialize(bytearray(blob))
+            except Exception as error:
+                raise ArtifactError(f"cannot deserialize {spec['file']}: {error}") from None
+        # The cache (third argument) is donated, so a step updates it in place.
+        self._step_call = (
+            jax.jit(self.functions["step"].call, donate_argnums=2)
+            if "step" in self.functions
+            else None
+        )
+
+    def step_inputs(self, role: str) -> list[dict[str, Any]]:
+        return [i for i in self.manifest["functions"]["step"]["inputs"] if i["role"] == role]
+
+    def _check(self, function: str, role: str, arrays: Sequence[Any]) -> dict[str, int]:
+        """Check `arrays` against the manifest's inputs of `role`; return the symbolic sizes."""
+        specs = [i for i in self.manifest["functions"][function]["inputs"] if i["role"] == role]
+        if len(arrays) != len(specs):
+            raise ArtifactError(
+                f"{function}: expected {len(specs)} {role} arrays, got {len(arrays)}."
+            )
+        sizes: dict[str, int] = {}
+        for spec, array in zip(specs, arrays, strict=True):
+            shape = tuple(np.shape(array))
+            dtype = np.asarray(array).dtype if not hasattr(array, "dtype") else array.dtype
+            ok = len(shape) == len(spec["shape"]) and str(dtype) == spec["dtype"]
+            for dim, size in zip(spec["shape"], shape, strict=False):
+                if isinstance(dim, str):
+                    ok = ok and sizes.setdefault(dim, size) == size
+                else:
+                    ok = ok and dim == size
+            if not ok:
+                raise ArtifactError(
+                    f"{function}: input {spec['name']!r} must have shape "
+                    f"{tuple(spec['shape'])} and dtype {spec['dtype']}; received shape {shape} "
+                    f"and dtype {dtype}."
+                )
+        for bound in self.manifest["functions"][function].get("bounds", {}).items():
+            dim, (low, high) = bound
+            if dim in sizes and not low <= sizes[dim] <= high:
+                raise ArtifactError(
+                    f"{function}: {dim}={sizes[dim]} is outside the exported range [{low}, {high}]."
+                )
+        return sizes
+
+    def forward(self, x: Any) -> jax.Array:
+        self._check("forward", "input", [x])
+        return self.functions["forward"].call(self.weights, x)
+
+    def init_cache(self, batch: int) -> list[jax.Array]:
+        if batch < 1:
+            raise ArtifactError(f"init_cache: batch must be positive; received {batch}.")
+        return [
+            jax.numpy.zeros(_concrete(spec["shape"], {"B": batch}), spec["dtype"])
+            for spec in self.step_inputs("cache")
+        ]
+
+    def step(self, x_t: Any, cache: Sequence[Any]) -> tuple[jax.Array, list[jax.Array], jax.Array]:
+        if self._step_call is None:
+            raise ArtifactError("this artifact has no step function.")
+        sizes = self._check("step", "input", [x_t])
+        cache_sizes = self._check("step", "cache", list(cache))
+        if cache_sizes.get("B", sizes["B"]) != sizes["B"]:
+            raise ArtifactError(
+                f"step: x_t has batch {sizes['B']} but the cache has batch {cache_sizes['B']}."
+            )
+        y_t, new_cache, overflow = self._step_call(self.weights, x_t, list(cache))
+        return y_t, list(new_cache), overflow
+
+
+def load(directory: str | pathlib.Path, verify: bool = True) -> Artifact:
+    """Load an artifact directory, verifying the sha256 of every file unless `verify=False`."""
+    return Artifact(directory, verify=verify)
+
+
+def check_golden(artifact: Artifact, steps: int | None = None) -> dict[str, float]:
+    """Run the golden inputs through forward and step; return the largest absolute errors."""
+    golden = _load_safetensors(artifact.directory / artifact.manifest["golden"]["file"])
+    errors = {}
+    for case in artifact.manifest["golden"]["forward"]:
+        y = np.asarray(artifact.forward(golden[case["input"]]))
+        errors[f"forward {case['input']}"] = float(np.abs(y - golden[case["output"]]).max())
+    if "step" in artifact.functions:
+        xs, ys = golden["step.x"], golden["step.y"]
+        n = xs.shape[1] if steps is None else min(steps, xs.shape[1])
+        cache = artifact.init_cache(xs.shape[0])
+        worst = 0.0
+        for t in range(n):
+            y_t, cache, overflow = artifact.step(xs[:, t], cache)
+            if bool(np.any(overflow)):
+                raise ArtifactError(f"step {t}: the cache overflowed within its capacity.")
+            worst = max(worst, float(np.abs(np.asarray(y_t) - ys[:, t]).max()))
+        errors[f"step x{n}"] = worst
+    return errors
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Check a dense_armor artifact directory.")
+    parser.add_argument("directory", nargs="?", default=str(pathlib.Path(__file__).parent))
+    parser.add_argument("--steps", type=int, default=None, help="golden steps to run (all)")
+    parser.add_argument("--tolerance", type=float, default=1e-4)
+    args = parser.parse_args(argv)
+    try:
+        artifact = load(args.directory)
+        errors = check_golden(artifact, args.steps)
+    except ArtifactError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"artifact {args.directory} on {jax.default_backend()} (jax {jax.__version__})")
+    for name, value in errors.items():
+        print(f"  {name:<28} max |error| = {value:.3e}")
+    worst = max(errors.values())
+    print(
+        f"  {'all':<28} max |error| = {worst:.3e} ({'ok' if worst <= args.tolerance else 'FAILED'})"
+    )
+    return 0 if worst <= args.tolerance else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+import json
+import re
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from dense_armor.checkpoint import CheckpointError, ModelConfig, save_checkpoint
+from dense_armor.cli import main as cli
+from dense_armor.export import ArtifactError, check_golden, export_model, load
+
+MAX_LEN, CAPACITY = 8, 6
+CONFIG = ModelConfig(
+    "transformer_encoder",
+    {
+        "n_in": 3,
+        "d_model": 8,
+        "n_heads": 2,
+        "d_ff": 16,
+        "depth": 2,
+        "n_out": 4,
+        "max_len": MAX_LEN,
+        "causal": True,
+    },
+)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return CONFIG.build(jax.random.PRNGKey(7))
+
+
+@pytest.fixture(scope="module")
+def artifact_dir(tmp_path_factory, model):
+    out = tmp_path_factory.mktemp("export") / "artifacts"
+    export_model(model, CONFIG, out, capacity=CAPACITY, static_shapes=[(1, MAX_LEN), (2, 5)])
+    return out
+
+
+@pytest.fixture
+def copy(artifact_dir, tmp_path):
+    target = tmp_path / "copy"
+    shutil.copytree(artifact_dir, target)
+    return target
+
+
+def test_layout_and_manifest(artifact_dir, model):
+    manifest = json.loads((artifact_dir / "manifest.json").read_text())
+    assert manifest["format"] == "dense_armor.export" and manifest["format_version"] == 1
+    assert set(manifest["versions"]) == {"dense_armor", "jax", "jaxlib"}
+    assert manifest["model"]["arguments"] == dict(CONFIG.arguments)
+    forward, step = manifest["functions"]["forward"], manifest["functions"]["step"]
+    assert forward["platforms"] == step["platforms"] == ["cpu", "cuda", "tpu"]
+    n_weights = len(model.params())
+    assert [i["role"] for i in forward["inputs"]] == ["weight"] * n_weights + ["input"]
+    assert forward["inputs"][-1]["shape"] == ["B", "T", 3]
+    assert forward["outputs"][0]["shape"] == ["B", 4]
+    roles = [i["role"] for i in step["inputs"]]
+    assert roles[: n_weights + 1] == ["weight"] * n_weights + ["input"]
+    assert set(roles[n_weights + 1 :]) == {"cache"}
+    assert step["donated"] == [i["name"] for i in step["inputs"] if i["role"] == "cache"]
+    assert ["B", CAPACITY, 8] in [i["shape"] for i in step["inputs"]]
+    assert step["capacity"] == CAPACITY and "NaN" in step["overflow"]
+    assert step["outputs"][-1] == {
+        "name": "overflow",
+        "role": "output",
+        "dtype": "bool",
+        "shape": ["B"],
+    }
+    files = {p.relative_to(artifact_dir).as_posix() for p in artifact_dir.rglob("*") if p.is_file()}
+    assert files - {"manifest.json"} == set(manifest["files"])
+    statics = {
+        (s["function"], s["platform"], tuple(s["shape"].items())) for s in manifest["static"]
+    }
+    assert ("forward", "cuda", (("B", 2), ("T", 5))) in statics
+    assert ("step", "tpu", (("B", 1),)) in statics
+    assert len(statics) == 3 * (2 + 2)
+    weights = load_file(str(artifact_dir / "weights.safetensors"))
+    assert list(weights) == sorted(manifest["weights"]["names"]) or set(weights) == set(
+        manifest["weights"]["names"]
+    )
+
+
+def test_forward_matches_the_python_model(artifact_dir, model):
+    artifact = load(artifact_dir)
+    for b, t in [(1, 1), (3, 4), (2, MAX_LEN), (5, MAX_LEN)]:
+        x = jax.random.normal(jax.random.PRNGKey(b * 10 + t), (b, t, 3))
+        np.testing.assert_allclose(artifact.forward(x), jax.vmap(model)(x), atol=1e-5)
+
+
+def test_step_matches_forward_on_every_prefix(artifact_dir, model):
+    artifact = load(artifact_dir)
+    xs = jax.random.normal(jax.random.PRNGKey(3), (2, CAPACITY, 3))
+    cache = artifact.init_cache(2)
+    for t in range(CAPACITY):
+        y_t, cache, overflow = artifact.step(xs[:, t], cache)
+        assert not bool(overflow.any())
+        np.testing.assert_allclose(y_t, jax.vmap(model)(xs[:, : t + 1]), atol=1e-5)
+
+
+def test_step_reports_overflow_without_callbacks(artifact_dir):
+    artifact = load(artifact_dir)
+    cache = artifact.init_cache(1)
+    x_t = np.ones((1, 3), np.float32)
+    for _ in range(CAPACITY):
+        y_t, cache, overflow = artifact.step(x_t, cache)
+    y_t, cache, overflow = artifact.step(x_t, cache)
+    assert bool(overflow[0]) and bool(np.isnan(np.asarray(y_t)).all())
+    y_t, cache, overflow = artifact.step(x_t, cache)
+    assert bool(overflow[0])
+
+
+def test_golden_data_and_the_standalone_runner_without_dense_armor(artifact_dir):
+    errors = check_golden(load(artifact_dir))
+    assert max(errors.values()) < 1e-5 and "step x6" in errors
+    blocker = (
+        "import sys, runpy\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'dense_armor':\n"
+        "            raise ImportError('dense_armor is not available here')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "sys.argv = ['run.py', sys.argv[1]]\n"
+        "runpy.run_path(sys.argv[1] + '/run.py', run_name='__main__')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", blocker, str(artifact_dir)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert "(ok)" in result.stdout and "step x6" in result.stdout
+
+
+def module_texts(directory):
+    return {p.name: p.read_text() for p in (directory / "static").glob("*.mlir")}
+
+
+def test_modules_have_no_callbacks_custom_calls_or_large_constants(artifact_dir):
+    artifact = load(artifact_dir)
+    texts = {**module_texts(artifact_dir)}
+    texts.update({name: f.mlir_module() for name, f in artifact.functions.items()})
+    for name, text in texts.items():
+        targets = set(re.findall(r"custom_call @(\w+)", text))
+        assert targets <= {"shape_assertion"}, (name, targets)
+        assert "callback" not in text, name
+        for shape in re.findall(r"stablehlo.constant dense<[^>]*> : tensor<([0-9x]+)x?f32>", text):
+            assert np.prod([int(d) for d in shape.split("x") if d]) <= 16, (name, shape)
+    static = module_texts(artifact_dir)["forward.cpu.B2.T5.mlir"]
+    assert "?" not in re.search(r"func.func public @main\((.*?)\)", static, re.S).group(1)
+
+
+def test_weights_are_arguments_not_constants(artifact_dir, model):
+    artifact = load(artifact_dir)
+    n_weights = len(model.params())
+    assert len(artifact.functions["forward"].in_avals) == n_weights + 1
+    main = re.search(
+        r"func.func public @main\((.*?)\) ->",
+        module_texts(artifact_dir)["forward.cpu.B1.T8.mlir"],
+        re.S,
+    )
+    assert main.group(1).count("%arg") == n_weights + 1
+
+
+def test_export_is_deterministic(tmp_path, model):
+    for name in ("a", "b"):
+        export_model(model, CONFIG, tmp_path / name, platforms=["cpu"], static_shapes=[(1, 4)])
+    for file in (tmp_path / "a").rglob("*"):
+        if file.is_file() and file.name != "manifest.json":
+            other = tmp_path / "b" / file.relative_to(tmp_path / "a")
+            assert file.read_bytes() == other.read_bytes(), file.name
+
+
+def test_non_causal_model_exports_the_step_of_its_causal_form(tmp_path):
+    config = ModelConfig("transformer_encoder", {**CONFIG.arguments, "causal": False, "depth": 1})
+    model = config.build(jax.random.PRNGKey(1))
+    export_model(model, config, tmp_path / "art", platforms=["cpu"], static_shapes=[(1, 2)])
+    artifact = load(tmp_path / "art")
+    x = jax.random.normal(jax.random.PRNGKey(2), (2, 5, 3))
+    np.testing.assert_allclose(artifact.forward(x), jax.vmap(model)(x), atol=1e-5)
+    assert artifact.manifest["functions"]["step"]["model"]["arguments"]["causal"] is True
+    assert max(check_golden(artifact).values()) < 1e-5
+
+
+def test_bad_files_fail_clearly(copy):
+    (copy / "manifest.json").write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(ArtifactError, match="not a dense_armor export manifest"):
+        load(copy)
+    (copy / "manifest.json").write_text("{ not json")
+    with pytest.raises(ArtifactError, match="corrupt"):
+        load(copy)
+    (copy / "manifest.json").unlink()
+    with pytest.raises(ArtifactError, match="not a dense_armor artifact"):
+        load(copy)
+
+
+def test_unknown_format_version(copy):
+    manifest = json.loads((copy / "manifest.json").read_text())
+    (copy / "manifest.json").write_text(json.dumps({**manifest, "format_version": 2}))
+    with pytest.raises(ArtifactError, match="format version 2"):
+        load(copy)
+
+
+def test_corrupted_truncated_and_missing_files(copy):
+    data = bytearray((copy / "step.jax_exported").read_bytes())
+    data[100] ^= 0xFF
+    (copy / "step.jax_exported").write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="sha256"):
+        load(copy)
+    (copy / "weights.safetensors").write_bytes((copy / "weights.safetensors").read_bytes()[:-8])
+    with pytest.raises(ArtifactError, match="truncated"):
+        load(copy)
+    (copy / "golden.safetensors").unlink()
+    with pytest.raises(ArtifactError, match="missing"):
+        load(copy)
+
+
+def test_wrong_inputs_to_loaded_functions(artifact_dir):
+    artifact = load(artifact_dir)
+    with pytest.raises(ArtifactError, match=r"'x' must have shape \('B', 'T', 3\).*\(2, 4, 5\)"):
+        artifact.forward(np.ones((2, 4, 5), np.float32))
+    with pytest.raises(ArtifactError, match=r"dtype float32.*float64"):
+        artifact.forward(np.ones((2, 4, 3), np.float64))
+    with pytest.raises(ArtifactError, match=r"T=9 is outside the exported range \[1, 8\]"):
+        artifact.forward(np.ones((1, 9, 3), np.float32))
+    cache = artifact.init_cache(2)
+    with pytest.raises(ArtifactError, match="batch 1 but the cache has batch 2"):
+        artifact.step(np.ones((1, 3), np.float32), cache)
+    with pytest.raises(ArtifactError, match="cache arrays"):
+        artifact.step(np.ones((2, 3), np.float32), cache[:-1])
+
+
+def test_refuses_an_existing_output_and_bad_arguments(artifact_dir, model, tmp_path):
+    with pytest.raises(ArtifactError, match="exists"):
+        export_model(model, CONFIG, artifact_dir)
+    with pytest.raises(ArtifactError, match="platforms"):
+        export_model(model, CONFIG, tmp_path / "x", platforms=["rocm"])
+    with pytest.raises(ArtifactError, match="static shape"):
+        export_model(model, CONFIG, tmp_path / "x", static_shapes=[(1, MAX_LEN + 1)])
+    other = ModelConfig("transformer_encoder", {**CONFIG.arguments, "d_model": 16})
+    with pytest.raises(CheckpointError, match="shape"):
+        export_model(model, other, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_cli_export_and_inspect(tmp_path, model, capsys):
+    save_checkpoint(tmp_path / "ckpt", model, CONFIG)
+    out = tmp_path / "art"
+    args = [
+        "export",
+        str(tmp_path / "ckpt"),
+        "--out",
+        str(out),
+        "--platforms",
+        "cpu",
+        "--static",
+        "1,4",
+    ]
+    assert cli(args) == 0
+    assert "weights.safetensors" in capsys.readouterr().out
+    assert cli(args) == 2
+    assert "exists" in capsys.readouterr().err
+    assert cli([*args, "--force", "--capacity", "3"]) == 0
+    assert load(out).manifest["functions"]["step"]["capacity"] == 3
+    capsys.readouterr()
+    assert cli(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "sha256 verified" in text and "x_t: float32('B', 3)" in text
+    (out / "run.py").write_text("tampered")
+    assert cli(["inspect", str(out)]) == 2
+    assert "run.py" in capsys.readouterr().err
+    assert cli(["export", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 2
+    with pytest.raises(SystemExit):
+        cli(["export", str(tmp_path / "ckpt"), "--out", str(out), "--static", "8"])
