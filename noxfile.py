@@ -43,3 +43,10 @@ def bench(session: nox.Session) -> None:
     """Benchmarks against peer libraries (installed here only); prints tables, asserts nothing."""
     session.install("-e", ".[examples]", "flax>=0.10")
     session.run("python", "-m", "tests.benchmarks.run", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def export(session: nox.Session) -> None:
+    """The main job: train the digits example, export it to export/artifacts/, verify it."""
+    session.install("-e", ".[examples]")
+    session.run("python", "export/pipeline.py", *session.posargs)

@@ -1,8 +1,9 @@
 """Every Python listing of the documentation prints exactly the output block shown under it.
 
 A page is Markdown: a ```python block is a listing, and a ```text block right after it is what the
-listing prints. A listing with no such block must still run without error. Each listing runs
-alone, in a fresh interpreter with JAX's default settings, as a reader would run it.
+listing prints. A listing with no such block must still run without error. Each listing runs in a
+fresh interpreter with JAX's default settings, as a reader would run it; the listings of one page
+share a working directory and run in order, so a later listing may read what an earlier one wrote.
 """
 
 import os
@@ -33,7 +34,7 @@ def listings(page: pathlib.Path) -> list[tuple[str, str | None]]:
 
 
 CASES = [
-    pytest.param(code, expected, id=f"{page.relative_to(ROOT)}:{n}")
+    pytest.param(page, code, expected, id=f"{page.relative_to(ROOT)}:{n}")
     for page in PAGES
     for n, (code, expected) in enumerate(listings(page), 1)
 ]
@@ -43,15 +44,21 @@ def test_every_page_has_listings():
     assert len([c for c in CASES if "attention.md" in c.id]) == 6
 
 
-@pytest.mark.parametrize("code, expected", CASES)
-def test_listing_prints_what_the_page_shows(code, expected, tmp_path):
+@pytest.fixture(scope="module")
+def page_dirs(tmp_path_factory):
+    dirs: dict[pathlib.Path, pathlib.Path] = {}
+    return lambda page: dirs.setdefault(page, tmp_path_factory.mktemp(page.stem))
+
+
+@pytest.mark.parametrize("page, code, expected", CASES)
+def test_listing_prints_what_the_page_shows(page, code, expected, page_dirs):
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
     result = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
         timeout=600,
-        cwd=tmp_path,
+        cwd=page_dirs(page),
         env=env,
     )
     assert result.returncode == 0, result.stderr

@@ -1,6 +1,7 @@
 """Every example runs, on settings small enough for the suite."""
 
 import importlib.util
+import json
 import pathlib
 
 import pytest
@@ -24,3 +25,30 @@ def test_stream_example_matches_forward(capsys):
 def test_stream_example_rejects_more_steps_than_capacity():
     with pytest.raises(SystemExit):
         load("stream").main(["--steps", "40", "--capacity", "32"])
+
+
+@pytest.mark.optax
+def test_digits_quick_run_and_export_pipeline(tmp_path, capsys):
+    """A few steps of the main job: train, checkpoint, plots, early decisions, export, verify."""
+    spec = importlib.util.spec_from_file_location(
+        "pipeline", EXAMPLES.parent / "export" / "pipeline.py"
+    )
+    pipeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pipeline)
+    runs, out = tmp_path / "runs", tmp_path / "artifacts"
+    args = ["--steps", "30", "--runs", str(runs), "--out", str(out), "--no-progress"]
+    result = pipeline.main(args)
+    printed = capsys.readouterr().out
+    assert "test accuracy" in printed and "(ok)" in printed
+    report = json.loads((runs / "report.json").read_text())
+    assert len(report["accuracy_by_rows"]) == 8
+    assert report["max_gap_step_vs_forward"] < 1e-4
+    assert report["split_sizes"] == {"train": 1257, "valid": 180, "test": 360}
+    for plot in report["plots"]:
+        assert pathlib.Path(plot).read_bytes().startswith(b"\x89PNG")
+    assert (runs / "best" / "weights.safetensors").exists()
+    assert max(result["errors"].values()) < 1e-4
+    assert (out / "manifest.json").exists() and (out / "report.json").exists()
+    # a second run reuses the finished checkpoint instead of training again
+    again = pipeline.main(args)
+    assert again["test_accuracy"] == result["test_accuracy"]

@@ -116,7 +116,7 @@ def test_step_reports_overflow_without_callbacks(artifact_dir):
 
 def test_golden_data_and_the_standalone_runner_without_dense_armor(artifact_dir):
     errors = check_golden(load(artifact_dir))
-    assert max(errors.values()) < 1e-5 and "step x6" in errors
+    assert max(errors.values()) < 1e-5 and "step B=2, 6 steps" in errors
     blocker = (
         "import sys, runpy\n"
         "class Block:\n"
@@ -131,7 +131,7 @@ def test_golden_data_and_the_standalone_runner_without_dense_armor(artifact_dir)
         [sys.executable, "-c", blocker, str(artifact_dir)], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
-    assert "(ok)" in result.stdout and "step x6" in result.stdout
+    assert "(ok)" in result.stdout and "step B=2, 6 steps" in result.stdout
 
 
 def module_texts(directory):

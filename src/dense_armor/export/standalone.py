@@ -189,7 +189,8 @@ def check_golden(artifact: Artifact, steps: int | None = None) -> dict[str, floa
     errors = {}
     for case in artifact.manifest["golden"]["forward"]:
         y = np.asarray(artifact.forward(golden[case["input"]]))
-        errors[f"forward {case['input']}"] = float(np.abs(y - golden[case["output"]]).max())
+        label = f"forward B={case['B']} T={case['T']}"
+        errors[label] = float(np.abs(y - golden[case["output"]]).max())
     if "step" in artifact.functions:
         xs, ys = golden["step.x"], golden["step.y"]
         n = xs.shape[1] if steps is None else min(steps, xs.shape[1])
@@ -200,7 +201,7 @@ def check_golden(artifact: Artifact, steps: int | None = None) -> dict[str, floa
             if bool(np.any(overflow)):
                 raise ArtifactError(f"step {t}: the cache overflowed within its capacity.")
             worst = max(worst, float(np.abs(np.asarray(y_t) - ys[:, t]).max()))
-        errors[f"step x{n}"] = worst
+        errors[f"step B={xs.shape[0]}, {n} steps"] = worst
     return errors
 
 
@@ -209,6 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("directory", nargs="?", default=str(pathlib.Path(__file__).parent))
     parser.add_argument("--steps", type=int, default=None, help="golden steps to run (all)")
     parser.add_argument("--tolerance", type=float, default=1e-4)
+    parser.add_argument("--report", type=pathlib.Path, help="also write the errors here as JSON")
     args = parser.parse_args(argv)
     try:
         artifact = load(args.directory)
@@ -220,6 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, value in errors.items():
         print(f"  {name:<28} max |error| = {value:.3e}")
     worst = max(errors.values())
+    if args.report is not None:
+        args.report.write_text(json.dumps({"errors": errors, "max": worst}, indent=2) + "\n")
     print(
         f"  {'all':<28} max |error| = {worst:.3e} ({'ok' if worst <= args.tolerance else 'FAILED'})"
     )

@@ -1,0 +1,100 @@
+"""The main job: train the digits example (or reuse its checkpoint), export it, verify the export.
+
+    python export/pipeline.py [--steps 1500] [--force-train]
+
+1. trains examples/digits.py into examples/runs/digits/ (resuming, or reusing a finished run);
+2. exports its best checkpoint with the export stage into export/artifacts/ (replacing it);
+3. runs the artifacts' standalone checker (`run.py`, jax + numpy + safetensors only) in a fresh
+   interpreter;
+4. prints a report: accuracy, artifact sizes, export time, and the largest error of each exported
+   function against the Python model.
+"""
+
+import argparse
+import importlib.util
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+
+from dense_armor.export import export_checkpoint
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+def load_example(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--runs", type=pathlib.Path, default=ROOT / "examples" / "runs" / "digits")
+    parser.add_argument("--out", type=pathlib.Path, default=HERE / "artifacts")
+    parser.add_argument("--force-train", action="store_true", help="discard the saved run first")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+
+    started = time.perf_counter()
+    if args.force_train and args.runs.exists():
+        shutil.rmtree(args.runs)
+    print(f"[1/3] training the digits example into {args.runs}", flush=True)
+    training_args = ["--steps", str(args.steps), "--out", str(args.runs)]
+    report = load_example("digits").main(
+        training_args + (["--no-progress"] if args.no_progress else [])
+    )
+
+    print(f"[2/3] exporting {args.runs / 'best'} to {args.out}", flush=True)
+    summary = export_checkpoint(args.runs / "best", args.out, force=True)
+    print(summary, flush=True)
+
+    print("[3/3] checking the artifacts with their standalone runner (no dense_armor)", flush=True)
+    errors_file = args.out / "check.json"
+    checked = subprocess.run(
+        [sys.executable, str(args.out / "run.py"), str(args.out), "--report", str(errors_file)],
+        capture_output=True,
+        text=True,
+        cwd=args.out,
+    )
+    print(checked.stdout, end="")
+    if checked.returncode != 0:
+        print(checked.stderr, file=sys.stderr)
+        raise SystemExit(f"the standalone check of {args.out} failed")
+
+    sizes = summary.files
+    errors = json.loads(errors_file.read_text())["errors"]
+    result = {
+        "test_accuracy": report["test_accuracy"],
+        "accuracy_by_rows": report["accuracy_by_rows"],
+        "artifact_bytes": sum(sizes.values()),
+        "portable_bytes": {k: v for k, v in sizes.items() if k.endswith(".jax_exported")},
+        "static_modules": len([k for k in sizes if k.startswith("static/")]),
+        "export_seconds": summary.seconds,
+        "errors": errors,
+        "total_seconds": time.perf_counter() - started,
+    }
+    (args.out / "report.json").write_text(json.dumps(result, indent=2) + "\n")
+    print("\nreport")
+    print(f"  test accuracy           {result['test_accuracy']:.4f} (target 0.95)")
+    print("  accuracy by rows seen   " + " ".join(f"{a:.2f}" for a in result["accuracy_by_rows"]))
+    print(
+        f"  artifacts               {result['artifact_bytes'] / 1024:.0f} KiB in {args.out} "
+        f"({result['static_modules']} static module files)"
+    )
+    for name, size in result["portable_bytes"].items():
+        print(f"    {name:<22}{size / 1024:>8.1f} KiB (cpu, cuda, tpu)")
+    print(f"  export time             {result['export_seconds']:.1f} s")
+    for name, error in errors.items():
+        print(f"  max error, {name:<22}{error:.2e}")
+    print(f"  total                   {result['total_seconds']:.0f} s")
+    return result
+
+
+if __name__ == "__main__":
+    main()
