@@ -27,8 +27,10 @@ def doctest(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check."""
     session.install("ruff>=0.6")
-    session.run("ruff", "check", "src", "tests", "examples", "export", "noxfile.py")
-    session.run("ruff", "format", "--check", "src", "tests", "examples", "export", "noxfile.py")
+    session.run("ruff", "check", "src", "tests", "examples", "export", "docs", "noxfile.py")
+    session.run(
+        "ruff", "format", "--check", "src", "tests", "examples", "export", "docs", "noxfile.py"
+    )
 
 
 @nox.session(python=PYTHON)
@@ -50,3 +52,16 @@ def export(session: nox.Session) -> None:
     """The main job: train the digits example, export it to export/artifacts/, verify it."""
     session.install("-e", ".[examples]")
     session.run("python", "export/pipeline.py", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """Build the site strictly into site/, then check every page in headless Chromium.
+
+    Needs a system Chromium (Debian: `apt-get install chromium`); screenshots go to
+    build/screenshots/.
+    """
+    session.install("-e", ".[docs]")
+    session.env["NO_MKDOCS_2_WARNING"] = "1"
+    session.run("mkdocs", "build", "--strict")
+    session.run("python", "docs/check_site.py", "site")

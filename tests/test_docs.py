@@ -42,6 +42,9 @@ CASES = [
 
 def test_every_page_has_listings():
     assert len([c for c in CASES if "attention.md" in c.id]) == 6
+    for page in PAGES:
+        if page.name != "api.md":
+            assert listings(page), f"{page} has no listing"
 
 
 @pytest.fixture(scope="module")
