@@ -18,7 +18,7 @@ import threading
 
 from playwright.sync_api import sync_playwright
 
-PAGES = ["", "attention/", "streaming/", "training/", "export/", "api/"]
+PAGES = ["", "attention/", "streaming/", "training/", "cross-attention/", "export/", "api/"]
 CHROMIUM_FLAGS = [
     "--headless",
     "--no-sandbox",

@@ -10,9 +10,12 @@ from hypothesis import strategies as st
 from jaxtyping import TypeCheckError
 
 from dense_armor.utility.neural import (
+    Gate,
+    MultiHeadCrossAttention,
     MultiHeadSelfAttention,
     ShapeError,
     TransformerBlock,
+    TransformerDecoderBlock,
     scaled_dot_product_attention,
 )
 from reference import attention, block, multi_head
@@ -262,3 +265,159 @@ def test_block_dropout_only_with_a_key(getkey):
 def test_block_rejects_bad_dropout(getkey):
     with pytest.raises(ValueError, match="rate"):
         TransformerBlock(8, 2, 16, getkey(), dropout=1.5)
+
+
+# MultiHeadCrossAttention
+
+
+def test_cross_attention_one_head_by_hand(getkey):
+    """Identity projections, one head: the page's one-head example, now from a context."""
+    m = MultiHeadCrossAttention(2, 1, getkey(), d_context=2)
+    eye = jnp.eye(2)
+    m = eqx.tree_at(lambda m: (m.W_Q.value, m.W_K.value, m.W_V.value, m.W_O.value), m, (eye,) * 4)
+    x = jnp.array([[1.0, 0.0]])
+    context = jnp.array([[1.0, 0.0], [0.0, 1.0]]) * jnp.array([[1.0], [1.0]])
+    s = 1 / math.sqrt(2)
+    w1 = math.exp(s) / (math.exp(s) + 1)
+    np.testing.assert_allclose(m(x, context)[0], [w1, 1 - w1], rtol=1e-6)
+    only_second = m(x, context, context_mask=jnp.array([False, True]))
+    np.testing.assert_allclose(only_second[0], [0.0, 1.0], atol=1e-7)
+
+
+def test_cross_attention_matches_equinox_with_copied_weights(getkey):
+    peer = eqx.nn.MultiheadAttention(2, 8, key_size=5, value_size=5, key=getkey())
+    m = MultiHeadCrossAttention(8, 2, getkey(), d_context=5)
+    m = eqx.tree_at(
+        lambda m: (m.W_Q.value, m.W_K.value, m.W_V.value, m.W_O.value),
+        m,
+        (
+            peer.query_proj.weight.T,
+            peer.key_proj.weight.T,
+            peer.value_proj.weight.T,
+            peer.output_proj.weight.T,
+        ),
+    )
+    x = jax.random.normal(getkey(), (4, 8))
+    context = jax.random.normal(getkey(), (6, 5))
+    np.testing.assert_allclose(m(x, context), peer(x, context, context), atol=1e-5)
+    mask = jnp.array([True, True, False, True, False, True])
+    np.testing.assert_allclose(
+        m(x, context, context_mask=mask),
+        peer(x, context, context, mask=jnp.broadcast_to(mask, (4, 6))),
+        atol=1e-5,
+    )
+
+
+def test_cross_attention_padding_equals_the_unpadded_context_and_never_nans(getkey):
+    m = MultiHeadCrossAttention(8, 2, getkey(), d_context=3)
+    x = jax.random.normal(getkey(), (4, 8))
+    context = jax.random.normal(getkey(), (5, 3))
+    padded = jnp.concatenate([context, jnp.full((3, 3), 1e3)])
+    mask = jnp.arange(8) < 5
+    np.testing.assert_allclose(m(x, padded, context_mask=mask), m(x, context), atol=1e-6)
+    nothing = jnp.zeros(8, bool)
+    np.testing.assert_array_equal(m(x, padded, context_mask=nothing), 0.0)
+    grads = jax.grad(lambda m: m(x, padded, context_mask=nothing).sum())(m)
+    assert all(bool(jnp.all(jnp.isfinite(p.value))) for p in grads.params())
+
+
+def test_cross_attention_step_uses_the_projected_context(getkey):
+    m = MultiHeadCrossAttention(8, 4, getkey())
+    x = jax.random.normal(getkey(), (5, 8))
+    context = jax.random.normal(getkey(), (7, 8))
+    cache = m.init_cache(context)
+    np.testing.assert_allclose(cache.keys, context @ m.W_K.value, atol=1e-6)
+    ys = []
+    for x_t in x:
+        y_t, cache = m.step(x_t, cache)
+        ys.append(y_t)
+    np.testing.assert_allclose(jnp.stack(ys), m(x, context), atol=1e-6)
+
+
+def test_cross_attention_errors(getkey):
+    with pytest.raises(ValueError, match="divisible"):
+        MultiHeadCrossAttention(10, 3, getkey())
+    with pytest.raises(ValueError, match="d_context"):
+        MultiHeadCrossAttention(8, 2, getkey(), d_context=0)
+    m = MultiHeadCrossAttention(8, 2, getkey(), d_context=5)
+    with pytest.raises(ShapeError, match=r"context.shape=\(6, 8\).*d_context=5"):
+        m(jnp.ones((4, 8)), jnp.ones((6, 8)))
+    with pytest.raises(ShapeError, match=r"x.shape=\(2, 4, 8\).*jax.vmap"):
+        m(jnp.ones((2, 4, 8)), jnp.ones((6, 5)))
+    with pytest.raises(TypeCheckError):
+        m(jnp.ones((4, 8)), jnp.ones((6, 5)), context_mask=jnp.ones(5, bool))
+    assert len(m.params()) == 4 and m.W_K.value.shape == (5, 8)
+
+
+# Gate
+
+
+def test_gate_by_hand(getkey):
+    gate = Gate(2, getkey())
+    gate = eqx.tree_at(
+        lambda g: (g.U.value, g.W.value, g.b.value),
+        gate,
+        (jnp.zeros((2, 2)), jnp.zeros((2, 2)), jnp.array([0.0, math.log(3.0)])),
+    )
+    # g = sigmoid(-b) = [1/2, 1/4]
+    z = gate(jnp.array([4.0, 4.0]), jnp.array([0.0, 8.0]))
+    np.testing.assert_allclose(z, [2.0, 0.75 * 4 + 0.25 * 8], rtol=1e-6)
+    assert len(gate.params()) == 3
+
+
+def test_gate_extremes_reduce_to_each_input_and_gradients_reach_both(getkey):
+    gate = Gate(4, getkey())
+    x, y = jax.random.normal(getkey(), (3, 4)), jax.random.normal(getkey(), (3, 4))
+    closed = eqx.tree_at(lambda g: g.b.value, gate, jnp.full((4,), 1e4))
+    opened = eqx.tree_at(lambda g: g.b.value, gate, jnp.full((4,), -1e4))
+    np.testing.assert_array_equal(closed(x, y), x)
+    np.testing.assert_array_equal(opened(x, y), y)
+    gx, gy = jax.grad(lambda x, y: gate(x, y).sum(), argnums=(0, 1))(x, y)
+    assert float(jnp.abs(gx).min()) > 0 and float(jnp.abs(gy).min()) > 0
+    assert 0.05 < float(jax.nn.sigmoid(-gate.b.value[0])) < 0.2  # starts near the identity
+
+
+def test_gated_block(getkey):
+    key = getkey()
+    plain = TransformerBlock(8, 2, 16, key, causal=True)
+    gated = TransformerBlock(8, 2, 16, key, causal=True, gate=True)
+    assert len(gated.params()) == 18 and gated.params()[:12] == plain.params()
+    x = jax.random.normal(getkey(), (6, 8))
+    # A gate fully open to the sub-layer output is the residual addition without the residual.
+    opened = eqx.tree_at(
+        lambda b: (b.gates[0].b.value, b.gates[1].b.value), gated, (jnp.full(8, -1e4),) * 2
+    )
+    y = plain.norm1(plain.attention(x))
+    np.testing.assert_allclose(opened(x), plain.norm2(plain.feed_forward(y)), atol=1e-5)
+    cache = gated.init_cache(8)
+    ys = []
+    for x_t in x:
+        y_t, cache = gated.step(x_t, cache)
+        ys.append(y_t)
+    np.testing.assert_allclose(jnp.stack(ys), gated(x), atol=1e-5)
+
+
+# TransformerDecoderBlock
+
+
+def test_decoder_block_matches_its_equations(getkey):
+    d = TransformerDecoderBlock(8, 2, 16, getkey(), d_context=5)
+    x, context = jax.random.normal(getkey(), (4, 8)), jax.random.normal(getkey(), (3, 5))
+    y = d.norm1(x + d.self_attention(x))
+    u = d.norm2(y + d.cross_attention(y, context))
+    np.testing.assert_allclose(d(x, context), d.norm3(u + d.feed_forward(u)), atol=1e-6)
+    assert d.self_attention.causal and len(d.params()) == 18
+    assert len(TransformerDecoderBlock(8, 2, 16, getkey(), gate=True).params()) == 27
+
+
+@pytest.mark.parametrize("capacity", [None, 9])
+def test_decoder_block_step_equals_forward_on_every_prefix(getkey, capacity):
+    d = TransformerDecoderBlock(8, 2, 16, getkey(), d_context=3, gate=True)
+    x, context = jax.random.normal(getkey(), (9, 8)), jax.random.normal(getkey(), (4, 3))
+    mask = jnp.array([True, False, True, True])
+    cache = d.init_cache(context, capacity, context_mask=mask)
+    step = eqx.filter_jit(d.step)
+    full = d(x, context, context_mask=mask)
+    for t in range(9):
+        y_t, cache = step(x[t], cache)
+        np.testing.assert_allclose(y_t, full[t], atol=1e-5)

@@ -226,9 +226,11 @@ def test_wrong_inputs_to_loaded_functions(artifact_dir):
     with pytest.raises(ArtifactError, match=r"T=9 is outside the exported range \[1, 8\]"):
         artifact.forward(np.ones((1, 9, 3), np.float32))
     cache = artifact.init_cache(2)
-    with pytest.raises(ArtifactError, match="batch 1 but the cache has batch 2"):
+    with pytest.raises(
+        ArtifactError, match=r"cache\[1\]\.index' has B=2, but an earlier input has B=1"
+    ):
         artifact.step(np.ones((1, 3), np.float32), cache)
-    with pytest.raises(ArtifactError, match="cache arrays"):
+    with pytest.raises(ArtifactError, match=r"step: expected \d+ inputs \(x_t, cache"):
         artifact.step(np.ones((2, 3), np.float32), cache[:-1])
 
 
@@ -275,3 +277,50 @@ def test_cli_export_and_inspect(tmp_path, model, capsys):
     assert cli(["export", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 2
     with pytest.raises(SystemExit):
         cli(["export", str(tmp_path / "ckpt"), "--out", str(out), "--static", "8"])
+
+
+DECODER = ModelConfig(
+    "transformer_decoder",
+    {
+        "n_in": 3,
+        "d_model": 8,
+        "n_heads": 2,
+        "d_ff": 16,
+        "depth": 2,
+        "n_out": 4,
+        "max_len": MAX_LEN,
+        "d_context": 5,
+        "gate": True,
+    },
+)
+
+
+def test_decoder_with_cross_attention_exports_forward_init_and_step(tmp_path):
+    model = DECODER.build(jax.random.PRNGKey(4))
+    export_model(
+        model, DECODER, tmp_path / "art", capacity=CAPACITY, static_shapes=[(1, MAX_LEN, 3)]
+    )
+    artifact = load(tmp_path / "art")
+    manifest = artifact.manifest
+    assert manifest["kind"] == "decoder"
+    assert set(manifest["functions"]) == {"forward", "init_cache", "step"}
+    forward_inputs = [
+        i for i in manifest["functions"]["forward"]["inputs"] if i["role"] != "weight"
+    ]
+    assert [i["shape"] for i in forward_inputs] == [["B", "T", 3], ["B", "S", 5], ["B", "S"]]
+    assert ("step", "tpu", (("B", 1), ("S", 3))) in {
+        (s["function"], s["platform"], tuple(s["shape"].items())) for s in manifest["static"]
+    }
+    x = jax.random.normal(jax.random.PRNGKey(5), (2, MAX_LEN, 3))
+    context = jax.random.normal(jax.random.PRNGKey(6), (2, 4, 5))
+    mask = np.array([[True, True, True, False], [True, True, True, True]])
+    expected = jax.vmap(lambda x, c, m: model(x, c, context_mask=m))(x, context, mask)
+    np.testing.assert_allclose(artifact.forward(x, context, mask), expected, atol=1e-5)
+    cache = artifact.init_cache(context, mask)
+    for t in range(CAPACITY):
+        y_t, cache, overflow = artifact.step(x[:, t], cache)
+        assert not bool(overflow.any())
+        np.testing.assert_allclose(y_t, expected[:, t], atol=1e-5)
+    assert max(check_golden(artifact).values()) < 1e-5
+    with pytest.raises(ArtifactError, match="has S=3, but an earlier input has S=4"):
+        artifact.forward(x, context, mask[:, :3])

@@ -13,6 +13,7 @@ from dense_armor.utility.neural import (
     Sequential,
     ShapeError,
     TransformerBlock,
+    transformer_decoder,
     transformer_encoder,
 )
 from reference import sinusoid
@@ -104,3 +105,25 @@ def test_a_few_optax_steps_reduce_the_loss(getkey):
         first = float(loss) if first is None else first
     final = float(loss_fn(m, getkey()))
     assert final < 0.5 * first
+
+
+def test_transformer_decoder(getkey):
+    m = transformer_decoder(3, 8, 2, 16, 2, 4, getkey(), 10, d_context=5)
+    assert len(m.params()) == 2 + 2 * 18 + 2
+    x, context = jax.random.normal(getkey(), (6, 3)), jax.random.normal(getkey(), (7, 5))
+    y = m(x, context)
+    assert y.shape == (6, 4)
+    h = m.positions(m.embed(x))
+    for block in m.blocks:
+        h = block(h, context)
+    np.testing.assert_allclose(y, m.head(h), atol=1e-6)
+    cache = m.init_cache(context, 10)
+    step = eqx.filter_jit(m.step)
+    for t in range(6):
+        y_t, cache = step(x[t], cache)
+        np.testing.assert_allclose(y_t, y[t], atol=1e-5)
+    with pytest.raises(ValueError, match="tuple of 3 caches"):
+        m.step(x[0], cache[:2])
+    with pytest.raises(ShapeError, match="max_len=10"):
+        m(jnp.ones((11, 3)), context)
+    assert len(transformer_decoder(3, 8, 2, 16, 1, 4, getkey(), 10, gate=True).params()) == 31

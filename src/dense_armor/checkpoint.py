@@ -28,7 +28,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from .utility.neural.models import transformer_encoder
+from .utility.neural.models import transformer_decoder, transformer_encoder
 
 __all__ = [
     "FORMAT",
@@ -44,7 +44,10 @@ __all__ = [
 
 FORMAT = "dense_armor.checkpoint"
 VERSION = 1
-FACTORIES: dict[str, Callable[..., Any]] = {"transformer_encoder": transformer_encoder}
+FACTORIES: dict[str, Callable[..., Any]] = {
+    "transformer_encoder": transformer_encoder,
+    "transformer_decoder": transformer_decoder,
+}
 
 
 class CheckpointError(ValueError):

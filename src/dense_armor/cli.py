@@ -1,6 +1,6 @@
 """The `dense-armor` command.
 
-dense-armor export CHECKPOINT_DIR --out DIR [--static B,T ...] [--capacity N]
+dense-armor export CHECKPOINT_DIR --out DIR [--static B,T[,S] ...] [--capacity N]
                    [--platforms cpu,cuda,tpu] [--force]
 dense-armor inspect DIR
 """
@@ -12,12 +12,14 @@ import sys
 from collections.abc import Sequence
 
 
-def _shape(text: str) -> tuple[int, int]:
+def _shape(text: str) -> tuple[int, ...]:
     try:
-        b, t = (int(v) for v in text.split(","))
+        sizes = tuple(int(v) for v in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected B,T (two integers); got {text!r}") from None
-    return b, t
+        sizes = ()
+    if len(sizes) not in (2, 3):
+        raise argparse.ArgumentTypeError(f"expected B,T (or B,T,S for a decoder); got {text!r}")
+    return sizes
 
 
 def _platforms(text: str) -> list[str]:
@@ -67,8 +69,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--static",
         type=_shape,
         action="append",
-        metavar="B,T",
-        help="a shape for the static modules; repeat for more (default: 1,max_len and 8,max_len)",
+        metavar="B,T[,S]",
+        help="a shape for the static modules (S: a decoder's context length); repeat for more "
+        "(default: 1,max_len and 8,max_len)",
     )
     ex.add_argument("--capacity", type=int, help="cache capacity of the step (default: max_len)")
     ex.add_argument("--platforms", type=_platforms, default=["cpu", "cuda", "tpu"])

@@ -1,14 +1,20 @@
-"""Lower an encoder and its cached step to StableHLO artifacts with `jax.export`.
+"""Lower a model and its cached step to StableHLO artifacts with `jax.export`.
 
-An artifact directory holds:
+Two model families export: `transformer_encoder` (`kind: encoder`) and `transformer_decoder`
+(`kind: decoder`, which attends to a context). An artifact directory holds:
 
-- `forward.jax_exported`: the batched forward `(weights..., x (B, T, n_in)) -> y (B, n_out)`,
-  symbolic in `B` and in `T` (`1 <= T <= max_len`), for every requested platform;
+- `forward.jax_exported`: the batched forward, symbolic in the batch `B` and the time `T`
+  (`1 <= T <= max_len`), and for a decoder in the context length `S`:
+  encoder `(weights..., x (B, T, n_in)) -> y (B, n_out)`;
+  decoder `(weights..., x (B, T, n_in), context (B, S, d_context), context_mask (B, S)) ->
+  y (B, T, n_out)`;
 - `step.jax_exported`: the cached step of the model's causal form,
-  `(weights..., x_t (B, n_in), cache...) -> (y_t (B, n_out), cache..., overflow (B,))`, symbolic in
-  `B`, with a fixed capacity; the cache is donated (aliased to the new cache in the module);
-- `static/`: single-platform StableHLO modules with no symbolic dimension, for the shapes asked
-  for, as text (`.mlir`) and bytecode (`.mlirbc`), for runtimes other than JAX;
+  `(weights..., x_t (B, n_in), cache...) -> (y_t (B, n_out), cache..., overflow (B,))`, with a
+  fixed capacity; the cache is donated (aliased to the new cache in the module);
+- for a decoder, `init_cache.jax_exported`: `(weights..., context, context_mask) -> cache...`
+  (an encoder's cache starts as zeros);
+- `static/`: single-platform StableHLO with no symbolic dimension, for the shapes asked for, as
+  text (`.mlir`) and bytecode (`.mlirbc`), for runtimes other than JAX;
 - `weights.safetensors` (the weights are arguments of every function, never constants),
   `golden.safetensors` (inputs and the Python model's outputs), `run.py` (the standalone checker)
   and `manifest.json`, which describes all of it.
@@ -23,7 +29,7 @@ import pathlib
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -42,6 +48,17 @@ from .standalone import FORMAT, FORMAT_VERSION, MANIFEST, ArtifactError
 __all__ = ["PLATFORMS", "ExportSummary", "export_checkpoint", "export_model"]
 
 PLATFORMS = ("cpu", "cuda", "tpu")
+KINDS = {"transformer_encoder": "encoder", "transformer_decoder": "decoder"}
+OVERFLOW = (
+    "a stream that steps past the cache capacity (or past max_len) gets NaN in its row of y_t "
+    "and true in `overflow`; its cache rows are never overwritten, and the flag stays true. "
+    "No host callbacks."
+)
+PLATFORM_INDEX = (
+    "Exported.call selects the platform itself. In the StableHLO of a multi-platform module the "
+    "first argument is an int32 scalar, the index of the running platform in `platforms`; "
+    "single-platform modules (static/) have no such argument."
+)
 
 
 @dataclasses.dataclass
@@ -61,20 +78,65 @@ class ExportSummary:
         return "\n".join(lines)
 
 
-def _spec(name: str, role: str, array_or_aval: Any, shape: Sequence[Any] | None = None) -> dict:
-    dims = array_or_aval.shape if shape is None else shape
+Spec = dict[str, Any]  # {"name", "role", "dtype", "shape"}; shape entries are ints or dim names
+
+
+def _spec(name: str, role: str, dtype: Any, shape: Sequence[Any]) -> Spec:
     return {
         "name": name,
         "role": role,
-        "dtype": str(np.dtype(array_or_aval.dtype)),
-        "shape": [d if isinstance(d, int) else str(d) for d in dims],
+        "dtype": str(np.dtype(dtype)),
+        "shape": [d if isinstance(d, int) else str(d) for d in shape],
     }
+
+
+def _avals(specs: Sequence[Spec], sizes: dict[str, Any]) -> list[jax.ShapeDtypeStruct]:
+    return [
+        jax.ShapeDtypeStruct(
+            tuple(sizes[d] if isinstance(d, str) else d for d in s["shape"]), s["dtype"]
+        )
+        for s in specs
+    ]
+
+
+@dataclasses.dataclass
+class _Function:
+    """One exported function: `fn(weights, *inputs)`, its non-weight inputs and its outputs."""
+
+    fn: Callable[..., Any]
+    inputs: list[Spec]
+    outputs: list[Spec]
+    symbols: str
+    constraints: tuple[str, ...] = ()
+    donate_cache: bool = False
+
+    def jitted(self) -> Any:  # a jax.stages.Wrapped
+        if not self.donate_cache:
+            return jax.jit(self.fn)
+        n_plain = len([i for i in self.inputs if i["role"] != "cache"])
+        return jax.jit(self.fn, donate_argnums=1 + n_plain)
+
+    def arguments(self, weights: list[Any], sizes: dict[str, Any]) -> list[Any]:
+        """`(weight avals, *input avals)`, the cache inputs gathered into one list."""
+        plain = [i for i in self.inputs if i["role"] != "cache"]
+        cache = [i for i in self.inputs if i["role"] == "cache"]
+        args: list[Any] = [weights, *_avals(plain, sizes)]
+        return [*args, _avals(cache, sizes)] if cache else args
 
 
 class _Lowering:
     """The plain-array functions of one model; Equinox classes never reach a signature."""
 
-    def __init__(self, model: Any, causal_model: Any, capacity: int):
+    def __init__(self, model: Any, causal_model: Any, config: ModelConfig, capacity: int):
+        self.kind = KINDS[config.factory]
+        args = config.arguments
+        self.max_len, self.n_in, self.n_out = (
+            int(args["max_len"]),
+            int(args["n_in"]),
+            int(args["n_out"]),
+        )
+        self.d_context = int(args.get("d_context") or args["d_model"])
+        self.capacity = capacity
         params, self.static = eqx.partition(model, eqx.is_array)
         paths_and_leaves = jax.tree_util.tree_leaves_with_path(params)
         self.names = [jax.tree_util.keystr(path) for path, _ in paths_and_leaves]
@@ -82,38 +144,112 @@ class _Lowering:
         self.treedef = jax.tree_util.tree_structure(params)
         causal_params, self.causal_static = eqx.partition(causal_model, eqx.is_array)
         self.causal_treedef = jax.tree_util.tree_structure(causal_params)
-        cache = causal_model.init_cache(capacity, on_overflow="nan")
-        cache_paths = jax.tree_util.tree_leaves_with_path(cache)
-        self.cache_names = ["cache" + jax.tree_util.keystr(path) for path, _ in cache_paths]
-        self.cache_leaves = [leaf for _, leaf in cache_paths]
-        self.cache_treedef = jax.tree_util.tree_structure(cache)
-        self.overflow_flags = [i for i, n in enumerate(self.cache_names) if n.endswith(".overflow")]
 
-    def forward(self, weights: list[jax.Array], x: jax.Array) -> jax.Array:
-        model = eqx.combine(jax.tree_util.tree_unflatten(self.treedef, weights), self.static)
-        return jax.vmap(model)(x)
+        # The cache's structure and shapes, with a symbolic context length for a decoder.
+        (s_dim,) = export.symbolic_shape("S")
+        context_avals = (
+            (
+                jax.ShapeDtypeStruct((s_dim, self.d_context), jnp.float32),
+                jax.ShapeDtypeStruct((s_dim,), bool),
+            )
+            if self.kind == "decoder"
+            else ()
+        )
+        cache_shape = jax.eval_shape(self._init_one, *context_avals)
+        cache_paths = jax.tree_util.tree_leaves_with_path(cache_shape)
+        self.cache_treedef = jax.tree_util.tree_structure(cache_shape)
+        self.cache = [
+            _spec("cache" + jax.tree_util.keystr(path), "cache", leaf.dtype, ["B", *leaf.shape])
+            for path, leaf in cache_paths
+        ]
+        self.overflow_flags = [
+            i for i, s in enumerate(self.cache) if s["name"].endswith(".overflow")
+        ]
+
+    # -- the model's pieces, for one sample -------------------------------------------------
+
+    def _model(self, weights: list[jax.Array], causal: bool) -> Any:
+        treedef, static = (
+            (self.causal_treedef, self.causal_static) if causal else (self.treedef, self.static)
+        )
+        return eqx.combine(jax.tree_util.tree_unflatten(treedef, weights), static)
+
+    def _init_one(self, *context: Any) -> Any:
+        model = self._model(self.weights, causal=True)
+        if self.kind == "decoder":
+            ctx, mask = context
+            return model.init_cache(ctx, self.capacity, context_mask=mask, on_overflow="nan")
+        return model.init_cache(self.capacity, on_overflow="nan")
+
+    # -- the exported functions ---------------------------------------------------------------
+
+    def forward(self, weights: list[jax.Array], *inputs: jax.Array) -> jax.Array:
+        model = self._model(weights, causal=False)
+        if self.kind == "decoder":
+            return jax.vmap(lambda x, c, m: model(x, c, context_mask=m))(*inputs)
+        return jax.vmap(model)(*inputs)
+
+    def init_cache(
+        self, weights: list[jax.Array], context: jax.Array, context_mask: jax.Array
+    ) -> list[jax.Array]:
+        model = self._model(weights, causal=True)
+
+        def one(c: jax.Array, m: jax.Array) -> Any:
+            return model.init_cache(c, self.capacity, context_mask=m, on_overflow="nan")
+
+        return jax.tree_util.tree_leaves(jax.vmap(one)(context, context_mask))
 
     def step(
         self, weights: list[jax.Array], x_t: jax.Array, cache: list[jax.Array]
     ) -> tuple[jax.Array, list[jax.Array], jax.Array]:
-        model = eqx.combine(
-            jax.tree_util.tree_unflatten(self.causal_treedef, weights), self.causal_static
-        )
+        model = self._model(weights, causal=True)
         tree = jax.tree_util.tree_unflatten(self.cache_treedef, cache)
         y_t, tree = jax.vmap(model.step)(x_t, tree)
         leaves = jax.tree_util.tree_leaves(tree)
         overflow = jnp.stack([leaves[i] for i in self.overflow_flags]).any(axis=0)
         return y_t, leaves, overflow
 
-    def weight_specs(self) -> list[jax.ShapeDtypeStruct]:
-        return [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in self.weights]
-
-    def cache_specs(self, batch: Any) -> list[jax.ShapeDtypeStruct]:
-        return [jax.ShapeDtypeStruct((batch, *c.shape), c.dtype) for c in self.cache_leaves]
+    def functions(self) -> dict[str, _Function]:
+        f32 = jnp.float32
+        overflow = _spec("overflow", "output", bool, ["B"])
+        step = _Function(
+            self.step,
+            [_spec("x_t", "input", f32, ["B", self.n_in]), *self.cache],
+            [_spec("y_t", "output", f32, ["B", self.n_out]), *self.cache, overflow],
+            "B, S" if self.kind == "decoder" else "B",
+            donate_cache=True,
+        )
+        bound = (f"T <= {self.max_len}",)
+        if self.kind == "encoder":
+            return {
+                "forward": _Function(
+                    self.forward,
+                    [_spec("x", "input", f32, ["B", "T", self.n_in])],
+                    [_spec("y", "output", f32, ["B", self.n_out])],
+                    "B, T",
+                    bound,
+                ),
+                "step": step,
+            }
+        context = [
+            _spec("context", "context", f32, ["B", "S", self.d_context]),
+            _spec("context_mask", "context", bool, ["B", "S"]),
+        ]
+        return {
+            "forward": _Function(
+                self.forward,
+                [_spec("x", "input", f32, ["B", "T", self.n_in]), *context],
+                [_spec("y", "output", f32, ["B", "T", self.n_out])],
+                "B, T, S",
+                bound,
+            ),
+            "init_cache": _Function(self.init_cache, context, self.cache, "B, S"),
+            "step": step,
+        }
 
 
 def _causal_form(model: Any, config: ModelConfig) -> tuple[Any, ModelConfig]:
-    if config.arguments.get("causal", False):
+    if KINDS[config.factory] == "decoder" or config.arguments.get("causal", False):
         return model, config
     causal = ModelConfig(config.factory, {**config.arguments, "causal": True})
     return fill_tree(causal.build(), tree_arrays(model)), causal
@@ -130,18 +266,18 @@ def export_model(
     *,
     capacity: int | None = None,
     platforms: Sequence[str] = PLATFORMS,
-    static_shapes: Sequence[tuple[int, int]] | None = None,
+    static_shapes: Sequence[tuple[int, ...]] | None = None,
     force: bool = False,
     seed: int = 0,
 ) -> ExportSummary:
-    """Export `model` (built from `config`, a `transformer_encoder`) to the directory `out`.
+    """Export `model` (built from `config`) to the directory `out`.
 
     **Arguments:**
 
     - `capacity`: the step function's cache capacity (default `max_len`).
     - `platforms`: any of `cpu`, `cuda`, `tpu`; lowered here whatever machine this is.
-    - `static_shapes`: `(B, T)` pairs for the static modules (default `(1, max_len)` and
-      `(8, max_len)`); the step's static modules use each `B`.
+    - `static_shapes`: `(B, T)` pairs for the static modules (`(B, T, S)` for a decoder; default
+      `(1, max_len)` and `(8, max_len)`, with `S = max_len`); the step uses each `B` (and `S`).
     - `force`: replace `out` if it exists (otherwise that is an error).
 
     Nothing is left half-written: the directory is assembled beside `out` and renamed into place.
@@ -155,89 +291,76 @@ def export_model(
         raise ArtifactError(
             f"platforms must be a non-empty subset of {PLATFORMS}; got {platforms}."
         )
-    if config.factory != "transformer_encoder":
-        raise ArtifactError(f"export knows transformer_encoder models; got {config.factory!r}.")
-    args = config.arguments
-    max_len, n_in, n_out = int(args["max_len"]), int(args["n_in"]), int(args["n_out"])
+    if config.factory not in KINDS:
+        raise ArtifactError(f"export knows {sorted(KINDS)} models; got {config.factory!r}.")
+    max_len = int(config.arguments["max_len"])
     capacity = max_len if capacity is None else capacity
-    if not capacity >= 1:
+    if capacity < 1:
         raise ArtifactError(f"capacity must be positive; got {capacity}.")
-    shapes = list(static_shapes or [(1, max_len), (8, max_len)])
-    for b, t in shapes:
-        if b < 1 or not 1 <= t <= max_len:
-            raise ArtifactError(f"static shape B={b}, T={t} must have B >= 1, 1 <= T <= {max_len}.")
+    shapes = [
+        _static_sizes(s, max_len, KINDS[config.factory])
+        for s in static_shapes or [(1, max_len), (8, max_len)]
+    ]
     fill_tree(config.build(), tree_arrays(model))  # the config and the weights must agree
 
     causal_model, causal_config = _causal_form(model, config)
-    lowering = _Lowering(model, causal_model, capacity)
-    forward = jax.jit(lowering.forward)
-    step = jax.jit(lowering.step, donate_argnums=2)
-    batch, time_ = export.symbolic_shape("B, T", constraints=(f"T <= {max_len}",))
-    (step_batch,) = export.symbolic_shape("B")  # its own scope: the step has no T
-    x_spec = jax.ShapeDtypeStruct((batch, time_, n_in), jnp.float32)
-    x_t_spec = jax.ShapeDtypeStruct((step_batch, n_in), jnp.float32)
-    w_specs = lowering.weight_specs()
+    lowering = _Lowering(model, causal_model, config, capacity)
+    functions = lowering.functions()
+    weight_avals = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in lowering.weights]
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        exported = {
-            "forward": export.export(forward, platforms=tuple(platforms))(w_specs, x_spec),
-            "step": export.export(step, platforms=tuple(platforms))(
-                w_specs, x_t_spec, lowering.cache_specs(step_batch)
-            ),
-        }
-        for name, exp in exported.items():
-            (tmp / f"{name}.jax_exported").write_bytes(exp.serialize())
+        exported = {}
+        for name, function in functions.items():
+            dims = export.symbolic_shape(function.symbols, constraints=function.constraints)
+            sizes = dict(zip([d.strip() for d in function.symbols.split(",")], dims, strict=True))
+            exported[name] = export.export(function.jitted(), platforms=tuple(platforms))(
+                *function.arguments(weight_avals, sizes)
+            )
+            (tmp / f"{name}.jax_exported").write_bytes(exported[name].serialize())
 
         static_entries = []
         (tmp / "static").mkdir()
-        step_batches = sorted({b for b, _ in shapes})
-        jobs: list[tuple[str, int, int | None]] = [("forward", b, t) for b, t in shapes]
-        jobs += [("step", b, None) for b in step_batches]
         for platform in platforms:
-            for function, b, length in jobs:
-                if function == "forward":
-                    exp = export.export(forward, platforms=(platform,))(
-                        w_specs, jax.ShapeDtypeStruct((b, length, n_in), jnp.float32)
+            for name, function in functions.items():
+                symbols = [d.strip() for d in function.symbols.split(",")]
+                seen = set()
+                for shape in shapes:
+                    sizes = {d: shape[d] for d in symbols}
+                    if tuple(sizes.items()) in seen:
+                        continue
+                    seen.add(tuple(sizes.items()))
+                    module = export.export(function.jitted(), platforms=(platform,))(
+                        *function.arguments(weight_avals, sizes)
                     )
-                    stem = f"forward.{platform}.B{b}.T{length}"
-                else:
-                    exp = export.export(step, platforms=(platform,))(
-                        w_specs,
-                        jax.ShapeDtypeStruct((b, n_in), jnp.float32),
-                        lowering.cache_specs(b),
+                    stem = ".".join([name, platform, *(f"{d}{v}" for d, v in sizes.items())])
+                    (tmp / "static" / f"{stem}.mlir").write_text(module.mlir_module())
+                    (tmp / "static" / f"{stem}.mlirbc").write_bytes(module.mlir_module_serialized)
+                    static_entries.append(
+                        {
+                            "function": name,
+                            "platform": platform,
+                            "shape": sizes,
+                            "text": f"static/{stem}.mlir",
+                            "bytecode": f"static/{stem}.mlirbc",
+                        }
                     )
-                    stem = f"step.{platform}.B{b}"
-                (tmp / "static" / f"{stem}.mlir").write_text(exp.mlir_module())
-                (tmp / "static" / f"{stem}.mlirbc").write_bytes(exp.mlir_module_serialized)
-                static_entries.append(
-                    {
-                        "function": function,
-                        "platform": platform,
-                        "shape": {"B": b, **({"T": length} if length is not None else {})},
-                        "text": f"static/{stem}.mlir",
-                        "bytecode": f"static/{stem}.mlirbc",
-                    }
-                )
 
         save_file(
             dict(zip(lowering.names, map(np.asarray, lowering.weights), strict=True)),
             str(tmp / "weights.safetensors"),
         )
-        golden, golden_manifest = _golden(lowering, n_in, max_len, capacity, seed)
+        golden, golden_manifest = _golden(lowering, seed)
         save_file(golden, str(tmp / "golden.safetensors"))
         (tmp / "run.py").write_text(pathlib.Path(standalone.__file__).read_text())
 
         manifest = _manifest(
             lowering,
+            functions,
             exported,
             config,
             causal_config,
-            capacity,
-            max_len,
-            n_in,
-            n_out,
             platforms,
             static_entries,
             golden_manifest,
@@ -258,22 +381,56 @@ def export_model(
     return ExportSummary(target, files, time.perf_counter() - started, manifest)
 
 
-def _golden(
-    lowering: _Lowering, n_in: int, max_len: int, capacity: int, seed: int
-) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Inputs and the Python model's outputs, for the forward and for `capacity` steps."""
+def _static_sizes(shape: Sequence[int], max_len: int, kind: str) -> dict[str, int]:
+    if len(shape) not in (2, 3) or (len(shape) == 3 and kind == "encoder"):
+        raise ArtifactError(
+            f"a static shape is B,T{' or B,T,S' if kind == 'decoder' else ''}; got {tuple(shape)}."
+        )
+    b, t, *rest = shape
+    s = rest[0] if rest else max_len
+    if b < 1 or not 1 <= t <= max_len or s < 1:
+        raise ArtifactError(
+            f"static shape B={b}, T={t}, S={s} must have B >= 1, 1 <= T <= {max_len}, S >= 1."
+        )
+    return {"B": b, "T": t, "S": s}
+
+
+def _golden(lowering: _Lowering, seed: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Inputs and the Python model's outputs: three forward shapes, and `capacity` steps."""
     key = jax.random.PRNGKey(seed)
-    cases = [(2, max_len), (3, min(5, max_len)), (1, 1)]
+    n_in, max_len, d_context = lowering.n_in, lowering.max_len, lowering.d_context
+    decoder = lowering.kind == "decoder"
     golden: dict[str, np.ndarray] = {}
+
+    def context(i: int, b: int, s: int, padded: bool) -> list[str]:
+        golden[f"context{i}"] = np.asarray(
+            jax.random.normal(jax.random.fold_in(key, 1000 + i), (b, s, d_context))
+        )
+        mask = np.ones((b, s), bool)
+        if padded and s > 1:
+            mask[0, -1] = False  # one padded context step in the first sequence
+        golden[f"context_mask{i}"] = mask
+        return [f"context{i}", f"context_mask{i}"]
+
     forward_cases = []
-    for i, (b, t) in enumerate(cases):
-        x = jax.random.normal(jax.random.fold_in(key, i), (b, t, n_in))
-        golden[f"forward.x{i}"] = np.asarray(x)
-        golden[f"forward.y{i}"] = np.asarray(lowering.forward(lowering.weights, x))
-        forward_cases.append({"input": f"forward.x{i}", "output": f"forward.y{i}", "B": b, "T": t})
-    steps = capacity
-    xs = jax.random.normal(jax.random.fold_in(key, 100), (2, steps, n_in))
-    cache = [jnp.broadcast_to(c, (2, *c.shape)) for c in lowering.cache_leaves]
+    for i, (b, t, s) in enumerate([(2, max_len, 5), (3, min(5, max_len), 3), (1, 1, 1)]):
+        golden[f"forward.x{i}"] = np.asarray(
+            jax.random.normal(jax.random.fold_in(key, i), (b, t, n_in))
+        )
+        inputs = [f"forward.x{i}", *(context(i, b, s, padded=True) if decoder else [])]
+        golden[f"forward.y{i}"] = np.asarray(
+            jax.jit(lowering.forward)(lowering.weights, *(golden[k] for k in inputs))
+        )
+        forward_cases.append({"inputs": inputs, "output": f"forward.y{i}", "B": b, "T": t})
+
+    steps, b = lowering.capacity, 2
+    xs = jax.random.normal(jax.random.fold_in(key, 100), (b, steps, n_in))
+    if decoder:
+        context_keys = context(9, b, 4, padded=False)
+        cache = jax.jit(lowering.init_cache)(lowering.weights, *(golden[k] for k in context_keys))
+    else:
+        context_keys = []
+        cache = [jnp.zeros(_shape(s, {"B": b}), s["dtype"]) for s in lowering.cache]
     step = jax.jit(lowering.step)
     ys = []
     for t in range(steps):
@@ -284,36 +441,70 @@ def _golden(
     return golden, {
         "file": "golden.safetensors",
         "forward": forward_cases,
-        "step": {"x": "step.x", "y": "step.y", "B": 2, "steps": steps},
+        "step": {"context": context_keys, "x": "step.x", "y": "step.y", "B": b, "steps": steps},
     }
+
+
+def _shape(spec: Spec, sizes: dict[str, int]) -> tuple[int, ...]:
+    return tuple(sizes[d] if isinstance(d, str) else d for d in spec["shape"])
 
 
 def _manifest(
     lowering: _Lowering,
+    functions: dict[str, _Function],
     exported: dict[str, export.Exported],
     config: ModelConfig,
     causal_config: ModelConfig,
-    capacity: int,
-    max_len: int,
-    n_in: int,
-    n_out: int,
     platforms: Sequence[str],
     static_entries: list[dict[str, Any]],
     golden: dict[str, Any],
 ) -> dict[str, Any]:
-    weights = [_spec(n, "weight", w) for n, w in zip(lowering.names, lowering.weights, strict=True)]
-    cache = [
-        _spec(n, "cache", c, ["B", *c.shape])
-        for n, c in zip(lowering.cache_names, lowering.cache_leaves, strict=True)
+    weights = [
+        _spec(n, "weight", w.dtype, w.shape)
+        for n, w in zip(lowering.names, lowering.weights, strict=True)
     ]
-    platform_note = (
-        "Exported.call selects the platform itself. In the StableHLO of a multi-platform module "
-        "the first argument is an int32 scalar, the index of the running platform in `platforms`; "
-        "single-platform modules (static/) have no such argument."
-    )
+    described = {}
+    for name, function in functions.items():
+        entry: dict[str, Any] = {
+            "file": f"{name}.jax_exported",
+            "platforms": list(platforms),
+            "platform_index": PLATFORM_INDEX,
+            "inputs": [*weights, *function.inputs],
+            "outputs": function.outputs,
+            "bounds": {
+                d.strip(): [1, lowering.max_len if d.strip() == "T" else 2**31 - 1]
+                for d in function.symbols.split(",")
+            },
+            "constraints": list(function.constraints),
+            "donated": [i["name"] for i in function.inputs if i["role"] == "cache"]
+            if function.donate_cache
+            else [],
+            "calling_convention_version": exported[name].calling_convention_version,
+        }
+        if name == "step":
+            entry.update(
+                model=causal_config.to_json(),
+                note="the step of the model's causal form; it equals forward on every prefix "
+                "when the model itself is causal",
+                capacity=lowering.capacity,
+                overflow=OVERFLOW,
+                cache={
+                    "init": (
+                        "the outputs of init_cache(context, context_mask)"
+                        if lowering.kind == "decoder"
+                        else "every cache array zero (counters 0, flags false), batch B first"
+                    ),
+                    "layout": "one entry per cache array, named by its path in the model's "
+                    "cache tree: positions (index, overflow); each attention's keys and values "
+                    "(B, capacity, d_model), index and overflow; a decoder's projected context "
+                    "(B, S, d_model) and its mask; the mean over time (total, count)",
+                },
+            )
+        described[name] = entry
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
+        "kind": lowering.kind,
         "created": datetime.date.today().isoformat(),
         "versions": {
             "dense_armor": __version__,
@@ -322,58 +513,7 @@ def _manifest(
         },
         "model": config.to_json(),
         "weights": {"file": "weights.safetensors", "names": lowering.names},
-        "functions": {
-            "forward": {
-                "file": "forward.jax_exported",
-                "platforms": list(platforms),
-                "platform_index": platform_note,
-                "inputs": [*weights, _spec("x", "input", jnp.zeros(0), ["B", "T", n_in])],
-                "outputs": [
-                    {"name": "y", "role": "output", "dtype": "float32", "shape": ["B", n_out]}
-                ],
-                "bounds": {"B": [1, 2**31 - 1], "T": [1, max_len]},
-                "constraints": [f"T <= {max_len}"],
-                "donated": [],
-                "calling_convention_version": exported["forward"].calling_convention_version,
-            },
-            "step": {
-                "file": "step.jax_exported",
-                "platforms": list(platforms),
-                "platform_index": platform_note,
-                "model": causal_config.to_json(),
-                "note": (
-                    "the step of the model's causal form; it equals forward on every prefix "
-                    "when the model itself is causal"
-                ),
-                "inputs": [
-                    *weights,
-                    _spec("x_t", "input", jnp.zeros(0), ["B", n_in]),
-                    *cache,
-                ],
-                "outputs": [
-                    {"name": "y_t", "role": "output", "dtype": "float32", "shape": ["B", n_out]},
-                    *[{**c, "role": "cache"} for c in cache],
-                    {"name": "overflow", "role": "output", "dtype": "bool", "shape": ["B"]},
-                ],
-                "bounds": {"B": [1, 2**31 - 1]},
-                "donated": [c["name"] for c in cache],
-                "capacity": capacity,
-                "cache": {
-                    "init": "every cache array zero (counters 0, flags false), batch B first",
-                    "layout": (
-                        "per layer, in order: positions (index, overflow); each block's "
-                        "attention (keys, values: (B, capacity, d_model); index, overflow); "
-                        "the mean over time (total, count)"
-                    ),
-                },
-                "overflow": (
-                    "a stream that steps past the cache capacity (or past max_len) gets NaN in its "
-                    "row of y_t and true in `overflow`; its cache rows are never overwritten, and "
-                    "the flag stays true. No host callbacks."
-                ),
-                "calling_convention_version": exported["step"].calling_convention_version,
-            },
-        },
+        "functions": described,
         "static": static_entries,
         "golden": golden,
     }

@@ -88,15 +88,20 @@ def _concrete(shape: Sequence[int | str], sizes: dict[str, int]) -> tuple[int, .
 class Artifact:
     """The exported functions of one artifact directory, with the weights bound.
 
-    - `forward(x)`: `x (B, T, n_in) -> y (B, n_out)`, any `B`, `1 <= T <= max_len`.
-    - `init_cache(batch)`: the step function's cache for `batch` streams, all zeros.
+    - `forward(*inputs)`: an encoder's `forward(x)` maps `x (B, T, n_in) -> y (B, n_out)`; a
+      decoder's `forward(x, context, context_mask)` maps to `y (B, T, n_out)`. Any `B`,
+      `1 <= T <= max_len`.
+    - `init_cache(batch)` for an encoder (all zeros), `init_cache(context, context_mask=None)` for
+      a decoder (the context projected once): the step function's cache, a list of arrays.
     - `step(x_t, cache) -> (y_t, cache, overflow)`: `x_t (B, n_in)`; `overflow (B,)` is true where
       a stream has outrun the cache's capacity, and its `y_t` row is NaN.
+    - `call(name, *inputs)`: any exported function by its manifest name, inputs checked.
     """
 
     def __init__(self, directory: str | pathlib.Path, verify: bool = True):
         self.directory = pathlib.Path(directory)
         self.manifest = read_manifest(self.directory)
+        self.kind = self.manifest.get("kind", "encoder")
         if verify:
             verify_files(self.directory, self.manifest)
         weights = _load_safetensors(self.directory / self.manifest["weights"]["file"])
@@ -106,37 +111,49 @@ class Artifact:
             raise ArtifactError(f"the weights file lacks {missing[:3]}.")
         self.weights = [jax.numpy.asarray(weights[n]) for n in names]
         self.functions = {}
+        self._calls = {}
         for name, spec in self.manifest["functions"].items():
             blob = (self.directory / spec["file"]).read_bytes()
             try:
                 self.functions[name] = export.deserialize(bytearray(blob))
             except Exception as error:
                 raise ArtifactError(f"cannot deserialize {spec['file']}: {error}") from None
-        # The cache (third argument) is donated, so a step updates it in place.
-        self._step_call = (
-            jax.jit(self.functions["step"].call, donate_argnums=2)
-            if "step" in self.functions
-            else None
-        )
+            n_plain = len([i for i in self.inputs(name) if i["role"] != "cache"])
+            # A donated cache (the argument after the plain inputs) is updated in place.
+            self._calls[name] = jax.jit(
+                self.functions[name].call,
+                donate_argnums=(1 + n_plain,) if spec.get("donated") else (),
+            )
 
-    def step_inputs(self, role: str) -> list[dict[str, Any]]:
-        return [i for i in self.manifest["functions"]["step"]["inputs"] if i["role"] == role]
+    def inputs(self, function: str, role: str | None = None) -> list[dict[str, Any]]:
+        """The manifest's non-weight inputs of `function` (of one `role` if given)."""
+        return [
+            i
+            for i in self.manifest["functions"][function]["inputs"]
+            if i["role"] != "weight" and (role is None or i["role"] == role)
+        ]
 
-    def _check(self, function: str, role: str, arrays: Sequence[Any]) -> dict[str, int]:
-        """Check `arrays` against the manifest's inputs of `role`; return the symbolic sizes."""
-        specs = [i for i in self.manifest["functions"][function]["inputs"] if i["role"] == role]
+    def _check(self, function: str, arrays: Sequence[Any]) -> dict[str, int]:
+        """Check `arrays` against the manifest's inputs of `function`; return the dim sizes."""
+        specs = self.inputs(function)
         if len(arrays) != len(specs):
+            names = [s["name"] for s in specs]
             raise ArtifactError(
-                f"{function}: expected {len(specs)} {role} arrays, got {len(arrays)}."
+                f"{function}: expected {len(specs)} inputs ({', '.join(names[:4])}"
+                f"{', ...' if len(names) > 4 else ''}); received {len(arrays)}."
             )
         sizes: dict[str, int] = {}
         for spec, array in zip(specs, arrays, strict=True):
             shape = tuple(np.shape(array))
-            dtype = np.asarray(array).dtype if not hasattr(array, "dtype") else array.dtype
+            dtype = array.dtype if hasattr(array, "dtype") else np.asarray(array).dtype
             ok = len(shape) == len(spec["shape"]) and str(dtype) == spec["dtype"]
             for dim, size in zip(spec["shape"], shape, strict=False):
                 if isinstance(dim, str):
-                    ok = ok and sizes.setdefault(dim, size) == size
+                    if sizes.setdefault(dim, size) != size:
+                        raise ArtifactError(
+                            f"{function}: input {spec['name']!r} has {dim}={size}, but an earlier "
+                            f"input has {dim}={sizes[dim]}."
+                        )
                 else:
                     ok = ok and dim == size
             if not ok:
@@ -145,36 +162,43 @@ class Artifact:
                     f"{tuple(spec['shape'])} and dtype {spec['dtype']}; received shape {shape} "
                     f"and dtype {dtype}."
                 )
-        for bound in self.manifest["functions"][function].get("bounds", {}).items():
-            dim, (low, high) = bound
+        for dim, (low, high) in self.manifest["functions"][function].get("bounds", {}).items():
             if dim in sizes and not low <= sizes[dim] <= high:
                 raise ArtifactError(
                     f"{function}: {dim}={sizes[dim]} is outside the exported range [{low}, {high}]."
                 )
         return sizes
 
-    def forward(self, x: Any) -> jax.Array:
-        self._check("forward", "input", [x])
-        return self.functions["forward"].call(self.weights, x)
+    def call(self, function: str, *inputs: Any) -> Any:
+        if function not in self._calls:
+            raise ArtifactError(f"this artifact has no function {function!r}.")
+        self._check(function, inputs)
+        specs = self.inputs(function)
+        plain = [x for x, s in zip(inputs, specs, strict=True) if s["role"] != "cache"]
+        cache = [x for x, s in zip(inputs, specs, strict=True) if s["role"] == "cache"]
+        return self._calls[function](self.weights, *plain, *([list(cache)] if cache else []))
 
-    def init_cache(self, batch: int) -> list[jax.Array]:
-        if batch < 1:
-            raise ArtifactError(f"init_cache: batch must be positive; received {batch}.")
+    def forward(self, *inputs: Any) -> jax.Array:
+        return self.call("forward", *inputs)
+
+    def init_cache(self, batch_or_context: Any, context_mask: Any = None) -> list[jax.Array]:
+        if self.kind == "decoder":
+            context = batch_or_context
+            if context_mask is None:
+                context_mask = np.ones(np.shape(context)[:2], bool)
+            return list(self.call("init_cache", context, context_mask))
+        batch = batch_or_context
+        if not isinstance(batch, int) or batch < 1:
+            raise ArtifactError(
+                f"init_cache: batch must be a positive integer; received {batch!r}."
+            )
         return [
             jax.numpy.zeros(_concrete(spec["shape"], {"B": batch}), spec["dtype"])
-            for spec in self.step_inputs("cache")
+            for spec in self.inputs("step", "cache")
         ]
 
     def step(self, x_t: Any, cache: Sequence[Any]) -> tuple[jax.Array, list[jax.Array], jax.Array]:
-        if self._step_call is None:
-            raise ArtifactError("this artifact has no step function.")
-        sizes = self._check("step", "input", [x_t])
-        cache_sizes = self._check("step", "cache", list(cache))
-        if cache_sizes.get("B", sizes["B"]) != sizes["B"]:
-            raise ArtifactError(
-                f"step: x_t has batch {sizes['B']} but the cache has batch {cache_sizes['B']}."
-            )
-        y_t, new_cache, overflow = self._step_call(self.weights, x_t, list(cache))
+        y_t, new_cache, overflow = self.call("step", x_t, *cache)
         return y_t, list(new_cache), overflow
 
 
@@ -188,20 +212,23 @@ def check_golden(artifact: Artifact, steps: int | None = None) -> dict[str, floa
     golden = _load_safetensors(artifact.directory / artifact.manifest["golden"]["file"])
     errors = {}
     for case in artifact.manifest["golden"]["forward"]:
-        y = np.asarray(artifact.forward(golden[case["input"]]))
+        y = np.asarray(artifact.forward(*(golden[k] for k in case["inputs"])))
         label = f"forward B={case['B']} T={case['T']}"
         errors[label] = float(np.abs(y - golden[case["output"]]).max())
-    if "step" in artifact.functions:
-        xs, ys = golden["step.x"], golden["step.y"]
-        n = xs.shape[1] if steps is None else min(steps, xs.shape[1])
+    plan = artifact.manifest["golden"]["step"]
+    xs, ys = golden[plan["x"]], golden[plan["y"]]
+    n = xs.shape[1] if steps is None else min(steps, xs.shape[1])
+    if artifact.kind == "decoder":
+        cache = artifact.init_cache(*(golden[k] for k in plan["context"]))
+    else:
         cache = artifact.init_cache(xs.shape[0])
-        worst = 0.0
-        for t in range(n):
-            y_t, cache, overflow = artifact.step(xs[:, t], cache)
-            if bool(np.any(overflow)):
-                raise ArtifactError(f"step {t}: the cache overflowed within its capacity.")
-            worst = max(worst, float(np.abs(np.asarray(y_t) - ys[:, t]).max()))
-        errors[f"step B={xs.shape[0]}, {n} steps"] = worst
+    worst = 0.0
+    for t in range(n):
+        y_t, cache, overflow = artifact.step(xs[:, t], cache)
+        if bool(np.any(overflow)):
+            raise ArtifactError(f"step {t}: the cache overflowed within its capacity.")
+        worst = max(worst, float(np.abs(np.asarray(y_t) - ys[:, t]).max()))
+    errors[f"step B={xs.shape[0]}, {n} steps"] = worst
     return errors
 
 

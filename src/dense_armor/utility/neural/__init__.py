@@ -1,7 +1,12 @@
 """The layers of dense_armor. Every public name is re-exported here."""
 
+from .attention import ContextCache as ContextCache
+from .attention import DecoderCache as DecoderCache
+from .attention import Gate as Gate
+from .attention import MultiHeadCrossAttention as MultiHeadCrossAttention
 from .attention import MultiHeadSelfAttention as MultiHeadSelfAttention
 from .attention import TransformerBlock as TransformerBlock
+from .attention import TransformerDecoderBlock as TransformerDecoderBlock
 from .attention import scaled_dot_product_attention as scaled_dot_product_attention
 from .attention import sinusoidal_encoding as sinusoidal_encoding
 from .attention import sinusoidal_positions as sinusoidal_positions
@@ -21,6 +26,8 @@ from .layers import MeanOverTime as MeanOverTime
 from .layers import ReLU as ReLU
 from .models import AddPositions as AddPositions
 from .models import Sequential as Sequential
+from .models import TransformerDecoder as TransformerDecoder
+from .models import transformer_decoder as transformer_decoder
 from .models import transformer_encoder as transformer_encoder
 from .positions import LearnedPositions as LearnedPositions
 from .positions import PositionalEncoding as PositionalEncoding

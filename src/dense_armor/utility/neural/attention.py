@@ -3,6 +3,7 @@ sinusoidal positional encoding (Vaswani et al. 2017, "Attention Is All You Need"
 """
 
 import math
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -23,7 +24,12 @@ from .core import Layer, Param, ShapeError, require_positive, shape_checked
 from .layers import Dropout, FeedForward, LayerNorm
 
 __all__ = [
+    "ContextCache",
+    "DecoderCache",
+    "Gate",
+    "MultiHeadCrossAttention",
     "MultiHeadSelfAttention",
+    "TransformerDecoderBlock",
     "TransformerBlock",
     "scaled_dot_product_attention",
     "sinusoidal_encoding",
@@ -107,6 +113,44 @@ def _check_heads(d_model: int, n_heads: int) -> None:
         )
 
 
+def _project(x: Array, weight: Param) -> Array:
+    """`x @ weight`, in the dtype of `x`."""
+    return jnp.einsum("...d,de->...e", x, weight.value.astype(x.dtype))
+
+
+def _attend_heads(
+    layer: "MultiHeadSelfAttention | MultiHeadCrossAttention",
+    x: Array,
+    keys: Array,
+    values: Array,
+    mask: Array | None,
+) -> Array:
+    """Queries `x W_Q` of `x (T, d_model)` against projected `keys`, `values` `(S, d_model)`,
+    split into heads, attended with `scaled_dot_product_attention` and joined by `W_O`."""
+    n_heads, d_head = layer.n_heads, layer.d_model // layer.n_heads
+
+    def heads(a: Array) -> Array:  # (L, d_model) -> (n_heads, L, d_head)
+        return a.reshape(a.shape[0], n_heads, d_head).transpose(1, 0, 2)
+
+    out = scaled_dot_product_attention(
+        heads(_project(x, layer.W_Q)), heads(keys), heads(values), mask
+    )
+    joined = out.transpose(1, 0, 2).reshape(x.shape[0], layer.d_model)
+    return _project(joined, layer.W_O)
+
+
+def _residual(
+    block: "TransformerBlock | TransformerDecoderBlock",
+    i: int,
+    x: Array,
+    sub: Array,
+    key: PRNGKeyArray | None,
+) -> Array:
+    """A block's `i`-th residual connection: `x + Dropout(sub)`, or its `i`-th gate of the two."""
+    sub = block.dropout(sub, key=key)
+    return block.gates[i](x, sub) if block.gates else x + sub
+
+
 def _require_causal(layer: "MultiHeadSelfAttention | TransformerBlock") -> None:
     if not layer.causal:
         raise ValueError(
@@ -154,25 +198,13 @@ class MultiHeadSelfAttention(Layer):
     def d_head(self) -> int:
         return self.d_model // self.n_heads
 
-    def _project(self, x: Array, weight: Param) -> Array:
-        """`(..., d_model) @ (d_model, d_model)`, split into heads: `(n_heads, ..., d_head)`."""
-        y = jnp.einsum("...d,de->...e", x, weight.value.astype(x.dtype))
-        y = y.reshape(*x.shape[:-1], self.n_heads, self.d_head)
-        return jnp.moveaxis(y, -2, 0)
-
     def _attend(
         self, x: Array, keys: Array, values: Array, mask: Array | None
     ) -> Float[Array, "T d_model"]:
-        """Queries from `x (T, d_model)` against projected `keys`, `values` `(S, d_model)`."""
-        q = self._project(x, self.W_Q)
-        k = keys.reshape(-1, self.n_heads, self.d_head).transpose(1, 0, 2)
-        v = values.reshape(-1, self.n_heads, self.d_head).transpose(1, 0, 2)
-        heads = scaled_dot_product_attention(q, k, v, mask)  # (n_heads, T, d_head)
-        joined = heads.transpose(1, 0, 2).reshape(x.shape[0], self.d_model)
-        return jnp.einsum("td,de->te", joined, self.W_O.value.astype(x.dtype))
+        return _attend_heads(self, x, keys, values, mask)
 
     def _keys_values(self, x: Array) -> tuple[Array, Array]:
-        return x @ self.W_K.value.astype(x.dtype), x @ self.W_V.value.astype(x.dtype)
+        return _project(x, self.W_K), _project(x, self.W_V)
 
     @shape_checked
     def forward(
@@ -255,11 +287,13 @@ class TransformerBlock(Layer):
 
     **Arguments:** `d_model`, `n_heads`, `d_ff` (the hidden width of the feed-forward), `key`,
     `causal=False`, `dropout=0.0` (applied to each sub-layer's output before the residual
-    addition, only when `forward` gets a `key`).
+    addition, only when `forward` gets a `key`), `gate=False` (a `Gate` replaces each residual
+    addition: `y = LayerNorm(Gate(x, Attention(x)))`, ...).
 
     `params()` is, in order, the attention's `[W_Q, W_K, W_V, W_O]`, the first LayerNorm's
     `[gain, bias]`, the feed-forward's `[W_1, b_1, W_2, b_2]` and the second LayerNorm's
-    `[gain, bias]`: 12 in all. A causal block streams like `MultiHeadSelfAttention`.
+    `[gain, bias]`: 12 in all; then, with `gate=True`, each gate's `[U, W, b]` (18 in all).
+    A causal block streams like `MultiHeadSelfAttention`.
     """
 
     attention: MultiHeadSelfAttention
@@ -267,6 +301,7 @@ class TransformerBlock(Layer):
     feed_forward: FeedForward
     norm2: LayerNorm
     dropout: Dropout
+    gates: "tuple[Gate, ...]"
     d_model: int = eqx.field(static=True)
 
     def __init__(
@@ -277,6 +312,7 @@ class TransformerBlock(Layer):
         key: PRNGKeyArray,
         causal: bool = False,
         dropout: float = 0.0,
+        gate: bool = False,
     ):
         _check_heads(d_model, n_heads)
         require_positive(d_ff=d_ff)
@@ -286,7 +322,13 @@ class TransformerBlock(Layer):
         self.feed_forward = FeedForward(d_model, d_ff, fkey)
         self.norm2 = LayerNorm(d_model)
         self.dropout = Dropout(dropout)
+        # Gate keys come from a separate fold, so gate=False models keep their weights.
+        gate_keys = jr.split(jr.fold_in(key, 1), 2)
+        self.gates = tuple(Gate(d_model, k) for k in gate_keys) if gate else ()
         self.d_model = d_model
+
+    def _join(self, i: int, x: Array, sub: Array, key: PRNGKeyArray | None) -> Array:
+        return _residual(self, i, x, sub, key)
 
     @property
     def causal(self) -> bool:
@@ -297,8 +339,8 @@ class TransformerBlock(Layer):
         self, x: Float[Array, "T d_model"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "T d_model"]:
         akey, fkey = (None, None) if key is None else jr.split(key)
-        y = self.norm1(x + self.dropout(self.attention(x), key=akey))
-        return self.norm2(y + self.dropout(self.feed_forward(y), key=fkey))
+        y = self.norm1(self._join(0, x, self.attention(x), akey))
+        return self.norm2(self._join(1, y, self.feed_forward(y), fkey))
 
     def init_cache(
         self, capacity: int | None = None, *, on_overflow: str = "raise"
@@ -312,5 +354,237 @@ class TransformerBlock(Layer):
     ) -> tuple[Float[Array, " d_model"], KVCache | FixedKVCache]:
         """One causal step of the block; see `MultiHeadSelfAttention.step`."""
         a_t, cache = self.attention.step(x_t, cache)
-        y_t = self.norm1(x_t + a_t)
-        return self.norm2(y_t + self.feed_forward(y_t)), cache
+        y_t = self.norm1(self._join(0, x_t, a_t, None))
+        return self.norm2(self._join(1, y_t, self.feed_forward(y_t), None)), cache
+
+
+class ContextCache(NamedTuple):
+    """A context's projected keys and values, `(S, d_model)` each, and its mask `(S,)`."""
+
+    keys: Float[Array, "S d_model"]
+    values: Float[Array, "S d_model"]
+    mask: Bool[Array, " S"]
+
+
+class MultiHeadCrossAttention(Layer):
+    """Multi-head attention from one sequence to another: queries from `x (T, d_model)`, keys and
+    values from a context `(S, d_context)` (Vaswani et al. 2017, page 5, "encoder-decoder
+    attention"). Four projections, no biases: `W_Q (d_model, d_model)`, `W_K` and `W_V`
+    `(d_context, d_model)`, `W_O (d_model, d_model)`.
+
+    **Arguments:** `d_model` (divisible by `n_heads`), `n_heads`, `key`, `d_context=None` (the
+    context's width; default `d_model`).
+
+    `forward(x, context, context_mask=None)`: `context_mask (S,)` is `True` on the context steps to
+    look at (padding is `False`); a query with no visible step gets zeros, never NaN.
+    Streaming: `cache = layer.init_cache(context)` projects the context once; `step(x_t, cache)`
+    then costs one query.
+    """
+
+    W_Q: Param
+    W_K: Param
+    W_V: Param
+    W_O: Param
+    d_model: int = eqx.field(static=True)
+    n_heads: int = eqx.field(static=True)
+    d_context: int = eqx.field(static=True)
+
+    def __init__(self, d_model: int, n_heads: int, key: PRNGKeyArray, d_context: int | None = None):
+        _check_heads(d_model, n_heads)
+        d_context = d_model if d_context is None else d_context
+        require_positive(d_context=d_context)
+        qkey, kkey, vkey, okey = jr.split(key, 4)
+
+        def init(k: PRNGKeyArray, d_in: int) -> Param:
+            bound = 1.0 / math.sqrt(d_in)
+            return Param(jr.uniform(k, (d_in, d_model), minval=-bound, maxval=bound))
+
+        self.W_Q, self.W_K = init(qkey, d_model), init(kkey, d_context)
+        self.W_V, self.W_O = init(vkey, d_context), init(okey, d_model)
+        self.d_model, self.n_heads, self.d_context = d_model, n_heads, d_context
+
+    @shape_checked
+    def init_cache(
+        self, context: Float[Array, "S d_context"], *, context_mask: Bool[Array, " S"] | None = None
+    ) -> ContextCache:
+        """Project the context's keys and values once, for `step`."""
+        mask = jnp.ones(context.shape[0], bool) if context_mask is None else context_mask
+        return ContextCache(_project(context, self.W_K), _project(context, self.W_V), mask)
+
+    @shape_checked
+    def forward(
+        self,
+        x: Float[Array, "T d_model"],
+        context: Float[Array, "S d_context"],
+        *,
+        context_mask: Bool[Array, " S"] | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "T d_model"]:
+        return self.step_sequence(x, self.init_cache(context, context_mask=context_mask))
+
+    def step_sequence(self, x: Array, cache: ContextCache) -> Array:
+        """Attend from every row of `x (T, d_model)` to a projected context."""
+        return _attend_heads(self, x, cache.keys, cache.values, cache.mask[None, :])
+
+    @shape_checked
+    def step(
+        self, x_t: Float[Array, " d_model"], cache: ContextCache
+    ) -> tuple[Float[Array, " d_model"], ContextCache]:
+        """One query against the cached context; the cache comes back unchanged."""
+        if cache.keys.ndim != 2 or cache.keys.shape[1] != self.d_model:
+            raise ShapeError(
+                f"MultiHeadCrossAttention.step: received `cache.keys.shape={cache.keys.shape}`; "
+                f"expected `(S, d_model={self.d_model})`. Use `init_cache(context)`."
+            )
+        return self.step_sequence(x_t[None], cache)[0], cache
+
+
+class Gate(Layer):
+    """A learned elementwise gate between a residual stream `x` and a sub-layer's output `y`:
+
+    `g = sigmoid(x U + y W - b)`, `z = (1 - g) * x + g * y`.
+
+    This is the highway connection (Srivastava et al. 2015, "Highway Networks", Section 2,
+    Eq.(3)) with its gate conditioned on both signals, as the update gate `z` of the GRU-type
+    gating of Parisotto et al. 2019 ("Stabilizing Transformers for Reinforcement Learning",
+    Section 3.2), which uses it in place of a Transformer's residual addition. Unlike that GRU gate,
+    its extremes are the inputs themselves (`g -> 0` gives `x`, `g -> 1` gives `y`), so a gated
+    block can still learn the plain residual path exactly. `b` starts at `bias=2.0`, so `g` starts
+    near `sigmoid(-2) = 0.12` and the gated block starts close to the identity, as Parisotto et al.
+    recommend for their `b_g`.
+
+    **Arguments:** `d_model`, `key`, `bias=2.0`. `params()` is `[U, W, b]`.
+    """
+
+    U: Param
+    W: Param
+    b: Param
+    d_model: int = eqx.field(static=True)
+
+    def __init__(self, d_model: int, key: PRNGKeyArray, bias: float = 2.0):
+        require_positive(d_model=d_model)
+        ukey, wkey = jr.split(key)
+        bound = 1.0 / math.sqrt(d_model)
+        self.U = Param(jr.uniform(ukey, (d_model, d_model), minval=-bound, maxval=bound))
+        self.W = Param(jr.uniform(wkey, (d_model, d_model), minval=-bound, maxval=bound))
+        self.b = Param(jnp.full((d_model,), bias, jnp.float32))
+        self.d_model = d_model
+
+    @shape_checked
+    def forward(
+        self,
+        x: Float[Array, "*T d_model"],
+        y: Float[Array, "*T d_model"],
+        *,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "*T d_model"]:
+        logits = _project(x, self.U) + _project(y, self.W)
+        g = jax.nn.sigmoid(logits - jnp.broadcast_to(self.b.value.astype(x.dtype), logits.shape))
+        return (1 - g) * x + g * y
+
+
+class DecoderCache(NamedTuple):
+    """A decoder block's caches: its causal self-attention's and its projected context."""
+
+    self_attention: KVCache | FixedKVCache
+    context: ContextCache
+
+
+class TransformerDecoderBlock(Layer):
+    """The decoder block (Vaswani et al. 2017, page 3): causal self-attention, attention to a
+    context, and the feed-forward, each followed by its residual addition (or a `Gate`) and a
+    LayerNorm:
+
+    `y = LN(x + SelfAttention(x))`, `u = LN(y + CrossAttention(y, context))`, `z = LN(u + FFN(u))`.
+
+    **Arguments:** `d_model`, `n_heads`, `d_ff`, `key`, `d_context=None` (default `d_model`),
+    `dropout=0.0` (on each sub-layer's output, with a `key`), `gate=False` (a `Gate` replaces each
+    residual addition).
+
+    `params()`: the self-attention's 4, the first LayerNorm's 2, the cross-attention's 4, the second
+    LayerNorm's 2, the feed-forward's 4, the third LayerNorm's 2 (18), then each gate's 3.
+    Streaming: `init_cache(context, capacity=None)` then `step(x_t, cache)`.
+    """
+
+    self_attention: MultiHeadSelfAttention
+    norm1: LayerNorm
+    cross_attention: MultiHeadCrossAttention
+    norm2: LayerNorm
+    feed_forward: FeedForward
+    norm3: LayerNorm
+    dropout: Dropout
+    gates: tuple[Gate, ...]
+    d_model: int = eqx.field(static=True)
+    d_context: int = eqx.field(static=True)
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        key: PRNGKeyArray,
+        d_context: int | None = None,
+        dropout: float = 0.0,
+        gate: bool = False,
+    ):
+        _check_heads(d_model, n_heads)
+        require_positive(d_ff=d_ff)
+        skey, ckey, fkey = jr.split(key, 3)
+        self.self_attention = MultiHeadSelfAttention(d_model, n_heads, skey, causal=True)
+        self.norm1 = LayerNorm(d_model)
+        self.cross_attention = MultiHeadCrossAttention(d_model, n_heads, ckey, d_context)
+        self.norm2 = LayerNorm(d_model)
+        self.feed_forward = FeedForward(d_model, d_ff, fkey)
+        self.norm3 = LayerNorm(d_model)
+        self.dropout = Dropout(dropout)
+        gate_keys = jr.split(jr.fold_in(key, 1), 3)
+        self.gates = tuple(Gate(d_model, k) for k in gate_keys) if gate else ()
+        self.d_model = d_model
+        self.d_context = self.cross_attention.d_context
+
+    def _join(self, i: int, x: Array, sub: Array, key: PRNGKeyArray | None) -> Array:
+        return _residual(self, i, x, sub, key)
+
+    @shape_checked
+    def forward(
+        self,
+        x: Float[Array, "T d_model"],
+        context: Float[Array, "S d_context"],
+        *,
+        context_mask: Bool[Array, " S"] | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "T d_model"]:
+        keys = [None] * 3 if key is None else list(jr.split(key, 3))
+        y = self.norm1(self._join(0, x, self.self_attention(x), keys[0]))
+        u = self.norm2(
+            self._join(1, y, self.cross_attention(y, context, context_mask=context_mask), keys[1])
+        )
+        return self.norm3(self._join(2, u, self.feed_forward(u), keys[2]))
+
+    @shape_checked
+    def init_cache(
+        self,
+        context: Float[Array, "S d_context"],
+        capacity: int | None = None,
+        *,
+        context_mask: Bool[Array, " S"] | None = None,
+        on_overflow: str = "raise",
+    ) -> DecoderCache:
+        """The self-attention's cache (growing, or fixed with `capacity`) and the projected
+        context."""
+        return DecoderCache(
+            self.self_attention.init_cache(capacity, on_overflow=on_overflow),
+            self.cross_attention.init_cache(context, context_mask=context_mask),
+        )
+
+    @shape_checked
+    def step(
+        self, x_t: Float[Array, " d_model"], cache: DecoderCache
+    ) -> tuple[Float[Array, " d_model"], DecoderCache]:
+        """One step; after `t+1` steps, row `t` of `forward` on them (with the same context)."""
+        a_t, self_cache = self.self_attention.step(x_t, cache.self_attention)
+        y_t = self.norm1(self._join(0, x_t, a_t, None))
+        c_t, context = self.cross_attention.step(y_t, cache.context)
+        u_t = self.norm2(self._join(1, y_t, c_t, None))
+        z_t = self.norm3(self._join(2, u_t, self.feed_forward(u_t), None))
+        return z_t, DecoderCache(self_cache, context)

@@ -101,18 +101,18 @@ class Layer(eqx.Module):
     `step(x_t, cache) -> (y_t, cache)`.
     """
 
-    def forward(self, x: Any, *, key: Any = None) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
 
-    def __call__(self, x: Any, *, key: Any = None) -> Any:
-        return self.forward(x, key=key)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
 
     def params(self) -> list[Param]:
         """The layer's `Param`s, in field order (depth first)."""
         leaves = jax.tree_util.tree_leaves(self, is_leaf=lambda node: isinstance(node, Param))
         return [leaf for leaf in leaves if isinstance(leaf, Param)]
 
-    def init_cache(self, capacity: int | None = None, *, on_overflow: str = "raise") -> Any:
+    def init_cache(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(f"{type(self).__name__} does not stream: it has no `init_cache`.")
 
     def step(self, x_t: Any, cache: Any) -> tuple[Any, Any]:

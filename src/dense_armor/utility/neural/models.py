@@ -5,13 +5,19 @@ from typing import Any
 import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .attention import TransformerBlock, sinusoidal_encoding
+from .attention import TransformerBlock, TransformerDecoderBlock, sinusoidal_encoding
 from .cache import validate_overflow_mode
 from .core import Layer, require_positive
 from .layers import Dense, MeanOverTime
 from .positions import LearnedPositions, PositionalEncoding
 
-__all__ = ["AddPositions", "Sequential", "transformer_encoder"]
+__all__ = [
+    "AddPositions",
+    "Sequential",
+    "TransformerDecoder",
+    "transformer_decoder",
+    "transformer_encoder",
+]
 
 
 class AddPositions(PositionalEncoding):
@@ -78,6 +84,16 @@ class Sequential(Layer):
         return x_t, tuple(new)
 
 
+def _positions(kind: str, max_len: int, d_model: int, key: PRNGKeyArray) -> PositionalEncoding:
+    if kind == "sinusoidal":
+        return AddPositions(max_len)
+    if kind == "learned":
+        return LearnedPositions(max_len, d_model, key)
+    raise ValueError(
+        f"`positions` must be 'sinusoidal' or 'learned'; received `positions={kind!r}`."
+    )
+
+
 def transformer_encoder(
     n_in: int,
     d_model: int,
@@ -90,6 +106,7 @@ def transformer_encoder(
     causal: bool = False,
     dropout: float = 0.0,
     positions: str = "sinusoidal",
+    gate: bool = False,
 ) -> Sequential:
     """A sequence-to-vector encoder: `(T, n_in) -> (n_out,)`.
 
@@ -99,29 +116,118 @@ def transformer_encoder(
     **Arguments:** in order `n_in`, `d_model`, `n_heads`, `d_ff`, `depth`, `n_out`, `key`,
     `max_len`; then `causal=False` (makes every block causal, so the encoder streams),
     `dropout=0.0` (of every block) and `positions`: `"sinusoidal"` (`AddPositions(max_len)`, no
-    parameters) or `"learned"` (`LearnedPositions(max_len, d_model, key)`).
+    parameters) or `"learned"` (`LearnedPositions(max_len, d_model, key)`), and `gate=False`
+    (a `Gate` in place of every residual addition).
     """
     require_positive(
         n_in=n_in, d_model=d_model, d_ff=d_ff, depth=depth, n_out=n_out, max_len=max_len
     )
-    if positions not in ("sinusoidal", "learned"):
-        raise ValueError(
-            f"`positions` must be 'sinusoidal' or 'learned'; received `positions={positions!r}`."
-        )
     in_key, pos_key, out_key, *block_keys = jr.split(key, 3 + depth)
-    position_layer: PositionalEncoding = (
-        AddPositions(max_len)
-        if positions == "sinusoidal"
-        else LearnedPositions(max_len, d_model, pos_key)
-    )
     blocks = [
-        TransformerBlock(d_model, n_heads, d_ff, k, causal=causal, dropout=dropout)
+        TransformerBlock(d_model, n_heads, d_ff, k, causal=causal, dropout=dropout, gate=gate)
         for k in block_keys
     ]
     return Sequential(
         Dense(n_in, d_model, in_key),
-        position_layer,
+        _positions(positions, max_len, d_model, pos_key),
         *blocks,
         MeanOverTime(d_model),
+        Dense(d_model, n_out, out_key),
+    )
+
+
+class TransformerDecoder(Layer):
+    """A sequence-to-sequence decoder that attends to a context: `(T, n_in), (S, d_context) ->
+    (T, n_out)`.
+
+    `Dense(n_in, d_model)`, the positions, `depth` `TransformerDecoderBlock`s, `Dense(d_model,
+    n_out)` applied to every step. Built by `transformer_decoder`. Streaming:
+    `cache = decoder.init_cache(context, capacity)` projects the context once per block, then
+    `y_t, cache = decoder.step(x_t, cache)` gives row `t` of `forward`.
+    """
+
+    embed: Dense
+    positions: PositionalEncoding
+    blocks: tuple[TransformerDecoderBlock, ...]
+    head: Dense
+
+    def forward(
+        self,
+        x: Array,
+        context: Array,
+        *,
+        context_mask: Array | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> Array:
+        keys = [None] * len(self.blocks) if key is None else list(jr.split(key, len(self.blocks)))
+        h = self.positions(self.embed(x))
+        for block, block_key in zip(self.blocks, keys, strict=True):
+            h = block(h, context, context_mask=context_mask, key=block_key)
+        return self.head(h)
+
+    def init_cache(
+        self,
+        context: Array,
+        capacity: int | None = None,
+        *,
+        context_mask: Array | None = None,
+        on_overflow: str = "raise",
+    ) -> tuple[Any, ...]:
+        """`(positions' cache, each block's DecoderCache...)`."""
+        validate_overflow_mode(on_overflow)
+        return (
+            self.positions.init_cache(capacity, on_overflow=on_overflow),
+            *(
+                block.init_cache(
+                    context, capacity, context_mask=context_mask, on_overflow=on_overflow
+                )
+                for block in self.blocks
+            ),
+        )
+
+    def step(self, x_t: Array, cache: tuple[Any, ...]) -> tuple[Array, tuple[Any, ...]]:
+        if not isinstance(cache, tuple) or len(cache) != 1 + len(self.blocks):
+            raise ValueError(
+                f"TransformerDecoder.step: expected the tuple of {1 + len(self.blocks)} caches "
+                "from `init_cache(context, ...)`."
+            )
+        h, position_cache = self.positions.step(self.embed(x_t), cache[0])
+        new: list[Any] = [position_cache]
+        for block, block_cache in zip(self.blocks, cache[1:], strict=True):
+            h, block_cache = block.step(h, block_cache)
+            new.append(block_cache)
+        return self.head(h), tuple(new)
+
+
+def transformer_decoder(
+    n_in: int,
+    d_model: int,
+    n_heads: int,
+    d_ff: int,
+    depth: int,
+    n_out: int,
+    key: PRNGKeyArray,
+    max_len: int,
+    d_context: int | None = None,
+    dropout: float = 0.0,
+    gate: bool = False,
+    positions: str = "sinusoidal",
+) -> TransformerDecoder:
+    """A decoder next to `transformer_encoder`: arguments in the same order, then `d_context`
+    (default `d_model`), `dropout`, `gate` (gated residuals in every block) and `positions`."""
+    require_positive(
+        n_in=n_in, d_model=d_model, d_ff=d_ff, depth=depth, n_out=n_out, max_len=max_len
+    )
+    in_key, pos_key, out_key, *block_keys = jr.split(key, 3 + depth)
+    blocks = tuple(
+        TransformerDecoderBlock(
+            d_model, n_heads, d_ff, k, d_context=d_context, dropout=dropout, gate=gate
+        )
+        for k in block_keys
+    )
+    return TransformerDecoder(
+        Dense(n_in, d_model, in_key),
+        _positions(positions, max_len, d_model, pos_key),
+        blocks,
         Dense(d_model, n_out, out_key),
     )
