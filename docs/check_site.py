@@ -18,7 +18,16 @@ import threading
 
 from playwright.sync_api import sync_playwright
 
-PAGES = ["", "attention/", "streaming/", "training/", "cross-attention/", "export/", "api/"]
+PAGES = [
+    "",
+    "attention/",
+    "streaming/",
+    "training/",
+    "cross-attention/",
+    "sequences/",
+    "export/",
+    "api/",
+]
 CHROMIUM_FLAGS = [
     "--headless",
     "--no-sandbox",

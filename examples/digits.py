@@ -8,8 +8,9 @@ forward on the prefixes).
 
     python examples/digits.py [--steps 1500] [--out examples/runs/digits]
 
-Writes `best/` and `last/` checkpoints, `report.json`, `learning_curves.png` and
-`early_decision.png` into `--out`. With an existing `last/` checkpoint of the same run it resumes
+Writes `best/` and `last/` checkpoints, `report.json`, `learning_curves.png`,
+`early_decision.png` and `attention.png` (a heat map of the last block's attention on one test
+digit) into `--out`. With an existing `last/` checkpoint of the same run it resumes
 (and, if that run had finished, reuses it).
 """
 
@@ -28,7 +29,9 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 from dense_armor.checkpoint import ModelConfig, load_checkpoint
+from dense_armor.plots import plot_attention
 from dense_armor.training import evaluate, fit
+from dense_armor.utility.neural import attention_maps
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -168,6 +171,17 @@ def main(argv: list[str] | None = None) -> dict:
     test = evaluate(best, *data["test"])
     early = early_decisions(best, *data["test"], capacity=config.arguments["max_len"])
     plots = plot(result.history, early, args.out)
+    first_test_digit = jnp.asarray(data["test"][0][0])
+    maps = attention_maps(best, first_test_digit)
+    plots.append(
+        plot_attention(
+            maps[-1],
+            args.out / "attention.png",
+            title=f"Last block, head 0, on a test digit ({int(data['test'][1][0])})",
+            query_labels=[f"row {r + 1}" for r in range(8)],
+            key_labels=[str(r + 1) for r in range(8)],
+        )
+    )
     seconds = time.perf_counter() - started
     report = {
         "test_accuracy": test["accuracy"],

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import pathlib
 
 import pytest
@@ -52,3 +53,31 @@ def test_digits_quick_run_and_export_pipeline(tmp_path, capsys):
     # a second run reuses the finished checkpoint instead of training again
     again = pipeline.main(args)
     assert again["test_accuracy"] == result["test_accuracy"]
+
+
+def test_data_parallel_example_runs_over_a_mesh(tmp_path):
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLES / "data_parallel.py"),
+            "--cpu-devices",
+            "2",
+            "--steps",
+            "6",
+            "--batch-size",
+            "16",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "mesh: 2 devices" in result.stdout and "test accuracy" in result.stdout
+    assert (tmp_path / "run" / "best" / "weights.safetensors").exists()

@@ -25,9 +25,11 @@ from typing import Any
 import equinox as eqx
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
+from .distributed import gather_to_host
 from .utility.neural.models import transformer_decoder, transformer_encoder
 
 __all__ = [
@@ -96,9 +98,10 @@ class ModelConfig:
 
 
 def tree_arrays(tree: Any) -> dict[str, np.ndarray]:
-    """Every array leaf of `tree`, as NumPy, keyed by its PyTree path."""
+    """Every array leaf of `tree`, as NumPy, keyed by its PyTree path. Sharded arrays are gathered
+    whole (across processes too, so every process must call it)."""
     leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(tree, eqx.is_array))
-    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
+    return {jax.tree_util.keystr(path): gather_to_host(leaf) for path, leaf in leaves}
 
 
 def fill_tree(skeleton: Any, arrays: Mapping[str, np.ndarray], what: str = "weights") -> Any:
@@ -160,14 +163,33 @@ def save_checkpoint(
 ) -> pathlib.Path:
     """Write `model` and `config` (and optionally a training state) to `directory`, atomically.
 
+    A sharded model is gathered whole first; with several processes, every process calls this,
+    process 0 writes, and all return once the checkpoint is in place.
+
     **Returns:** the directory's path.
     """
     target = pathlib.Path(directory)
+    weights = tree_arrays(model)
+    if jax.process_count() > 1:
+        if jax.process_index() == 0:
+            _write_checkpoint(target, weights, config, state_arrays, state)
+        multihost_utils.sync_global_devices(f"dense_armor checkpoint {target}")
+        return target
+    return _write_checkpoint(target, weights, config, state_arrays, state)
+
+
+def _write_checkpoint(
+    target: pathlib.Path,
+    weights: dict[str, np.ndarray],
+    config: ModelConfig,
+    state_arrays: Mapping[str, np.ndarray] | None,
+    state: Mapping[str, Any] | None,
+) -> pathlib.Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         _write_json(tmp / "config.json", config.to_json())
-        save_file(tree_arrays(model), str(tmp / "weights.safetensors"), metadata={"format": FORMAT})
+        save_file(weights, str(tmp / "weights.safetensors"), metadata={"format": FORMAT})
         if state_arrays is not None:
             save_file(dict(state_arrays), str(tmp / "state.safetensors"))
         if state is not None:

@@ -5,6 +5,7 @@ The fit loop is reproducible from its seed: batch `s` and its dropout key are fu
 """
 
 import dataclasses
+import functools
 import math
 import os
 import pathlib
@@ -17,9 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from .checkpoint import ModelConfig, fill_tree, load_checkpoint, save_checkpoint, tree_arrays
+from .distributed import global_batch, global_replicated, place
 
 __all__ = ["FitResult", "cross_entropy_loss", "evaluate", "fit", "make_train_step"]
 
@@ -63,16 +66,21 @@ def _batch_metrics(model: Any, xs: jax.Array, labels: jax.Array) -> tuple[jax.Ar
     return losses.sum(), (logits.argmax(axis=-1) == labels).sum()
 
 
-def evaluate(model: Any, xs: Any, labels: Any, batch_size: int = 512) -> dict[str, float]:
-    """Mean loss and accuracy of `model` over `(xs, labels)`, in batches (inference: no dropout)."""
+def evaluate(
+    model: Any, xs: Any, labels: Any, batch_size: int = 512, mesh: Mesh | None = None
+) -> dict[str, float]:
+    """Mean loss and accuracy of `model` over `(xs, labels)`, in batches (inference: no dropout).
+
+    With a `mesh` (a model placed on it), every process passes the same data."""
     if len(xs) == 0:
         raise ValueError("evaluate: received an empty data set.")
+    put = jnp.asarray if mesh is None else functools.partial(global_replicated, mesh)
     total_loss, correct = 0.0, 0
     for start in range(0, len(xs), batch_size):
         loss, hits = _batch_metrics(
             model,
-            jnp.asarray(xs[start : start + batch_size]),
-            jnp.asarray(labels[start : start + batch_size]),
+            put(np.asarray(xs[start : start + batch_size])),
+            put(np.asarray(labels[start : start + batch_size])),
         )
         total_loss += float(loss)
         correct += int(hits)
@@ -111,6 +119,8 @@ def fit(
     resume: bool = True,
     progress: bool = True,
     loss_fn: LossFn = cross_entropy_loss,
+    mesh: Mesh | None = None,
+    shard_params: bool = False,
 ) -> FitResult:
     """Train `model` for `steps` optimizer steps on `train = (xs, labels)`.
 
@@ -121,6 +131,12 @@ def fit(
     loss without `valid`), and with `resume=True` it continues from `last` if present.
 
     A progress bar shows the loss and the throughput (samples per second).
+
+    With a `mesh` (`dense_armor.distributed.data_mesh()`), each batch is sharded over its `"data"`
+    axis and the model and optimizer state are replicated on it, or split over it with
+    `shard_params=True`; the losses are those of the single-device run, to float32 round-off.
+    With several processes, every process calls `fit` with the same arguments and data, and feeds
+    its own slice of each global batch; process 0 writes the checkpoints.
     """
     xs, labels = np.asarray(train[0]), np.asarray(train[1])
     if len(xs) != len(labels):
@@ -133,8 +149,16 @@ def fit(
         )
     if checkpoint_dir is not None and config is None:
         raise ValueError("fit: saving checkpoints needs the model's `config`.")
+    if mesh is not None and batch_size % mesh.size:
+        raise ValueError(
+            f"fit: `batch_size={batch_size}` must be a multiple of the mesh's {mesh.size} devices."
+        )
 
-    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    def placed(tree: Any) -> Any:
+        return tree if mesh is None else place(tree, mesh, shard_params)
+
+    model = placed(model)
+    opt_state = placed(optimizer.init(eqx.filter(model, eqx.is_inexact_array)))
     history: list[dict[str, float]] = []
     best: dict[str, float] | None = None
     start_step = 0
@@ -144,8 +168,8 @@ def fit(
         best_dir = pathlib.Path(checkpoint_dir) / "best"
         if resume and (last_dir.exists() or last_dir.with_name("last.previous").exists()):
             saved = load_checkpoint(last_dir)
-            model = saved.model
-            opt_state = fill_tree(opt_state, saved.state_arrays, what="optimizer state")
+            model = placed(saved.model)
+            opt_state = placed(fill_tree(opt_state, saved.state_arrays, what="optimizer state"))
             start_step = int(saved.state["step"])
             history = list(saved.state["history"])
             best = saved.state.get("best")
@@ -154,17 +178,23 @@ def fit(
     root_key = jax.random.PRNGKey(seed)
     losses: list[jax.Array] = []
     bar = tqdm(
-        total=steps, initial=start_step, disable=not progress, unit="step", dynamic_ncols=True
+        total=steps,
+        initial=start_step,
+        disable=not progress or jax.process_index() != 0,
+        unit="step",
+        dynamic_ncols=True,
     )
     tick = time.perf_counter()
     for step in range(start_step, steps):
         batch = _batch_indices(seed, step, len(xs), batch_size)
+        if mesh is None:
+            xb, yb = jnp.asarray(xs[batch]), jnp.asarray(labels[batch])
+        else:  # this process's slice of the global batch
+            share = batch_size // jax.process_count()
+            mine = batch[jax.process_index() * share : (jax.process_index() + 1) * share]
+            xb, yb = global_batch(mesh, xs[mine]), global_batch(mesh, labels[mine])
         model, opt_state, loss = train_step(
-            model,
-            opt_state,
-            jnp.asarray(xs[batch]),
-            jnp.asarray(labels[batch]),
-            jax.random.fold_in(root_key, step),
+            model, opt_state, xb, yb, jax.random.fold_in(root_key, step)
         )
         losses.append(loss)
         bar.update(1)
@@ -182,7 +212,7 @@ def fit(
             "samples_per_s": len(losses) * batch_size / elapsed,
         }
         if valid is not None:
-            metrics = evaluate(model, valid[0], valid[1])
+            metrics = evaluate(model, valid[0], valid[1], mesh=mesh)
             record.update(valid_loss=metrics["loss"], valid_accuracy=metrics["accuracy"])
         history.append(record)
         bar.set_postfix(

@@ -42,6 +42,7 @@ from safetensors.numpy import save_file
 
 from .. import __version__
 from ..checkpoint import ModelConfig, fill_tree, load_checkpoint, tree_arrays
+from ..distributed import gather_to_host
 from . import standalone
 from .standalone import FORMAT, FORMAT_VERSION, MANIFEST, ArtifactError
 
@@ -136,11 +137,14 @@ class _Lowering:
             int(args["n_out"]),
         )
         self.d_context = int(args.get("d_context") or args["d_model"])
+        # Inputs are float32; outputs come in the compute dtype (see `Cast`).
+        self.out_dtype = jnp.dtype(args.get("compute_dtype") or "float32")
         self.capacity = capacity
         params, self.static = eqx.partition(model, eqx.is_array)
         paths_and_leaves = jax.tree_util.tree_leaves_with_path(params)
         self.names = [jax.tree_util.keystr(path) for path, _ in paths_and_leaves]
-        self.weights = [leaf for _, leaf in paths_and_leaves]
+        # Host copies: a model trained sharded exports exactly as its single-device twin.
+        self.weights = [jnp.asarray(gather_to_host(leaf)) for _, leaf in paths_and_leaves]
         self.treedef = jax.tree_util.tree_structure(params)
         causal_params, self.causal_static = eqx.partition(causal_model, eqx.is_array)
         self.causal_treedef = jax.tree_util.tree_structure(causal_params)
@@ -206,7 +210,8 @@ class _Lowering:
         tree = jax.tree_util.tree_unflatten(self.cache_treedef, cache)
         y_t, tree = jax.vmap(model.step)(x_t, tree)
         leaves = jax.tree_util.tree_leaves(tree)
-        overflow = jnp.stack([leaves[i] for i in self.overflow_flags]).any(axis=0)
+        flags = [leaves[i] for i in self.overflow_flags]
+        overflow = jnp.stack(flags).any(axis=0) if flags else jnp.zeros(x_t.shape[0], bool)
         return y_t, leaves, overflow
 
     def functions(self) -> dict[str, _Function]:
@@ -215,7 +220,7 @@ class _Lowering:
         step = _Function(
             self.step,
             [_spec("x_t", "input", f32, ["B", self.n_in]), *self.cache],
-            [_spec("y_t", "output", f32, ["B", self.n_out]), *self.cache, overflow],
+            [_spec("y_t", "output", self.out_dtype, ["B", self.n_out]), *self.cache, overflow],
             "B, S" if self.kind == "decoder" else "B",
             donate_cache=True,
         )
@@ -225,7 +230,7 @@ class _Lowering:
                 "forward": _Function(
                     self.forward,
                     [_spec("x", "input", f32, ["B", "T", self.n_in])],
-                    [_spec("y", "output", f32, ["B", self.n_out])],
+                    [_spec("y", "output", self.out_dtype, ["B", self.n_out])],
                     "B, T",
                     bound,
                 ),
@@ -239,7 +244,7 @@ class _Lowering:
             "forward": _Function(
                 self.forward,
                 [_spec("x", "input", f32, ["B", "T", self.n_in]), *context],
-                [_spec("y", "output", f32, ["B", "T", self.n_out])],
+                [_spec("y", "output", self.out_dtype, ["B", "T", self.n_out])],
                 "B, T, S",
                 bound,
             ),
@@ -418,8 +423,8 @@ def _golden(lowering: _Lowering, seed: int) -> tuple[dict[str, np.ndarray], dict
             jax.random.normal(jax.random.fold_in(key, i), (b, t, n_in))
         )
         inputs = [f"forward.x{i}", *(context(i, b, s, padded=True) if decoder else [])]
-        golden[f"forward.y{i}"] = np.asarray(
-            jax.jit(lowering.forward)(lowering.weights, *(golden[k] for k in inputs))
+        golden[f"forward.y{i}"] = np.asarray(  # outputs are stored as float32
+            jax.jit(lowering.forward)(lowering.weights, *(golden[k] for k in inputs)), np.float32
         )
         forward_cases.append({"inputs": inputs, "output": f"forward.y{i}", "B": b, "T": t})
 
@@ -435,7 +440,7 @@ def _golden(lowering: _Lowering, seed: int) -> tuple[dict[str, np.ndarray], dict
     ys = []
     for t in range(steps):
         y_t, cache, _ = step(lowering.weights, xs[:, t], cache)
-        ys.append(np.asarray(y_t))
+        ys.append(np.asarray(y_t, np.float32))
     golden["step.x"] = np.asarray(xs)
     golden["step.y"] = np.stack(ys, axis=1)
     return golden, {

@@ -212,7 +212,7 @@ def check_golden(artifact: Artifact, steps: int | None = None) -> dict[str, floa
     golden = _load_safetensors(artifact.directory / artifact.manifest["golden"]["file"])
     errors = {}
     for case in artifact.manifest["golden"]["forward"]:
-        y = np.asarray(artifact.forward(*(golden[k] for k in case["inputs"])))
+        y = np.asarray(artifact.forward(*(golden[k] for k in case["inputs"])), np.float32)
         label = f"forward B={case['B']} T={case['T']}"
         errors[label] = float(np.abs(y - golden[case["output"]]).max())
     plan = artifact.manifest["golden"]["step"]
@@ -227,7 +227,7 @@ def check_golden(artifact: Artifact, steps: int | None = None) -> dict[str, floa
         y_t, cache, overflow = artifact.step(xs[:, t], cache)
         if bool(np.any(overflow)):
             raise ArtifactError(f"step {t}: the cache overflowed within its capacity.")
-        worst = max(worst, float(np.abs(np.asarray(y_t) - ys[:, t]).max()))
+        worst = max(worst, float(np.abs(np.asarray(y_t, np.float32) - ys[:, t]).max()))
     errors[f"step B={xs.shape[0]}, {n} steps"] = worst
     return errors
 

@@ -7,6 +7,7 @@ from .attention import MultiHeadCrossAttention as MultiHeadCrossAttention
 from .attention import MultiHeadSelfAttention as MultiHeadSelfAttention
 from .attention import TransformerBlock as TransformerBlock
 from .attention import TransformerDecoderBlock as TransformerDecoderBlock
+from .attention import attention_weights as attention_weights
 from .attention import scaled_dot_product_attention as scaled_dot_product_attention
 from .attention import sinusoidal_encoding as sinusoidal_encoding
 from .attention import sinusoidal_positions as sinusoidal_positions
@@ -14,10 +15,12 @@ from .cache import FixedKVCache as FixedKVCache
 from .cache import KVCache as KVCache
 from .cache import MeanCache as MeanCache
 from .cache import PositionCache as PositionCache
+from .cache import RingKVCache as RingKVCache
 from .core import Layer as Layer
 from .core import Param as Param
 from .core import Pointwise as Pointwise
 from .core import ShapeError as ShapeError
+from .layers import Cast as Cast
 from .layers import Dense as Dense
 from .layers import Dropout as Dropout
 from .layers import FeedForward as FeedForward
@@ -27,6 +30,7 @@ from .layers import ReLU as ReLU
 from .models import AddPositions as AddPositions
 from .models import Sequential as Sequential
 from .models import TransformerDecoder as TransformerDecoder
+from .models import attention_maps as attention_maps
 from .models import transformer_decoder as transformer_decoder
 from .models import transformer_encoder as transformer_encoder
 from .positions import LearnedPositions as LearnedPositions

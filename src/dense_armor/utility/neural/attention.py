@@ -3,7 +3,8 @@ sinusoidal positional encoding (Vaswani et al. 2017, "Attention Is All You Need"
 """
 
 import math
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import ClassVar, NamedTuple
 
 import equinox as eqx
 import jax
@@ -16,6 +17,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, jaxtyped
 from .cache import (
     FixedKVCache,
     KVCache,
+    RingKVCache,
     guard_overflow,
     start_index,
     validate_overflow_mode,
@@ -24,6 +26,7 @@ from .core import Layer, Param, ShapeError, require_positive, shape_checked
 from .layers import Dropout, FeedForward, LayerNorm
 
 __all__ = [
+    "attention_weights",
     "ContextCache",
     "DecoderCache",
     "Gate",
@@ -35,6 +38,37 @@ __all__ = [
     "sinusoidal_encoding",
     "sinusoidal_positions",
 ]
+
+
+@jaxtyped(typechecker=beartype)
+def attention_weights(
+    q: Float[Array, "*#batch T d_k"],
+    k: Float[Array, "*#batch S d_k"],
+    mask: Bool[Array, "..."] | None = None,
+) -> Float[Array, "*#batch T S"]:
+    """The weights `softmax(q k^T / sqrt(d_k))` of `scaled_dot_product_attention`, in float32.
+
+    Same arguments as `scaled_dot_product_attention`; every row sums to 1, or is all zeros where
+    the mask hides every key.
+    """
+    scores = jnp.einsum("...td,...sd->...ts", q, k, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(q.shape[-1])
+    if mask is not None:
+        try:
+            mask = jnp.broadcast_to(mask, scores.shape)
+        except ValueError:
+            raise ShapeError(
+                f"scaled_dot_product_attention: received `mask.shape={mask.shape}`; expected a "
+                f"shape that broadcasts to the scores' `(..., T, S)={scores.shape}`."
+            ) from None
+        scores = jnp.where(mask, scores, -jnp.inf)
+    # The row maximum keeps exp() in range; a fully masked row has max -inf, replaced by 0 so the
+    # row becomes exp(-inf) = 0 everywhere and its weights 0 / 1 = 0, with no NaN in the gradient.
+    row_max = jax.lax.stop_gradient(scores.max(axis=-1, keepdims=True))
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    unnormalised = jnp.exp(scores - row_max)
+    total = unnormalised.sum(axis=-1, keepdims=True)
+    return unnormalised / jnp.where(total > 0, total, 1.0)
 
 
 @jaxtyped(typechecker=beartype)
@@ -57,24 +91,7 @@ def scaled_dot_product_attention(
     input dtype. A query whose every key is masked gets zeros (never NaN), in the output and in the
     gradient.
     """
-    scores = jnp.einsum("...td,...sd->...ts", q, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(q.shape[-1])
-    if mask is not None:
-        try:
-            mask = jnp.broadcast_to(mask, scores.shape)
-        except ValueError:
-            raise ShapeError(
-                f"scaled_dot_product_attention: received `mask.shape={mask.shape}`; expected a "
-                f"shape that broadcasts to the scores' `(..., T, S)={scores.shape}`."
-            ) from None
-        scores = jnp.where(mask, scores, -jnp.inf)
-    # The row maximum keeps exp() in range; a fully masked row has max -inf, replaced by 0 so the
-    # row becomes exp(-inf) = 0 everywhere and its weights 0 / 1 = 0, with no NaN in the gradient.
-    row_max = jax.lax.stop_gradient(scores.max(axis=-1, keepdims=True))
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    unnormalised = jnp.exp(scores - row_max)
-    total = unnormalised.sum(axis=-1, keepdims=True)
-    weights = unnormalised / jnp.where(total > 0, total, 1.0)
+    weights = attention_weights(q, k, mask)
     return jnp.einsum("...ts,...sd->...td", weights.astype(v.dtype), v)
 
 
@@ -127,16 +144,20 @@ def _attend_heads(
 ) -> Array:
     """Queries `x W_Q` of `x (T, d_model)` against projected `keys`, `values` `(S, d_model)`,
     split into heads, attended with `scaled_dot_product_attention` and joined by `W_O`."""
-    n_heads, d_head = layer.n_heads, layer.d_model // layer.n_heads
-
-    def heads(a: Array) -> Array:  # (L, d_model) -> (n_heads, L, d_head)
-        return a.reshape(a.shape[0], n_heads, d_head).transpose(1, 0, 2)
-
-    out = scaled_dot_product_attention(
-        heads(_project(x, layer.W_Q)), heads(keys), heads(values), mask
+    q = _heads(_project(x, layer.W_Q), layer.n_heads)
+    # Cached keys and values may be stored wider than the compute dtype (float32 under bfloat16).
+    k, v = (
+        _heads(keys.astype(x.dtype), layer.n_heads),
+        _heads(values.astype(x.dtype), layer.n_heads),
     )
+    out = scaled_dot_product_attention(q, k, v, mask)
     joined = out.transpose(1, 0, 2).reshape(x.shape[0], layer.d_model)
     return _project(joined, layer.W_O)
+
+
+def _heads(a: Array, n_heads: int) -> Array:
+    """`(L, d_model) -> (n_heads, L, d_model / n_heads)`."""
+    return a.reshape(a.shape[0], n_heads, a.shape[1] // n_heads).transpose(1, 0, 2)
 
 
 def _residual(
@@ -149,6 +170,17 @@ def _residual(
     """A block's `i`-th residual connection: `x + Dropout(sub)`, or its `i`-th gate of the two."""
     sub = block.dropout(sub, key=key)
     return block.gates[i](x, sub) if block.gates else x + sub
+
+
+def _check_window(window: int | None, causal: bool) -> None:
+    if window is None:
+        return
+    require_positive(window=window)
+    if not causal:
+        raise ValueError(
+            f"`window={window}` restricts each step to the last `window` steps, which needs "
+            "`causal=True`."
+        )
 
 
 def _require_causal(layer: "MultiHeadSelfAttention | TransformerBlock") -> None:
@@ -164,13 +196,18 @@ class MultiHeadSelfAttention(Layer):
     (Vaswani et al. 2017, page 5).
 
     **Arguments:** `d_model` (the width, divisible by `n_heads`), `n_heads`, `key`,
-    `causal=False` (step t looks only at steps up to t; masked scores are `-inf`).
+    `causal=False` (step t looks only at steps up to t; masked scores are `-inf`), `window=None`
+    (with `causal=True`: step t looks only at the last `window` steps, `t - window < s <= t`).
 
-    `forward(x)` maps `(T, d_model) -> (T, d_model)`. `params()` is `[W_Q, W_K, W_V, W_O]`, each
-    `(d_model, d_model)`, initialised uniform in `[-1/sqrt(d_model), 1/sqrt(d_model)]`.
+    `forward(x, mask=None)` maps `(T, d_model) -> (T, d_model)`; `mask (T,)` marks the valid
+    steps of a padded sequence (padding at the end), whose keys are then hidden.
+    `params()` is `[W_Q, W_K, W_V, W_O]`, each `(d_model, d_model)`, initialised uniform in
+    `[-1/sqrt(d_model), 1/sqrt(d_model)]`. `attention_weights(x)` returns the weights
+    `(n_heads, T, T)`.
 
     A causal layer streams: `cache = m.init_cache()` (growing, two `(0, d_model)` arrays) or
-    `m.init_cache(capacity)` (fixed), then `y_t, cache = m.step(x_t, cache)`.
+    `m.init_cache(capacity)` (fixed), then `y_t, cache = m.step(x_t, cache)`. A windowed layer's
+    cache is a ring of `window` rows whatever the capacity: it never overflows.
     """
 
     W_Q: Param
@@ -180,9 +217,19 @@ class MultiHeadSelfAttention(Layer):
     d_model: int = eqx.field(static=True)
     n_heads: int = eqx.field(static=True)
     causal: bool = eqx.field(static=True)
+    window: int | None = eqx.field(static=True)
+    accepts_mask: ClassVar[bool] = True
 
-    def __init__(self, d_model: int, n_heads: int, key: PRNGKeyArray, causal: bool = False):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        key: PRNGKeyArray,
+        causal: bool = False,
+        window: int | None = None,
+    ):
         _check_heads(d_model, n_heads)
+        _check_window(window, causal)
         bound = 1.0 / math.sqrt(d_model)
         qkey, kkey, vkey, okey = jr.split(key, 4)
 
@@ -193,6 +240,7 @@ class MultiHeadSelfAttention(Layer):
         self.d_model = d_model
         self.n_heads = n_heads
         self.causal = causal
+        self.window = window
 
     @property
     def d_head(self) -> int:
@@ -206,25 +254,53 @@ class MultiHeadSelfAttention(Layer):
     def _keys_values(self, x: Array) -> tuple[Array, Array]:
         return _project(x, self.W_K), _project(x, self.W_V)
 
+    def _mask(self, length: int, valid: Array | None) -> Array | None:
+        """Which keys each query sees: causal, windowed, and not padding."""
+        mask = None
+        if self.causal:
+            rows, cols = jnp.arange(length)[:, None], jnp.arange(length)[None, :]
+            mask = cols <= rows
+            if self.window is not None:
+                mask = mask & (cols > rows - self.window)
+        if valid is not None:
+            mask = valid[None, :] if mask is None else mask & valid[None, :]
+        return mask
+
     @shape_checked
     def forward(
-        self, x: Float[Array, "T d_model"], *, key: PRNGKeyArray | None = None
+        self,
+        x: Float[Array, "T d_model"],
+        *,
+        mask: Bool[Array, " T"] | None = None,
+        key: PRNGKeyArray | None = None,
     ) -> Float[Array, "T d_model"]:
         keys, values = self._keys_values(x)
-        mask = jnp.tril(jnp.ones((x.shape[0], x.shape[0]), bool)) if self.causal else None
-        return self._attend(x, keys, values, mask)
+        return self._attend(x, keys, values, self._mask(x.shape[0], mask))
+
+    @shape_checked
+    def attention_weights(
+        self, x: Float[Array, "T d_model"], *, mask: Bool[Array, " T"] | None = None
+    ) -> Float[Array, "n_heads T T"]:
+        """The attention weights of `forward(x, mask=mask)`, `(n_heads, T, T)`, in float32."""
+        q = _heads(_project(x, self.W_Q), self.n_heads)
+        k = _heads(_project(x, self.W_K), self.n_heads)
+        return attention_weights(q, k, self._mask(x.shape[0], mask))
 
     def init_cache(
         self, capacity: int | None = None, *, on_overflow: str = "raise"
-    ) -> KVCache | FixedKVCache:
+    ) -> KVCache | FixedKVCache | RingKVCache:
         """An empty cache: growing (`capacity=None`, two `(0, d_model)` arrays) or fixed.
 
         A fixed cache holds `capacity` steps; `on_overflow` (`"raise"` or `"nan"`) says what a
-        step past that does (see `dense_armor.utility.neural.cache`).
+        step past that does (see `dense_armor.utility.neural.cache`). A windowed layer ignores
+        `capacity`: its cache is a ring of `window` rows that never overflows.
         """
         _require_causal(self)
         validate_overflow_mode(on_overflow)
         # Keys and values get buffers of their own, so that both can be donated.
+        if self.window is not None:
+            zeros = (self.window, self.d_model)
+            return RingKVCache(jnp.zeros(zeros), jnp.zeros(zeros), jnp.zeros((), jnp.int32))
         if capacity is None:
             return KVCache(jnp.zeros((0, self.d_model)), jnp.zeros((0, self.d_model)))
         require_positive(capacity=capacity)
@@ -233,8 +309,8 @@ class MultiHeadSelfAttention(Layer):
 
     @shape_checked
     def step(
-        self, x_t: Float[Array, " d_model"], cache: KVCache | FixedKVCache
-    ) -> tuple[Float[Array, " d_model"], KVCache | FixedKVCache]:
+        self, x_t: Float[Array, " d_model"], cache: KVCache | FixedKVCache | RingKVCache
+    ) -> tuple[Float[Array, " d_model"], KVCache | FixedKVCache | RingKVCache]:
         """One causal step: append `x_t`'s key and value to `cache`, attend over the cache.
 
         **Returns:** `(y_t, cache)`, `y_t` of shape `(d_model,)`: after `t+1` steps, row `t` of
@@ -242,6 +318,13 @@ class MultiHeadSelfAttention(Layer):
         """
         _require_causal(self)
         k_t, v_t = self._keys_values(x_t)
+        if isinstance(cache, RingKVCache) != (self.window is not None):
+            raise ValueError(
+                "MultiHeadSelfAttention.step: a windowed layer steps with the ring cache of its "
+                "own `init_cache()`, and only a windowed layer does."
+            )
+        if isinstance(cache, RingKVCache):
+            return self._step_ring(x_t, k_t, v_t, cache)
         if isinstance(cache, KVCache):
             if cache.keys.ndim != 2 or cache.keys.shape[1] != self.d_model:
                 raise ShapeError(
@@ -279,6 +362,29 @@ class MultiHeadSelfAttention(Layer):
         )
         return y, new
 
+    def _step_ring(
+        self, x_t: Array, k_t: Array, v_t: Array, cache: RingKVCache
+    ) -> tuple[Array, RingKVCache]:
+        window = cache.window
+        if cache.keys.shape[1:] != (self.d_model,):
+            raise ShapeError(
+                f"MultiHeadSelfAttention.step: received `cache.keys.shape={cache.keys.shape}`; "
+                f"expected `(window={window}, d_model={self.d_model})`. Use `init_cache()`."
+            )
+        slot = cache.index % window
+        keys = jax.lax.dynamic_update_slice(
+            cache.keys, k_t[None].astype(cache.keys.dtype), (slot, 0)
+        )
+        values = jax.lax.dynamic_update_slice(
+            cache.values, v_t[None].astype(cache.values.dtype), (slot, 0)
+        )
+        # The softmax does not care about the order of the keys, so the ring needs no rotation.
+        visible = (jnp.arange(window) <= cache.index)[None, :]
+        y = self._attend(x_t[None], keys, values, visible)[0]
+        index = cache.index + 1
+        index = jnp.where(index >= 2 * window, index - window, index)  # same slot, no overflow
+        return y, RingKVCache(keys, values, index)
+
 
 class TransformerBlock(Layer):
     """The post-LayerNorm Transformer block (Vaswani et al. 2017, page 3 and Eq.(2), page 5).
@@ -288,7 +394,11 @@ class TransformerBlock(Layer):
     **Arguments:** `d_model`, `n_heads`, `d_ff` (the hidden width of the feed-forward), `key`,
     `causal=False`, `dropout=0.0` (applied to each sub-layer's output before the residual
     addition, only when `forward` gets a `key`), `gate=False` (a `Gate` replaces each residual
-    addition: `y = LayerNorm(Gate(x, Attention(x)))`, ...).
+    addition: `y = LayerNorm(Gate(x, Attention(x)))`, ...), `norm_first=False` (pre-LN instead:
+    `y = x + Attention(LayerNorm(x))`, `z = y + FFN(LayerNorm(y))`, Xiong et al. 2020),
+    `window=None` (sliding-window attention, see `MultiHeadSelfAttention`).
+
+    `forward(x, mask=None)`: `mask (T,)` marks the valid steps of a padded sequence.
 
     `params()` is, in order, the attention's `[W_Q, W_K, W_V, W_O]`, the first LayerNorm's
     `[gain, bias]`, the feed-forward's `[W_1, b_1, W_2, b_2]` and the second LayerNorm's
@@ -303,6 +413,8 @@ class TransformerBlock(Layer):
     dropout: Dropout
     gates: "tuple[Gate, ...]"
     d_model: int = eqx.field(static=True)
+    norm_first: bool = eqx.field(static=True)
+    accepts_mask: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -313,11 +425,15 @@ class TransformerBlock(Layer):
         causal: bool = False,
         dropout: float = 0.0,
         gate: bool = False,
+        norm_first: bool = False,
+        window: int | None = None,
     ):
         _check_heads(d_model, n_heads)
         require_positive(d_ff=d_ff)
         akey, fkey = jr.split(key)
-        self.attention = MultiHeadSelfAttention(d_model, n_heads, akey, causal=causal)
+        self.attention = MultiHeadSelfAttention(
+            d_model, n_heads, akey, causal=causal, window=window
+        )
         self.norm1 = LayerNorm(d_model)
         self.feed_forward = FeedForward(d_model, d_ff, fkey)
         self.norm2 = LayerNorm(d_model)
@@ -326,6 +442,7 @@ class TransformerBlock(Layer):
         gate_keys = jr.split(jr.fold_in(key, 1), 2)
         self.gates = tuple(Gate(d_model, k) for k in gate_keys) if gate else ()
         self.d_model = d_model
+        self.norm_first = norm_first
 
     def _join(self, i: int, x: Array, sub: Array, key: PRNGKeyArray | None) -> Array:
         return _residual(self, i, x, sub, key)
@@ -334,28 +451,51 @@ class TransformerBlock(Layer):
     def causal(self) -> bool:
         return self.attention.causal
 
+    def _apply(self, x: Array, attend: Callable[[Array], Array], key: PRNGKeyArray | None) -> Array:
+        """The block around an attention `attend`: post-LN (the page's) or pre-LN."""
+        akey, fkey = (None, None) if key is None else jr.split(key)
+        if self.norm_first:
+            y = self._join(0, x, attend(self.norm1(x)), akey)
+            return self._join(1, y, self.feed_forward(self.norm2(y)), fkey)
+        y = self.norm1(self._join(0, x, attend(x), akey))
+        return self.norm2(self._join(1, y, self.feed_forward(y), fkey))
+
     @shape_checked
     def forward(
-        self, x: Float[Array, "T d_model"], *, key: PRNGKeyArray | None = None
+        self,
+        x: Float[Array, "T d_model"],
+        *,
+        mask: Bool[Array, " T"] | None = None,
+        key: PRNGKeyArray | None = None,
     ) -> Float[Array, "T d_model"]:
-        akey, fkey = (None, None) if key is None else jr.split(key)
-        y = self.norm1(self._join(0, x, self.attention(x), akey))
-        return self.norm2(self._join(1, y, self.feed_forward(y), fkey))
+        return self._apply(x, lambda h: self.attention(h, mask=mask), key)
+
+    @shape_checked
+    def attention_weights(
+        self, x: Float[Array, "T d_model"], *, mask: Bool[Array, " T"] | None = None
+    ) -> Float[Array, "n_heads T T"]:
+        """The weights `(n_heads, T, T)` of the block's attention on the input `x`."""
+        return self.attention.attention_weights(self.norm1(x) if self.norm_first else x, mask=mask)
 
     def init_cache(
         self, capacity: int | None = None, *, on_overflow: str = "raise"
-    ) -> KVCache | FixedKVCache:
+    ) -> KVCache | FixedKVCache | RingKVCache:
         """The attention's cache (see `MultiHeadSelfAttention.init_cache`)."""
         return self.attention.init_cache(capacity, on_overflow=on_overflow)
 
     @shape_checked
     def step(
-        self, x_t: Float[Array, " d_model"], cache: KVCache | FixedKVCache
-    ) -> tuple[Float[Array, " d_model"], KVCache | FixedKVCache]:
+        self, x_t: Float[Array, " d_model"], cache: KVCache | FixedKVCache | RingKVCache
+    ) -> tuple[Float[Array, " d_model"], KVCache | FixedKVCache | RingKVCache]:
         """One causal step of the block; see `MultiHeadSelfAttention.step`."""
-        a_t, cache = self.attention.step(x_t, cache)
-        y_t = self.norm1(self._join(0, x_t, a_t, None))
-        return self.norm2(self._join(1, y_t, self.feed_forward(y_t), None)), cache
+        caches = []
+
+        def attend(h: Array) -> Array:
+            a, new = self.attention.step(h, cache)
+            caches.append(new)
+            return a
+
+        return self._apply(x_t, attend, None), caches[0]
 
 
 class ContextCache(NamedTuple):
@@ -486,7 +626,7 @@ class Gate(Layer):
 class DecoderCache(NamedTuple):
     """A decoder block's caches: its causal self-attention's and its projected context."""
 
-    self_attention: KVCache | FixedKVCache
+    self_attention: KVCache | FixedKVCache | RingKVCache
     context: ContextCache
 
 

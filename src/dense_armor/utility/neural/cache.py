@@ -6,6 +6,7 @@ Two kinds of key/value cache serve the attention layers:
   one row per step. Exact and simple; under `jax.jit` it recompiles at every length.
 - `FixedKVCache`, preallocated buffers of shape `(capacity, d_model)` plus a counter. Its shapes
   never change, so a jitted or exported step compiles once (donate the cache to update it in place).
+- `RingKVCache`, for a sliding-window layer: the last `window` steps in a ring that never fills.
 
 Layers with other time state carry it in `PositionCache` (the step index) and `MeanCache` (a running
 sum and count). Every cache is a PyTree of arrays.
@@ -30,6 +31,7 @@ __all__ = [
     "KVCache",
     "MeanCache",
     "PositionCache",
+    "RingKVCache",
     "guard_overflow",
     "validate_overflow_mode",
 ]
@@ -70,6 +72,24 @@ class FixedKVCache(eqx.Module):
 
     @property
     def capacity(self) -> int:
+        return self.keys.shape[0]
+
+
+class RingKVCache(eqx.Module):
+    """The cache of a sliding-window layer: the keys and values of the last `window` steps, in a
+    ring of `window` rows. It never fills up, so a stream can go on forever in constant memory.
+
+    `index` counts the steps seen, folded into `[0, 2 * window)` once past `window` so it never
+    overflows: the next row to write is `index % window`, and rows `< min(index, window)` hold
+    steps.
+    """
+
+    keys: Float[Array, "window d_model"]
+    values: Float[Array, "window d_model"]
+    index: Int[Array, ""]
+
+    @property
+    def window(self) -> int:
         return self.keys.shape[0]
 
 

@@ -4,16 +4,29 @@ All but `MeanOverTime` act on each time step alone: they accept `(..., features)
 leading axes, so they serve both a sequence `(T, features)` and a single step `(features,)`.
 """
 
+from typing import ClassVar
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from .cache import MeanCache
 from .core import Layer, Param, Pointwise, ShapeError, require_positive, shape_checked
 
-__all__ = ["Dense", "Dropout", "FeedForward", "LayerNorm", "MeanOverTime", "ReLU"]
+__all__ = [
+    "COMPUTE_DTYPES",
+    "Cast",
+    "Dense",
+    "Dropout",
+    "FeedForward",
+    "LayerNorm",
+    "MeanOverTime",
+    "ReLU",
+]
+
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class Dense(Pointwise):
@@ -45,6 +58,31 @@ class Dense(Pointwise):
     ) -> Float[Array, "*T n_out"]:
         y = x @ self.W.value.astype(x.dtype)
         return y + jnp.broadcast_to(self.b.value.astype(x.dtype), y.shape)
+
+
+class Cast(Pointwise):
+    """Cast the input to a compute dtype (`"float32"`, `"bfloat16"` or `"float16"`).
+
+    The mixed-precision policy of dense_armor: parameters stay float32 and every layer computes in
+    the dtype of its input, with the softmax, LayerNorm statistics and time means in float32. So a
+    `Cast("bfloat16")` in front of a model (`transformer_encoder(..., compute_dtype="bfloat16")`)
+    runs it in bfloat16, and its outputs come out in bfloat16. No parameters.
+    """
+
+    dtype: str = eqx.field(static=True)
+
+    def __init__(self, dtype: str):
+        if dtype not in COMPUTE_DTYPES:
+            raise ValueError(
+                f"`dtype` must be one of {COMPUTE_DTYPES}; received `dtype={dtype!r}`."
+            )
+        self.dtype = dtype
+
+    @shape_checked
+    def forward(
+        self, x: Float[Array, "*shape"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "*shape"]:
+        return x.astype(self.dtype)
 
 
 class ReLU(Pointwise):
@@ -142,14 +180,18 @@ class FeedForward(Pointwise):
 
 
 class MeanOverTime(Layer):
-    """The mean over the time axis: `(T, features) -> (features,)`.
+    """The mean over the time axis: `(T, features) -> (features,)`, accumulated in float32.
 
     **Arguments:** `features`, the width, needed only to stream (`init_cache` preallocates the
     running sum); `transformer_encoder` sets it. Stepping keeps a running sum and count, so the
     output after `t` steps is the mean of those `t` samples. No parameters.
+
+    `forward(x, mask=None)`: with `mask (T,)`, the mean over the valid steps only; a sequence with
+    no valid step gives zeros.
     """
 
     features: int | None = eqx.field(static=True, default=None)
+    accepts_mask: ClassVar[bool] = True
 
     def __init__(self, features: int | None = None):
         if features is not None:
@@ -158,11 +200,20 @@ class MeanOverTime(Layer):
 
     @shape_checked
     def forward(
-        self, x: Float[Array, "T features"], *, key: PRNGKeyArray | None = None
+        self,
+        x: Float[Array, "T features"],
+        *,
+        mask: Bool[Array, " T"] | None = None,
+        key: PRNGKeyArray | None = None,
     ) -> Float[Array, " features"]:
         if x.shape[0] == 0:
             raise ShapeError("MeanOverTime.forward: received an empty sequence (T=0).")
-        return x.mean(axis=0)
+        x32 = x.astype(jnp.float32)
+        if mask is None:
+            return x32.mean(axis=0).astype(x.dtype)
+        total = jnp.where(mask[:, None], x32, 0.0).sum(axis=0)
+        count = jnp.maximum(mask.sum(), 1).astype(jnp.float32)
+        return (total / count).astype(x.dtype)
 
     def init_cache(self, capacity: int | None = None, *, on_overflow: str = "raise") -> MeanCache:
         if self.features is None:
@@ -175,6 +226,6 @@ class MeanOverTime(Layer):
     def step(
         self, x_t: Float[Array, " features"], cache: MeanCache
     ) -> tuple[Float[Array, " features"], MeanCache]:
-        total = cache.total + x_t
+        total = cache.total + x_t.astype(cache.total.dtype)
         count = cache.count + 1
         return (total / count.astype(total.dtype)).astype(x_t.dtype), MeanCache(total, count)

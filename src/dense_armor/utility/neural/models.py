@@ -8,11 +8,12 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from .attention import TransformerBlock, TransformerDecoderBlock, sinusoidal_encoding
 from .cache import validate_overflow_mode
 from .core import Layer, require_positive
-from .layers import Dense, MeanOverTime
+from .layers import Cast, Dense, LayerNorm, MeanOverTime
 from .positions import LearnedPositions, PositionalEncoding
 
 __all__ = [
     "AddPositions",
+    "attention_maps",
     "Sequential",
     "TransformerDecoder",
     "transformer_decoder",
@@ -23,12 +24,14 @@ __all__ = [
 class AddPositions(PositionalEncoding):
     """Add the sinusoidal pattern of `sinusoidal_positions` to the input. No parameters.
 
-    **Arguments:** `max_len`, the longest sequence (and the last step) it accepts. The width is the
-    input's.
+    **Arguments:** `max_len`, the longest sequence (and the last step) it accepts; `None` for no
+    bound, as in a sliding-window model that streams forever (float32 angles lose precision past
+    about 2**24 steps). The width is the input's.
     """
 
-    def __init__(self, max_len: int):
-        require_positive(max_len=max_len)
+    def __init__(self, max_len: int | None):
+        if max_len is not None:
+            require_positive(max_len=max_len)
         self.max_len = max_len
 
     def rows(self, positions: Int[Array, "*P"], d_model: int) -> Float[Array, "*P d_model"]:
@@ -56,10 +59,17 @@ class Sequential(Layer):
     def __getitem__(self, i: int) -> Layer:
         return self.layers[i]
 
-    def forward(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
+    def forward(
+        self, x: Array, *, mask: Array | None = None, key: PRNGKeyArray | None = None
+    ) -> Array:
+        """`x` through every layer; `mask (T,)` (valid steps) goes to the layers that take one
+        (attention, blocks, `MeanOverTime`)."""
         keys = [None] * len(self.layers) if key is None else list(jr.split(key, len(self.layers)))
         for layer, layer_key in zip(self.layers, keys, strict=True):
-            x = layer(x, key=layer_key)
+            if mask is not None and getattr(layer, "accepts_mask", False):
+                x = layer(x, mask=mask, key=layer_key)
+            else:
+                x = layer(x, key=layer_key)
         return x
 
     def init_cache(
@@ -107,6 +117,9 @@ def transformer_encoder(
     dropout: float = 0.0,
     positions: str = "sinusoidal",
     gate: bool = False,
+    norm_first: bool = False,
+    window: int | None = None,
+    compute_dtype: str | None = None,
 ) -> Sequential:
     """A sequence-to-vector encoder: `(T, n_in) -> (n_out,)`.
 
@@ -117,20 +130,39 @@ def transformer_encoder(
     `max_len`; then `causal=False` (makes every block causal, so the encoder streams),
     `dropout=0.0` (of every block) and `positions`: `"sinusoidal"` (`AddPositions(max_len)`, no
     parameters) or `"learned"` (`LearnedPositions(max_len, d_model, key)`), and `gate=False`
-    (a `Gate` in place of every residual addition).
+    (a `Gate` in place of every residual addition), `norm_first=False` (pre-LN blocks, followed by
+    a final `LayerNorm` before the mean), `window=None` (sliding-window attention in every block;
+    needs `causal=True`; the sinusoidal positions are then unbounded, so the encoder streams
+    forever) and `compute_dtype=None` (e.g. `"bfloat16"`: a `Cast` in front runs the model in
+    that dtype, parameters stay float32).
+
+    `forward(x, mask=None)`: `mask (T,)` marks the valid steps of a sequence padded at the end.
     """
     require_positive(
         n_in=n_in, d_model=d_model, d_ff=d_ff, depth=depth, n_out=n_out, max_len=max_len
     )
     in_key, pos_key, out_key, *block_keys = jr.split(key, 3 + depth)
     blocks = [
-        TransformerBlock(d_model, n_heads, d_ff, k, causal=causal, dropout=dropout, gate=gate)
+        TransformerBlock(
+            d_model,
+            n_heads,
+            d_ff,
+            k,
+            causal=causal,
+            dropout=dropout,
+            gate=gate,
+            norm_first=norm_first,
+            window=window,
+        )
         for k in block_keys
     ]
+    unbounded = window is not None and positions == "sinusoidal"
     return Sequential(
+        *([Cast(compute_dtype)] if compute_dtype is not None else []),
         Dense(n_in, d_model, in_key),
-        _positions(positions, max_len, d_model, pos_key),
+        AddPositions(None) if unbounded else _positions(positions, max_len, d_model, pos_key),
         *blocks,
+        *([LayerNorm(d_model)] if norm_first else []),
         MeanOverTime(d_model),
         Dense(d_model, n_out, out_key),
     )
@@ -231,3 +263,21 @@ def transformer_decoder(
         blocks,
         Dense(d_model, n_out, out_key),
     )
+
+
+def attention_maps(
+    model: Sequential, x: Array, *, mask: Array | None = None
+) -> list[Float[Array, "n_heads T T"]]:
+    """The attention weights of every `TransformerBlock` of `model` on the input `x`, in order:
+    one `(n_heads, T, T)` array per block, each computed on what that block receives."""
+    maps = []
+    for layer in model.layers:
+        if isinstance(layer, TransformerBlock):
+            maps.append(layer.attention_weights(x, mask=mask))
+        if mask is not None and getattr(layer, "accepts_mask", False):
+            x = layer(x, mask=mask)
+        else:
+            x = layer(x)
+    if not maps:
+        raise ValueError("attention_maps: the model has no TransformerBlock.")
+    return maps

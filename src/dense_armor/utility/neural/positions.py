@@ -21,10 +21,11 @@ class PositionalEncoding(Layer):
 
     A subclass gives `rows(positions, d_model)`. A sequence longer than `max_len` raises
     `ShapeError` in `forward`; a step at position `max_len` or later fails as the cache's
-    `on_overflow` says (raise, or NaN output and the cache's `overflow` flag).
+    `on_overflow` says (raise, or NaN output and the cache's `overflow` flag). `max_len=None`
+    (only for a pattern defined everywhere, such as the sinusoid) sets no bound.
     """
 
-    max_len: int = eqx.field(static=True)
+    max_len: int | None = eqx.field(static=True)
 
     def rows(self, positions: Int[Array, "*P"], d_model: int) -> Float[Array, "*P d_model"]:
         raise NotImplementedError
@@ -33,7 +34,7 @@ class PositionalEncoding(Layer):
     def forward(
         self, x: Float[Array, "T d_model"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "T d_model"]:
-        if x.shape[0] > self.max_len:
+        if self.max_len is not None and x.shape[0] > self.max_len:
             raise ShapeError(
                 f"{type(self).__name__}.forward: received a sequence of `T={x.shape[0]}` steps "
                 f"(`x.shape={x.shape}`); expected at most `max_len={self.max_len}`."
@@ -52,8 +53,12 @@ class PositionalEncoding(Layer):
         self, x_t: Float[Array, " d_model"], cache: PositionCache
     ) -> tuple[Float[Array, " d_model"], PositionCache]:
         """Add the row of the cache's position to `x_t`, and count one step."""
-        beyond = cache.index >= self.max_len
-        row = self.rows(jnp.minimum(cache.index, self.max_len - 1), x_t.shape[0])
+        if self.max_len is None:
+            beyond = jnp.zeros((), bool)
+            row = self.rows(cache.index, x_t.shape[0])
+        else:
+            beyond = cache.index >= self.max_len
+            row = self.rows(jnp.minimum(cache.index, self.max_len - 1), x_t.shape[0])
         y_t = guard_overflow(
             x_t + row.astype(x_t.dtype),
             beyond,

@@ -1,0 +1,107 @@
+"""Scale out on JAX's own engine: a device mesh, sharded batches, and several processes.
+
+dense_armor adds no machinery of its own: a mesh is a `jax.sharding.Mesh` with one axis,
+`"data"`; a batch is sharded over it with `NamedSharding(mesh, P("data"))`; parameters are
+replicated (`P()`) or, with `shard_params=True`, split over the mesh along their first axis that it
+divides (FSDP-style); XLA inserts the collectives. Several processes (hosts) join with
+`initialize()`, which calls `jax.distributed.initialize`; each process then feeds its own part of
+every global batch (`jax.make_array_from_process_local_data`). On CPU the collectives between
+processes use gloo.
+"""
+
+import os
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+__all__ = [
+    "data_mesh",
+    "gather_to_host",
+    "global_batch",
+    "initialize",
+    "place",
+    "replicated",
+]
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> None:
+    """Join a multi-process run: `jax.distributed.initialize` with the given arguments, or with
+    `DENSE_ARMOR_COORDINATOR` (host:port), `DENSE_ARMOR_NUM_PROCESSES` and
+    `DENSE_ARMOR_PROCESS_ID` from the environment; with neither, JAX detects the cluster itself
+    (SLURM, Open MPI, Cloud TPU). Call it first, before any other JAX call. On CPU, collectives
+    between processes use gloo."""
+    env = os.environ
+    coordinator_address = coordinator_address or env.get("DENSE_ARMOR_COORDINATOR")
+    if num_processes is None and "DENSE_ARMOR_NUM_PROCESSES" in env:
+        num_processes = int(env["DENSE_ARMOR_NUM_PROCESSES"])
+    if process_id is None and "DENSE_ARMOR_PROCESS_ID" in env:
+        process_id = int(env["DENSE_ARMOR_PROCESS_ID"])
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+    )
+
+
+def data_mesh(devices: Any = None) -> Mesh:
+    """A one-axis mesh, `"data"`, over `devices` (default: every device of every process)."""
+    devices = jax.devices() if devices is None else devices
+    return Mesh(np.asarray(devices), ("data",))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def _leaf_sharding(leaf: Any, mesh: Mesh, shard: bool) -> NamedSharding:
+    if shard:
+        size = mesh.shape["data"]
+        for axis, length in enumerate(leaf.shape):
+            if length % size == 0:
+                return NamedSharding(mesh, P(*([None] * axis), "data"))
+    return replicated(mesh)
+
+
+def place(tree: Any, mesh: Mesh, shard_params: bool = False) -> Any:
+    """Put every array of `tree` (a model, an optimizer state) on `mesh`: replicated, or split along
+    its first axis that the mesh divides when `shard_params`. Works across processes: every process
+    holds the same values, and each keeps the shards of its own devices."""
+
+    def put(leaf: Any) -> Any:
+        if not eqx.is_array(leaf):
+            return leaf
+        sharding = _leaf_sharding(leaf, mesh, shard_params)
+        host = np.asarray(gather_to_host(leaf))
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree_util.tree_map(put, tree)
+
+
+def global_batch(mesh: Mesh, rows: np.ndarray) -> jax.Array:
+    """A global batch sharded over the mesh's `"data"` axis, from the rows of this process.
+
+    With several processes, process `i` passes its `1/n` of the global batch, in process order."""
+    return jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), rows)
+
+
+def global_replicated(mesh: Mesh, array: np.ndarray) -> jax.Array:
+    """`array`, the same on every process, replicated on every device of the mesh."""
+    return jax.make_array_from_process_local_data(replicated(mesh), array)
+
+
+def gather_to_host(leaf: Any) -> np.ndarray:
+    """The whole value of an array, as NumPy, on every process (a collective when it spans
+    several processes)."""
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+    return np.asarray(leaf)
