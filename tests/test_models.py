@@ -127,3 +127,11 @@ def test_transformer_decoder(getkey):
     with pytest.raises(ShapeError, match="max_len=10"):
         m(jnp.ones((11, 3)), context)
     assert len(transformer_decoder(3, 8, 2, 16, 1, 4, getkey(), 10, gate=True).params()) == 31
+
+
+def test_numpy_inputs_are_accepted(getkey):
+    m = transformer_encoder(4, 8, 2, 16, 1, 3, getkey(), 16, causal=True)
+    x = np.ones((5, 4), np.float32)
+    np.testing.assert_array_equal(m(x), m(jnp.asarray(x)))
+    y_t, _ = m.step(x[0], m.init_cache(4))
+    assert y_t.shape == (3,)

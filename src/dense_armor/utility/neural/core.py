@@ -11,6 +11,8 @@ from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
+import numpy as np
 from beartype import beartype
 from jaxtyping import Array, jaxtyped
 
@@ -50,7 +52,8 @@ def _describe(dims: tuple[str, ...], sizes: dict[str, int]) -> str:
 def shape_checked(method: Fn) -> Fn:
     """Check a layer method's array arguments before running it.
 
-    The method's jaxtyping annotations are checked by beartype (rank, dtype, and that a named axis
+    NumPy arrays are converted to JAX arrays first. The method's jaxtyping annotations are checked
+    by beartype (rank, dtype, and that a named axis
     has one size across the arguments and the result). Before that, every named axis that is also
     an integer attribute of the layer (`d_model`, `n_in`, ...) is compared with that attribute, and
     a wrong rank or size raises `ShapeError` naming the expected and the received shape, with a
@@ -65,6 +68,8 @@ def shape_checked(method: Fn) -> Fn:
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(self, *args, **kwargs)
         for name, value in bound.arguments.items():
+            if isinstance(value, np.ndarray):  # NumPy inputs are welcome; JAX takes them as is
+                bound.arguments[name] = value = jnp.asarray(value)
             dims = _expected_dims(signature.parameters[name].annotation)
             shape = getattr(value, "shape", None)
             if dims is None or shape is None:
@@ -87,7 +92,7 @@ def shape_checked(method: Fn) -> Fn:
                     "`jax.vmap(layer)(x)` or `eqx.filter_vmap`."
                 )
             raise ShapeError(message)
-        return typechecked(self, *args, **kwargs)
+        return typechecked(*bound.args, **bound.kwargs)
 
     return wrapper  # type: ignore[return-value]
 
