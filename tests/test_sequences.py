@@ -265,22 +265,15 @@ def test_bad_windows(getkey):
         plain.step(jnp.ones(8), windowed.init_cache())
 
 
-def test_export_of_a_pre_ln_windowed_encoder(tmp_path):
-    config = ModelConfig(
-        "transformer_encoder",
-        {
-            "n_in": 3,
-            "d_model": 8,
-            "n_heads": 2,
-            "d_ff": 16,
-            "depth": 1,
-            "n_out": 2,
-            "max_len": 6,
-            "causal": True,
-            "norm_first": True,
-            "window": 3,
-        },
+def small_encoder_config(**options) -> ModelConfig:
+    arguments = {"n_in": 3, "d_model": 8, "n_heads": 2, "d_ff": 16, "depth": 1, "n_out": 2}
+    return ModelConfig(
+        "transformer_encoder", {**arguments, "max_len": 6, "causal": True, **options}
     )
+
+
+def test_export_of_a_pre_ln_windowed_encoder(tmp_path):
+    config = small_encoder_config(norm_first=True, window=3)
     model = config.build(jax.random.PRNGKey(0))
     export_model(model, config, tmp_path / "art", platforms=["cpu"], static_shapes=[(1, 6)])
     artifact = load(tmp_path / "art")
@@ -294,20 +287,7 @@ def test_export_of_a_pre_ln_windowed_encoder(tmp_path):
 
 
 def test_export_of_a_bfloat16_encoder(tmp_path):
-    config = ModelConfig(
-        "transformer_encoder",
-        {
-            "n_in": 3,
-            "d_model": 8,
-            "n_heads": 2,
-            "d_ff": 16,
-            "depth": 1,
-            "n_out": 2,
-            "max_len": 6,
-            "causal": True,
-            "compute_dtype": "bfloat16",
-        },
-    )
+    config = small_encoder_config(compute_dtype="bfloat16")
     model = config.build(jax.random.PRNGKey(0))
     export_model(model, config, tmp_path / "art", platforms=["cpu"], static_shapes=[(1, 6)])
     artifact = load(tmp_path / "art")
