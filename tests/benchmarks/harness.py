@@ -34,10 +34,10 @@ def interleaved(
 def table(title: str, medians: dict[str, float], reference: str, unit: str = "us") -> str:
     """A table of medians and of each system's time over the reference's (above 1: slower)."""
     scale = {"us": 1e6, "ms": 1e3}[unit]
-    lines = [f"\n{title}", f"{'system':<34}{'median ' + unit:>14}{'vs ' + reference:>22}"]
+    lines = [f"\n{title}", f"{'system':<34}{'median ' + unit:>12}   time / {reference}"]
     for name, seconds in medians.items():
         ratio = seconds / medians[reference]
-        lines.append(f"{name:<34}{seconds * scale:>14.1f}{ratio:>21.2f}x")
+        lines.append(f"{name:<34}{seconds * scale:>12.1f}   {ratio:.2f}x")
     return "\n".join(lines)
 
 
