@@ -21,6 +21,16 @@ from dense_armor.utility.neural import (
 from reference import attention, block, multi_head
 
 
+def with_equinox_weights(m, peer):
+    """`m` with the four projections of an `eqx.nn.MultiheadAttention` (stored transposed)."""
+    projections = (peer.query_proj, peer.key_proj, peer.value_proj, peer.output_proj)
+    return eqx.tree_at(
+        lambda m: (m.W_Q.value, m.W_K.value, m.W_V.value, m.W_O.value),
+        m,
+        tuple(p.weight.T for p in projections),
+    )
+
+
 def weights64(m):
     return [np.asarray(p.value, np.float64) for p in m.params()]
 
@@ -133,16 +143,7 @@ def test_self_attention_matches_numpy_reference(getkey, causal):
 def test_self_attention_matches_equinox_with_copied_weights(getkey, causal):
     peer = eqx.nn.MultiheadAttention(4, 16, key=getkey())
     m = MultiHeadSelfAttention(16, 4, getkey(), causal=causal)
-    m = eqx.tree_at(
-        lambda m: (m.W_Q.value, m.W_K.value, m.W_V.value, m.W_O.value),
-        m,
-        (
-            peer.query_proj.weight.T,
-            peer.key_proj.weight.T,
-            peer.value_proj.weight.T,
-            peer.output_proj.weight.T,
-        ),
-    )
+    m = with_equinox_weights(m, peer)
     x = jax.random.normal(getkey(), (7, 16))
     mask = jnp.tril(jnp.ones((7, 7), bool)) if causal else None
     np.testing.assert_allclose(m.forward(x), peer(x, x, x, mask=mask), atol=1e-5)
@@ -287,16 +288,7 @@ def test_cross_attention_one_head_by_hand(getkey):
 def test_cross_attention_matches_equinox_with_copied_weights(getkey):
     peer = eqx.nn.MultiheadAttention(2, 8, key_size=5, value_size=5, key=getkey())
     m = MultiHeadCrossAttention(8, 2, getkey(), d_context=5)
-    m = eqx.tree_at(
-        lambda m: (m.W_Q.value, m.W_K.value, m.W_V.value, m.W_O.value),
-        m,
-        (
-            peer.query_proj.weight.T,
-            peer.key_proj.weight.T,
-            peer.value_proj.weight.T,
-            peer.output_proj.weight.T,
-        ),
-    )
+    m = with_equinox_weights(m, peer)
     x = jax.random.normal(getkey(), (4, 8))
     context = jax.random.normal(getkey(), (6, 5))
     np.testing.assert_allclose(m(x, context), peer(x, context, context), atol=1e-5)
