@@ -63,7 +63,7 @@ def test_layout_and_manifest(artifact_dir, model):
     assert roles[: n_weights + 1] == ["weight"] * n_weights + ["input"]
     assert set(roles[n_weights + 1 :]) == {"cache"}
     assert step["donated"] == [i["name"] for i in step["inputs"] if i["role"] == "cache"]
-    assert ["B", CAPACITY, 8] in [i["shape"] for i in step["inputs"]]
+    assert ["B", 2, CAPACITY, 4] in [i["shape"] for i in step["inputs"]]
     assert step["capacity"] == CAPACITY and "NaN" in step["overflow"]
     assert step["outputs"][-1] == {
         "name": "overflow",

@@ -40,13 +40,14 @@ def test_fixed_cache_layout(getkey):
     m = MultiHeadSelfAttention(8, 2, getkey(), causal=True)
     cache = m.init_cache(16)
     assert isinstance(cache, FixedKVCache)
-    assert cache.keys.shape == cache.values.shape == (16, 8)
+    assert cache.keys.shape == cache.values.shape == (2, 16, 4)  # (n_heads, capacity, d_head)
     assert cache.capacity == 16 and int(cache.index) == 0 and not bool(cache.overflow)
     x = jax.random.normal(getkey(), (3, 8))
     _, cache = stream(m, x, cache)
     assert int(cache.index) == 3
-    np.testing.assert_allclose(cache.keys[:3], x @ m.W_K.value, atol=1e-6)
-    np.testing.assert_array_equal(cache.keys[3:], 0.0)
+    per_head = (x @ m.W_K.value).reshape(3, 2, 4).transpose(1, 0, 2)
+    np.testing.assert_allclose(cache.keys[:, :3], per_head, atol=1e-6)
+    np.testing.assert_array_equal(cache.keys[:, 3:], 0.0)
 
 
 @pytest.mark.parametrize("capacity, length", [(None, 16), (64, 64), (80, 64)])

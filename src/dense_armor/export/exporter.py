@@ -501,8 +501,8 @@ def _manifest(
                     ),
                     "layout": "one entry per cache array, named by its path in the model's "
                     "cache tree: positions (index, overflow); each attention's keys and values "
-                    "(B, capacity, d_model), index and overflow; a decoder's projected context "
-                    "(B, S, d_model) and its mask; the mean over time (total, count)",
+                    "(B, n_heads, capacity, d_head), index and overflow; a decoder's projected "
+                    "context (B, S, d_model) and its mask; the mean over time (total, count)",
                 },
             )
         described[name] = entry

@@ -2,6 +2,7 @@
 sinusoidal positional encoding (Vaswani et al. 2017, "Attention Is All You Need").
 """
 
+import functools
 import math
 from collections.abc import Callable
 from typing import ClassVar, NamedTuple
@@ -142,15 +143,12 @@ def _attend_heads(
     values: Array,
     mask: Array | None,
 ) -> Array:
-    """Queries `x W_Q` of `x (T, d_model)` against projected `keys`, `values` `(S, d_model)`,
-    split into heads, attended with `scaled_dot_product_attention` and joined by `W_O`."""
+    """Queries `x W_Q` of `x (T, d_model)`, split into heads, against projected `keys` and
+    `values` already in heads `(n_heads, S, d_head)`; attended with
+    `scaled_dot_product_attention` and joined by `W_O`."""
     q = _heads(_project(x, layer.W_Q), layer.n_heads)
     # Cached keys and values may be stored wider than the compute dtype (float32 under bfloat16).
-    k, v = (
-        _heads(keys.astype(x.dtype), layer.n_heads),
-        _heads(values.astype(x.dtype), layer.n_heads),
-    )
-    out = scaled_dot_product_attention(q, k, v, mask)
+    out = scaled_dot_product_attention(q, keys.astype(x.dtype), values.astype(x.dtype), mask)
     joined = out.transpose(1, 0, 2).reshape(x.shape[0], layer.d_model)
     return _project(joined, layer.W_O)
 
@@ -249,7 +247,22 @@ class MultiHeadSelfAttention(Layer):
     def _attend(
         self, x: Array, keys: Array, values: Array, mask: Array | None
     ) -> Float[Array, "T d_model"]:
-        return _attend_heads(self, x, keys, values, mask)
+        """Attend from `x` to keys and values `(S, d_model)`."""
+        heads = functools.partial(_heads, n_heads=self.n_heads)
+        return _attend_heads(self, x, heads(keys), heads(values), mask)
+
+    def _cache_shape(self, rows: int) -> tuple[int, int, int]:
+        """A fixed or ring cache's buffers: per head, `(n_heads, rows, d_head)`, so a step reads
+        each head's keys contiguously with no transpose."""
+        return (self.n_heads, rows, self.d_head)
+
+    def _check_cache(self, cache: "FixedKVCache | RingKVCache", name: str) -> None:
+        if cache.keys.ndim != 3 or cache.keys.shape[::2] != (self.n_heads, self.d_head):
+            raise ShapeError(
+                f"MultiHeadSelfAttention.step: received `cache.keys.shape={cache.keys.shape}`; "
+                f"expected `(n_heads={self.n_heads}, {name}, d_head={self.d_head})`. Use this "
+                "layer's `init_cache`."
+            )
 
     def _keys_values(self, x: Array) -> tuple[Array, Array]:
         return _project(x, self.W_K), _project(x, self.W_V)
@@ -299,13 +312,15 @@ class MultiHeadSelfAttention(Layer):
         validate_overflow_mode(on_overflow)
         # Keys and values get buffers of their own, so that both can be donated.
         if self.window is not None:
-            zeros = (self.window, self.d_model)
+            zeros = self._cache_shape(self.window)
             return RingKVCache(jnp.zeros(zeros), jnp.zeros(zeros), jnp.zeros((), jnp.int32))
         if capacity is None:
             return KVCache(jnp.zeros((0, self.d_model)), jnp.zeros((0, self.d_model)))
         require_positive(capacity=capacity)
-        keys, values = jnp.zeros((capacity, self.d_model)), jnp.zeros((capacity, self.d_model))
-        return FixedKVCache(keys, values, *start_index(), on_overflow=on_overflow)
+        zeros = self._cache_shape(capacity)
+        return FixedKVCache(
+            jnp.zeros(zeros), jnp.zeros(zeros), *start_index(), on_overflow=on_overflow
+        )
 
     @shape_checked
     def step(
@@ -335,21 +350,23 @@ class MultiHeadSelfAttention(Layer):
             values = jnp.concatenate([cache.values, v_t[None].astype(cache.values.dtype)])
             y = self._attend(x_t[None], keys, values, None)[0]
             return y, KVCache(keys, values)
+        self._check_cache(cache, "capacity")
         capacity = cache.capacity
-        if cache.keys.shape[1:] != (self.d_model,):
-            raise ShapeError(
-                f"MultiHeadSelfAttention.step: received `cache.keys.shape={cache.keys.shape}`; "
-                f"expected `(capacity, d_model={self.d_model})`. Use `init_cache(capacity)`."
-            )
         full = cache.index >= capacity
         slot = jnp.minimum(cache.index, capacity - 1)
+        k_t, v_t = (
+            k_t.reshape(self.n_heads, 1, self.d_head),
+            v_t.reshape(self.n_heads, 1, self.d_head),
+        )
         # XLA clamps an out-of-range slice start; a full cache rewrites its last row unchanged.
-        k_row = jnp.where(full, cache.keys[slot], k_t.astype(cache.keys.dtype))
-        v_row = jnp.where(full, cache.values[slot], v_t.astype(cache.values.dtype))
-        keys = jax.lax.dynamic_update_slice(cache.keys, k_row[None], (slot, 0))
-        values = jax.lax.dynamic_update_slice(cache.values, v_row[None], (slot, 0))
+        old_k = jax.lax.dynamic_slice_in_dim(cache.keys, slot, 1, axis=1)
+        old_v = jax.lax.dynamic_slice_in_dim(cache.values, slot, 1, axis=1)
+        k_row = jnp.where(full, old_k, k_t.astype(cache.keys.dtype))
+        v_row = jnp.where(full, old_v, v_t.astype(cache.values.dtype))
+        keys = jax.lax.dynamic_update_slice(cache.keys, k_row, (0, slot, 0))
+        values = jax.lax.dynamic_update_slice(cache.values, v_row, (0, slot, 0))
         visible = (jnp.arange(capacity) <= cache.index)[None, :]
-        y = self._attend(x_t[None], keys, values, visible)[0]
+        y = _attend_heads(self, x_t[None], keys, values, visible)[0]
         y = guard_overflow(
             y, full, cache.on_overflow, f"the key/value cache is full (capacity {capacity})"
         )
@@ -365,22 +382,20 @@ class MultiHeadSelfAttention(Layer):
     def _step_ring(
         self, x_t: Array, k_t: Array, v_t: Array, cache: RingKVCache
     ) -> tuple[Array, RingKVCache]:
+        self._check_cache(cache, "window")
         window = cache.window
-        if cache.keys.shape[1:] != (self.d_model,):
-            raise ShapeError(
-                f"MultiHeadSelfAttention.step: received `cache.keys.shape={cache.keys.shape}`; "
-                f"expected `(window={window}, d_model={self.d_model})`. Use `init_cache()`."
-            )
         slot = cache.index % window
-        keys = jax.lax.dynamic_update_slice(
-            cache.keys, k_t[None].astype(cache.keys.dtype), (slot, 0)
+        k_t, v_t = (
+            k_t.reshape(self.n_heads, 1, self.d_head),
+            v_t.reshape(self.n_heads, 1, self.d_head),
         )
+        keys = jax.lax.dynamic_update_slice(cache.keys, k_t.astype(cache.keys.dtype), (0, slot, 0))
         values = jax.lax.dynamic_update_slice(
-            cache.values, v_t[None].astype(cache.values.dtype), (slot, 0)
+            cache.values, v_t.astype(cache.values.dtype), (0, slot, 0)
         )
         # The softmax does not care about the order of the keys, so the ring needs no rotation.
         visible = (jnp.arange(window) <= cache.index)[None, :]
-        y = self._attend(x_t[None], keys, values, visible)[0]
+        y = _attend_heads(self, x_t[None], keys, values, visible)[0]
         index = cache.index + 1
         index = jnp.where(index >= 2 * window, index - window, index)  # same slot, no overflow
         return y, RingKVCache(keys, values, index)
@@ -564,7 +579,8 @@ class MultiHeadCrossAttention(Layer):
 
     def step_sequence(self, x: Array, cache: ContextCache) -> Array:
         """Attend from every row of `x (T, d_model)` to a projected context."""
-        return _attend_heads(self, x, cache.keys, cache.values, cache.mask[None, :])
+        heads = functools.partial(_heads, n_heads=self.n_heads)
+        return _attend_heads(self, x, heads(cache.keys), heads(cache.values), cache.mask[None, :])
 
     @shape_checked
     def step(

@@ -4,8 +4,9 @@ Two kinds of key/value cache serve the attention layers:
 
 - `KVCache`, the growing cache of the attention page: two arrays of shape `(t, d_model)` that gain
   one row per step. Exact and simple; under `jax.jit` it recompiles at every length.
-- `FixedKVCache`, preallocated buffers of shape `(capacity, d_model)` plus a counter. Its shapes
-  never change, so a jitted or exported step compiles once (donate the cache to update it in place).
+- `FixedKVCache`, preallocated buffers of shape `(n_heads, capacity, d_head)` plus a counter. Its
+  shapes never change, so a jitted or exported step compiles once (donate the cache to update it in
+  place), and each head's keys lie contiguous, so a step needs no transpose.
 - `RingKVCache`, for a sliding-window layer: the last `window` steps in a ring that never fills.
 
 Layers with other time state carry it in `PositionCache` (the step index) and `MeanCache` (a running
@@ -62,35 +63,37 @@ class KVCache(NamedTuple):
 
 
 class FixedKVCache(eqx.Module):
-    """Preallocated keys and values, shape `(capacity, d_model)`; rows `>= index` are unwritten."""
+    """Preallocated keys and values, per head: `(n_heads, capacity, d_head)`; rows `>= index` are
+    unwritten."""
 
-    keys: Float[Array, "capacity d_model"]
-    values: Float[Array, "capacity d_model"]
+    keys: Float[Array, "n_heads capacity d_head"]
+    values: Float[Array, "n_heads capacity d_head"]
     index: Int[Array, ""]
     overflow: Bool[Array, ""]
     on_overflow: str = eqx.field(static=True, default="raise")
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[0]
+        return self.keys.shape[1]
 
 
 class RingKVCache(eqx.Module):
     """The cache of a sliding-window layer: the keys and values of the last `window` steps, in a
-    ring of `window` rows. It never fills up, so a stream can go on forever in constant memory.
+    ring of `window` rows per head, `(n_heads, window, d_head)`. It never fills up, so a stream can
+    go on forever in constant memory.
 
     `index` counts the steps seen, folded into `[0, 2 * window)` once past `window` so it never
     overflows: the next row to write is `index % window`, and rows `< min(index, window)` hold
     steps.
     """
 
-    keys: Float[Array, "window d_model"]
-    values: Float[Array, "window d_model"]
+    keys: Float[Array, "n_heads window d_head"]
+    values: Float[Array, "n_heads window d_head"]
     index: Int[Array, ""]
 
     @property
     def window(self) -> int:
-        return self.keys.shape[0]
+        return self.keys.shape[1]
 
 
 class PositionCache(eqx.Module):
