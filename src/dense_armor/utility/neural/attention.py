@@ -2,7 +2,6 @@
 sinusoidal positional encoding (Vaswani et al. 2017, "Attention Is All You Need").
 """
 
-import functools
 import math
 from collections.abc import Callable
 from typing import ClassVar, NamedTuple
@@ -153,6 +152,18 @@ def _attend_heads(
     return _project(joined, layer.W_O)
 
 
+def _attend_flat(
+    layer: "MultiHeadSelfAttention | MultiHeadCrossAttention",
+    x: Array,
+    keys: Array,
+    values: Array,
+    mask: Array | None,
+) -> Array:
+    """`_attend_heads` with keys and values `(S, d_model)`, split into heads first."""
+    keys, values = _heads(keys, layer.n_heads), _heads(values, layer.n_heads)
+    return _attend_heads(layer, x, keys, values, mask)
+
+
 def _heads(a: Array, n_heads: int) -> Array:
     """`(L, d_model) -> (n_heads, L, d_model / n_heads)`."""
     return a.reshape(a.shape[0], n_heads, a.shape[1] // n_heads).transpose(1, 0, 2)
@@ -247,9 +258,7 @@ class MultiHeadSelfAttention(Layer):
     def _attend(
         self, x: Array, keys: Array, values: Array, mask: Array | None
     ) -> Float[Array, "T d_model"]:
-        """Attend from `x` to keys and values `(S, d_model)`."""
-        heads = functools.partial(_heads, n_heads=self.n_heads)
-        return _attend_heads(self, x, heads(keys), heads(values), mask)
+        return _attend_flat(self, x, keys, values, mask)
 
     def _cache_shape(self, rows: int) -> tuple[int, int, int]:
         """A fixed or ring cache's buffers: per head, `(n_heads, rows, d_head)`, so a step reads
@@ -354,17 +363,8 @@ class MultiHeadSelfAttention(Layer):
         capacity = cache.capacity
         full = cache.index >= capacity
         slot = jnp.minimum(cache.index, capacity - 1)
-        k_t, v_t = (
-            k_t.reshape(self.n_heads, 1, self.d_head),
-            v_t.reshape(self.n_heads, 1, self.d_head),
-        )
         # XLA clamps an out-of-range slice start; a full cache rewrites its last row unchanged.
-        old_k = jax.lax.dynamic_slice_in_dim(cache.keys, slot, 1, axis=1)
-        old_v = jax.lax.dynamic_slice_in_dim(cache.values, slot, 1, axis=1)
-        k_row = jnp.where(full, old_k, k_t.astype(cache.keys.dtype))
-        v_row = jnp.where(full, old_v, v_t.astype(cache.values.dtype))
-        keys = jax.lax.dynamic_update_slice(cache.keys, k_row, (0, slot, 0))
-        values = jax.lax.dynamic_update_slice(cache.values, v_row, (0, slot, 0))
+        keys, values = self._write_row(cache, k_t, v_t, slot, keep=full)
         visible = (jnp.arange(capacity) <= cache.index)[None, :]
         y = _attend_heads(self, x_t[None], keys, values, visible)[0]
         y = guard_overflow(
@@ -379,20 +379,31 @@ class MultiHeadSelfAttention(Layer):
         )
         return y, new
 
+    def _write_row(
+        self,
+        cache: FixedKVCache | RingKVCache,
+        k_t: Array,
+        v_t: Array,
+        slot: Array,
+        keep: Array | None = None,
+    ) -> tuple[Array, Array]:
+        """The cache's buffers with `k_t`, `v_t` written, per head, at row `slot` (left as they
+        were where `keep` is true)."""
+        written = []
+        for buffer, row in ((cache.keys, k_t), (cache.values, v_t)):
+            row = row.reshape(self.n_heads, 1, self.d_head).astype(buffer.dtype)
+            if keep is not None:
+                row = jnp.where(keep, jax.lax.dynamic_slice_in_dim(buffer, slot, 1, axis=1), row)
+            written.append(jax.lax.dynamic_update_slice(buffer, row, (0, slot, 0)))
+        return written[0], written[1]
+
     def _step_ring(
         self, x_t: Array, k_t: Array, v_t: Array, cache: RingKVCache
     ) -> tuple[Array, RingKVCache]:
         self._check_cache(cache, "window")
         window = cache.window
         slot = cache.index % window
-        k_t, v_t = (
-            k_t.reshape(self.n_heads, 1, self.d_head),
-            v_t.reshape(self.n_heads, 1, self.d_head),
-        )
-        keys = jax.lax.dynamic_update_slice(cache.keys, k_t.astype(cache.keys.dtype), (0, slot, 0))
-        values = jax.lax.dynamic_update_slice(
-            cache.values, v_t.astype(cache.values.dtype), (0, slot, 0)
-        )
+        keys, values = self._write_row(cache, k_t, v_t, slot)
         # The softmax does not care about the order of the keys, so the ring needs no rotation.
         visible = (jnp.arange(window) <= cache.index)[None, :]
         y = _attend_heads(self, x_t[None], keys, values, visible)[0]
@@ -579,8 +590,7 @@ class MultiHeadCrossAttention(Layer):
 
     def step_sequence(self, x: Array, cache: ContextCache) -> Array:
         """Attend from every row of `x (T, d_model)` to a projected context."""
-        heads = functools.partial(_heads, n_heads=self.n_heads)
-        return _attend_heads(self, x, heads(cache.keys), heads(cache.values), cache.mask[None, :])
+        return _attend_flat(self, x, cache.keys, cache.values, cache.mask[None, :])
 
     @shape_checked
     def step(

@@ -38,6 +38,13 @@ class AddPositions(PositionalEncoding):
         return sinusoidal_encoding(positions, d_model)
 
 
+def _apply(layer: Layer, x: Array, mask: Array | None, key: PRNGKeyArray | None) -> Array:
+    """`layer(x)`, with the padding `mask` when the layer takes one."""
+    if mask is not None and getattr(layer, "accepts_mask", False):
+        return layer(x, mask=mask, key=key)
+    return layer(x, key=key)
+
+
 class Sequential(Layer):
     """Layers applied one after the other.
 
@@ -66,10 +73,7 @@ class Sequential(Layer):
         (attention, blocks, `MeanOverTime`)."""
         keys = [None] * len(self.layers) if key is None else list(jr.split(key, len(self.layers)))
         for layer, layer_key in zip(self.layers, keys, strict=True):
-            if mask is not None and getattr(layer, "accepts_mask", False):
-                x = layer(x, mask=mask, key=layer_key)
-            else:
-                x = layer(x, key=layer_key)
+            x = _apply(layer, x, mask, layer_key)
         return x
 
     def init_cache(
@@ -274,10 +278,7 @@ def attention_maps(
     for layer in model.layers:
         if isinstance(layer, TransformerBlock):
             maps.append(layer.attention_weights(x, mask=mask))
-        if mask is not None and getattr(layer, "accepts_mask", False):
-            x = layer(x, mask=mask)
-        else:
-            x = layer(x)
+        x = _apply(layer, x, mask, None)
     if not maps:
         raise ValueError("attention_maps: the model has no TransformerBlock.")
     return maps
