@@ -3,10 +3,10 @@
 import datetime
 import sys
 
-from . import bench_encoder, bench_streaming
+from . import bench_encoder, bench_long, bench_streaming
 from .harness import machine
 
-BENCHMARKS = {"encoder": bench_encoder, "streaming": bench_streaming}
+BENCHMARKS = {"encoder": bench_encoder, "streaming": bench_streaming, "long": bench_long}
 
 
 def main() -> None:

@@ -11,6 +11,8 @@ from .attention import attention_weights as attention_weights
 from .attention import scaled_dot_product_attention as scaled_dot_product_attention
 from .attention import sinusoidal_encoding as sinusoidal_encoding
 from .attention import sinusoidal_positions as sinusoidal_positions
+from .blocked import BLOCKED_MIN_LENGTH as BLOCKED_MIN_LENGTH
+from .blocked import blocked_attention as blocked_attention
 from .cache import FixedKVCache as FixedKVCache
 from .cache import KVCache as KVCache
 from .cache import MeanCache as MeanCache

@@ -14,6 +14,7 @@ import numpy as np
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, jaxtyped
 
+from .blocked import blocked_attention, use_blocked
 from .cache import (
     FixedKVCache,
     KVCache,
@@ -148,8 +149,32 @@ def _attend_heads(
     q = _heads(_project(x, layer.W_Q), layer.n_heads)
     # Cached keys and values may be stored wider than the compute dtype (float32 under bfloat16).
     out = scaled_dot_product_attention(q, keys.astype(x.dtype), values.astype(x.dtype), mask)
-    joined = out.transpose(1, 0, 2).reshape(x.shape[0], layer.d_model)
+    return _join_heads(layer, out)
+
+
+def _join_heads(layer: "MultiHeadSelfAttention | MultiHeadCrossAttention", out: Array) -> Array:
+    """Heads `(n_heads, T, d_head)` joined to `(T, d_model)` and projected by `W_O`."""
+    joined = out.transpose(1, 0, 2).reshape(out.shape[1], layer.d_model)
     return _project(joined, layer.W_O)
+
+
+def _attend_blocked(
+    layer: "MultiHeadSelfAttention | MultiHeadCrossAttention",
+    x: Array,
+    keys: Array,
+    values: Array,
+    key_mask: Array | None,
+    causal: bool = False,
+    window: int | None = None,
+) -> Array:
+    """`_attend_flat` by `blocked_attention`: the mask described by `causal`, `window` and
+    `key_mask (S,)`, never materialised."""
+    q = _heads(_project(x, layer.W_Q), layer.n_heads)
+    keys, values = _heads(keys, layer.n_heads), _heads(values, layer.n_heads)
+    out = blocked_attention(
+        q, keys.astype(x.dtype), values, causal=causal, window=window, key_mask=key_mask
+    )
+    return _join_heads(layer, out.astype(x.dtype))
 
 
 def _attend_flat(
@@ -192,6 +217,14 @@ def _check_window(window: int | None, causal: bool) -> None:
         )
 
 
+def _check_memory_efficient(memory_efficient: bool | None) -> None:
+    if memory_efficient is not None and not isinstance(memory_efficient, bool):
+        raise ValueError(
+            "`memory_efficient` must be True, False or None (blocked attention from "
+            f"`BLOCKED_MIN_LENGTH` steps on); received `memory_efficient={memory_efficient!r}`."
+        )
+
+
 def _require_causal(layer: "MultiHeadSelfAttention | TransformerBlock") -> None:
     if not layer.causal:
         raise ValueError(
@@ -206,7 +239,10 @@ class MultiHeadSelfAttention(Layer):
 
     **Arguments:** `d_model` (the width, divisible by `n_heads`), `n_heads`, `key`,
     `causal=False` (step t looks only at steps up to t; masked scores are `-inf`), `window=None`
-    (with `causal=True`: step t looks only at the last `window` steps, `t - window < s <= t`).
+    (with `causal=True`: step t looks only at the last `window` steps, `t - window < s <= t`),
+    `memory_efficient=None` (`True`: `forward` attends with `blocked_attention`, in memory linear
+    in T; `False`: with the `(T, T)` scores materialised; `None`: blocked from
+    `BLOCKED_MIN_LENGTH` steps on). Both give the same result up to float32 round-off.
 
     `forward(x, mask=None)` maps `(T, d_model) -> (T, d_model)`; `mask (T,)` marks the valid
     steps of a padded sequence (padding at the end), whose keys are then hidden.
@@ -227,6 +263,7 @@ class MultiHeadSelfAttention(Layer):
     n_heads: int = eqx.field(static=True)
     causal: bool = eqx.field(static=True)
     window: int | None = eqx.field(static=True)
+    memory_efficient: bool | None = eqx.field(static=True)
     accepts_mask: ClassVar[bool] = True
 
     def __init__(
@@ -236,9 +273,11 @@ class MultiHeadSelfAttention(Layer):
         key: PRNGKeyArray,
         causal: bool = False,
         window: int | None = None,
+        memory_efficient: bool | None = None,
     ):
         _check_heads(d_model, n_heads)
         _check_window(window, causal)
+        _check_memory_efficient(memory_efficient)
         bound = 1.0 / math.sqrt(d_model)
         qkey, kkey, vkey, okey = jr.split(key, 4)
 
@@ -250,6 +289,7 @@ class MultiHeadSelfAttention(Layer):
         self.n_heads = n_heads
         self.causal = causal
         self.window = window
+        self.memory_efficient = memory_efficient
 
     @property
     def d_head(self) -> int:
@@ -297,7 +337,10 @@ class MultiHeadSelfAttention(Layer):
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "T d_model"]:
         keys, values = self._keys_values(x)
-        return self._attend(x, keys, values, self._mask(x.shape[0], mask))
+        length = x.shape[0]
+        if use_blocked(self.memory_efficient, length, length):
+            return _attend_blocked(self, x, keys, values, mask, self.causal, self.window)
+        return self._attend(x, keys, values, self._mask(length, mask))
 
     @shape_checked
     def attention_weights(
@@ -422,7 +465,8 @@ class TransformerBlock(Layer):
     addition, only when `forward` gets a `key`), `gate=False` (a `Gate` replaces each residual
     addition: `y = LayerNorm(Gate(x, Attention(x)))`, ...), `norm_first=False` (pre-LN instead:
     `y = x + Attention(LayerNorm(x))`, `z = y + FFN(LayerNorm(y))`, Xiong et al. 2020),
-    `window=None` (sliding-window attention, see `MultiHeadSelfAttention`).
+    `window=None` (sliding-window attention) and `memory_efficient=None` (blocked attention; see
+    `MultiHeadSelfAttention`).
 
     `forward(x, mask=None)`: `mask (T,)` marks the valid steps of a padded sequence.
 
@@ -453,12 +497,13 @@ class TransformerBlock(Layer):
         gate: bool = False,
         norm_first: bool = False,
         window: int | None = None,
+        memory_efficient: bool | None = None,
     ):
         _check_heads(d_model, n_heads)
         require_positive(d_ff=d_ff)
         akey, fkey = jr.split(key)
         self.attention = MultiHeadSelfAttention(
-            d_model, n_heads, akey, causal=causal, window=window
+            d_model, n_heads, akey, causal=causal, window=window, memory_efficient=memory_efficient
         )
         self.norm1 = LayerNorm(d_model)
         self.feed_forward = FeedForward(d_model, d_ff, fkey)
@@ -539,7 +584,8 @@ class MultiHeadCrossAttention(Layer):
     `(d_context, d_model)`, `W_O (d_model, d_model)`.
 
     **Arguments:** `d_model` (divisible by `n_heads`), `n_heads`, `key`, `d_context=None` (the
-    context's width; default `d_model`).
+    context's width; default `d_model`), `memory_efficient=None` (`forward` with
+    `blocked_attention`: `True`, `False`, or `None` for when `T * S >= BLOCKED_MIN_LENGTH ** 2`).
 
     `forward(x, context, context_mask=None)`: `context_mask (S,)` is `True` on the context steps to
     look at (padding is `False`); a query with no visible step gets zeros, never NaN.
@@ -554,9 +600,18 @@ class MultiHeadCrossAttention(Layer):
     d_model: int = eqx.field(static=True)
     n_heads: int = eqx.field(static=True)
     d_context: int = eqx.field(static=True)
+    memory_efficient: bool | None = eqx.field(static=True)
 
-    def __init__(self, d_model: int, n_heads: int, key: PRNGKeyArray, d_context: int | None = None):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        key: PRNGKeyArray,
+        d_context: int | None = None,
+        memory_efficient: bool | None = None,
+    ):
         _check_heads(d_model, n_heads)
+        _check_memory_efficient(memory_efficient)
         d_context = d_model if d_context is None else d_context
         require_positive(d_context=d_context)
         qkey, kkey, vkey, okey = jr.split(key, 4)
@@ -568,6 +623,7 @@ class MultiHeadCrossAttention(Layer):
         self.W_Q, self.W_K = init(qkey, d_model), init(kkey, d_context)
         self.W_V, self.W_O = init(vkey, d_context), init(okey, d_model)
         self.d_model, self.n_heads, self.d_context = d_model, n_heads, d_context
+        self.memory_efficient = memory_efficient
 
     @shape_checked
     def init_cache(
@@ -590,6 +646,8 @@ class MultiHeadCrossAttention(Layer):
 
     def step_sequence(self, x: Array, cache: ContextCache) -> Array:
         """Attend from every row of `x (T, d_model)` to a projected context."""
+        if use_blocked(self.memory_efficient, x.shape[0], cache.keys.shape[0]):
+            return _attend_blocked(self, x, cache.keys, cache.values, cache.mask)
         return _attend_flat(self, x, cache.keys, cache.values, cache.mask[None, :])
 
     @shape_checked
@@ -665,7 +723,8 @@ class TransformerDecoderBlock(Layer):
 
     **Arguments:** `d_model`, `n_heads`, `d_ff`, `key`, `d_context=None` (default `d_model`),
     `dropout=0.0` (on each sub-layer's output, with a `key`), `gate=False` (a `Gate` replaces each
-    residual addition).
+    residual addition), `memory_efficient=None` (blocked attention in both attentions; see
+    `MultiHeadSelfAttention`).
 
     `params()`: the self-attention's 4, the first LayerNorm's 2, the cross-attention's 4, the second
     LayerNorm's 2, the feed-forward's 4, the third LayerNorm's 2 (18), then each gate's 3.
@@ -692,13 +751,18 @@ class TransformerDecoderBlock(Layer):
         d_context: int | None = None,
         dropout: float = 0.0,
         gate: bool = False,
+        memory_efficient: bool | None = None,
     ):
         _check_heads(d_model, n_heads)
         require_positive(d_ff=d_ff)
         skey, ckey, fkey = jr.split(key, 3)
-        self.self_attention = MultiHeadSelfAttention(d_model, n_heads, skey, causal=True)
+        self.self_attention = MultiHeadSelfAttention(
+            d_model, n_heads, skey, causal=True, memory_efficient=memory_efficient
+        )
         self.norm1 = LayerNorm(d_model)
-        self.cross_attention = MultiHeadCrossAttention(d_model, n_heads, ckey, d_context)
+        self.cross_attention = MultiHeadCrossAttention(
+            d_model, n_heads, ckey, d_context, memory_efficient=memory_efficient
+        )
         self.norm2 = LayerNorm(d_model)
         self.feed_forward = FeedForward(d_model, d_ff, fkey)
         self.norm3 = LayerNorm(d_model)

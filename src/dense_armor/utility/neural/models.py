@@ -124,6 +124,7 @@ def transformer_encoder(
     norm_first: bool = False,
     window: int | None = None,
     compute_dtype: str | None = None,
+    memory_efficient: bool | None = None,
 ) -> Sequential:
     """A sequence-to-vector encoder: `(T, n_in) -> (n_out,)`.
 
@@ -137,8 +138,9 @@ def transformer_encoder(
     (a `Gate` in place of every residual addition), `norm_first=False` (pre-LN blocks, followed by
     a final `LayerNorm` before the mean), `window=None` (sliding-window attention in every block;
     needs `causal=True`; the sinusoidal positions are then unbounded, so the encoder streams
-    forever) and `compute_dtype=None` (e.g. `"bfloat16"`: a `Cast` in front runs the model in
-    that dtype, parameters stay float32).
+    forever), `compute_dtype=None` (e.g. `"bfloat16"`: a `Cast` in front runs the model in
+    that dtype, parameters stay float32) and `memory_efficient=None` (blocked attention in every
+    block: `True`, `False`, or `None` for sequences of `BLOCKED_MIN_LENGTH` steps or more).
 
     `forward(x, mask=None)`: `mask (T,)` marks the valid steps of a sequence padded at the end.
     """
@@ -157,6 +159,7 @@ def transformer_encoder(
             gate=gate,
             norm_first=norm_first,
             window=window,
+            memory_efficient=memory_efficient,
         )
         for k in block_keys
     ]
@@ -248,16 +251,25 @@ def transformer_decoder(
     dropout: float = 0.0,
     gate: bool = False,
     positions: str = "sinusoidal",
+    memory_efficient: bool | None = None,
 ) -> TransformerDecoder:
     """A decoder next to `transformer_encoder`: arguments in the same order, then `d_context`
-    (default `d_model`), `dropout`, `gate` (gated residuals in every block) and `positions`."""
+    (default `d_model`), `dropout`, `gate` (gated residuals in every block), `positions` and
+    `memory_efficient` (blocked attention in every block; see `MultiHeadSelfAttention`)."""
     require_positive(
         n_in=n_in, d_model=d_model, d_ff=d_ff, depth=depth, n_out=n_out, max_len=max_len
     )
     in_key, pos_key, out_key, *block_keys = jr.split(key, 3 + depth)
     blocks = tuple(
         TransformerDecoderBlock(
-            d_model, n_heads, d_ff, k, d_context=d_context, dropout=dropout, gate=gate
+            d_model,
+            n_heads,
+            d_ff,
+            k,
+            d_context=d_context,
+            dropout=dropout,
+            gate=gate,
+            memory_efficient=memory_efficient,
         )
         for k in block_keys
     )
