@@ -112,6 +112,35 @@ def _flops(compiled) -> float:
     return float(analysis.get("flops", 0.0))
 
 
+def _breakdown() -> dict[str, float]:
+    """Seconds of the forward's unavoidable parts, each timed alone at the benchmark's shapes and
+    multiplied by how often the forward runs it: the dense products (4 projections and the
+    feed-forward's two per block), the attention's two batched products per block and its
+    softmax. Their sum bounds how fast any implementation of this forward can be."""
+    keys = jax.random.split(jax.random.PRNGKey(3), 6)
+    x = jax.random.normal(keys[0], (B, T, D))
+    w = jax.random.normal(keys[1], (D, D))
+    w1, w2 = jax.random.normal(keys[2], (D, D_FF)), jax.random.normal(keys[3], (D_FF, D))
+    heads = jax.random.normal(keys[4], (B, H, T, D // H))
+    scores = jax.random.normal(keys[5], (B, H, T, T))
+    projection = jax.jit(lambda x, w: x @ w)
+    feed_forward = jax.jit(lambda x, w1, w2: jax.nn.relu(x @ w1) @ w2)
+    qk = jax.jit(lambda q, k: jnp.einsum("bhtd,bhsd->bhts", q, k))
+    sv = jax.jit(lambda s, v: jnp.einsum("bhts,bhsd->bhtd", s, v))
+    softmax = jax.jit(lambda s: jax.nn.softmax(s, axis=-1))
+    parts = interleaved(
+        {
+            "projections": lambda: projection(x, w),
+            "feed-forward": lambda: feed_forward(x, w1, w2),
+            "attention products": lambda: (qk(heads, heads), sv(scores, heads)),
+            "softmax": lambda: softmax(scores),
+        },
+        rounds=30,
+    )
+    counts = {"projections": 4 * DEPTH, "feed-forward": DEPTH}
+    return {name: t * counts.get(name, DEPTH) for name, t in parts.items()}
+
+
 def run() -> str:
     key = jax.random.PRNGKey(0)
     xs = jax.random.normal(jax.random.PRNGKey(1), (B, T, N_IN))
@@ -184,6 +213,7 @@ def run() -> str:
                 },
                 rounds=30,
             )
+        parts = _breakdown()
     fastest_peer_train = min(train["equinox"], train["flax nnx"])
     fastest_peer_forward = min(forward["equinox"], forward["flax nnx"])
     lines = [
@@ -197,6 +227,10 @@ def run() -> str:
         table("Encoder forward (same shapes)", forward, "dense_armor", "ms"),
         f"speed-up over the faster peer: {fastest_peer_forward / forward['dense_armor']:.2f}x "
         "(target >= 1.25x)",
+        "where a forward's time goes, each part timed alone at these shapes (ms): "
+        + ", ".join(f"{name} {t * 1e3:.1f}" for name, t in parts.items())
+        + f"; sum {sum(parts.values()) * 1e3:.1f}, against {fastest_peer_forward / 1.25 * 1e3:.1f}"
+        " for 1.25x over the faster peer",
         table(
             "Exported functions vs the jitted Python model", exported, "python forward (jit)", "ms"
         ),

@@ -6,7 +6,7 @@ these lengths), dense_armor with the `(T, T)` scores materialised (`memory_effic
 the same block from `equinox.nn.MultiheadAttention/LayerNorm/Linear`.
 
 Each measurement runs in a subprocess of its own, which reports its peak resident set size
-(`ru_maxrss`, the whole process: Python, JAX and XLA included) next to its times. Before running,
+(`VmHWM`, the whole process: Python, JAX and XLA included) next to its times. Before running,
 a child asks XLA for the compiled function's buffer sizes (`memory_analysis`); a function that
 would need more than `MEMORY_LIMIT` of temporaries is reported with that figure and not run, so
 the benchmark never drives the machine out of memory. Systems alternate (A B C A B C) across
@@ -91,8 +91,21 @@ def _child(system: str, length: int, mode: str) -> dict:
         jax.block_until_ready(compiled(params, x))
         times.append(time.perf_counter() - start)
     result["times"] = times
-    result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result["peak_rss_bytes"] = _peak_rss_bytes()
     return result
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak resident set size. Read from `VmHWM`, which belongs to the process's
+    own memory map: `ru_maxrss` would also carry the parent's peak across fork and exec."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _measure(system: str, length: int, mode: str) -> dict:
