@@ -19,6 +19,7 @@ from dense_armor.utility.neural import (
     scaled_dot_product_attention,
 )
 from reference import attention, block, multi_head
+from streams import stream
 
 
 def with_equinox_weights(m, peer):
@@ -319,11 +320,8 @@ def test_cross_attention_step_uses_the_projected_context(getkey):
     context = jax.random.normal(getkey(), (7, 8))
     cache = m.init_cache(context)
     np.testing.assert_allclose(cache.keys, context @ m.W_K.value, atol=1e-6)
-    ys = []
-    for x_t in x:
-        y_t, cache = m.step(x_t, cache)
-        ys.append(y_t)
-    np.testing.assert_allclose(jnp.stack(ys), m(x, context), atol=1e-6)
+    ys, _ = stream(m, x, cache)
+    np.testing.assert_allclose(ys, m(x, context), atol=1e-6)
 
 
 def test_cross_attention_errors(getkey):
@@ -381,12 +379,8 @@ def test_gated_block(getkey):
     )
     y = plain.norm1(plain.attention(x))
     np.testing.assert_allclose(opened(x), plain.norm2(plain.feed_forward(y)), atol=1e-5)
-    cache = gated.init_cache(8)
-    ys = []
-    for x_t in x:
-        y_t, cache = gated.step(x_t, cache)
-        ys.append(y_t)
-    np.testing.assert_allclose(jnp.stack(ys), gated(x), atol=1e-5)
+    ys, _ = stream(gated, x, gated.init_cache(8))
+    np.testing.assert_allclose(ys, gated(x), atol=1e-5)
 
 
 # TransformerDecoderBlock

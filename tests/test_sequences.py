@@ -23,6 +23,7 @@ from dense_armor.utility.neural import (
     transformer_encoder,
 )
 from reference import attention
+from streams import stream
 
 
 def pad(x, total, value=7.0):
@@ -86,12 +87,8 @@ def test_pre_ln_block_by_its_equations(getkey):
     x = jax.random.normal(getkey(), (6, 8))
     y = x + b.attention(b.norm1(x))
     np.testing.assert_allclose(b(x), y + b.feed_forward(b.norm2(y)), atol=1e-5)
-    cache = b.init_cache(6)
-    ys = []
-    for x_t in x:
-        y_t, cache = b.step(x_t, cache)
-        ys.append(y_t)
-    np.testing.assert_allclose(jnp.stack(ys), b(x), atol=1e-5)
+    ys, _ = stream(b, x, b.init_cache(6))
+    np.testing.assert_allclose(ys, b(x), atol=1e-5)
 
 
 def test_pre_ln_encoder_has_a_final_layer_norm_and_streams(getkey):

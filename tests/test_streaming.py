@@ -14,15 +14,7 @@ from dense_armor.utility.neural import (
     TransformerBlock,
     transformer_encoder,
 )
-
-
-def stream(layer, xs, cache, step=None):
-    step = step or layer.step
-    ys = []
-    for x_t in xs:
-        y_t, cache = step(x_t, cache)
-        ys.append(y_t)
-    return jnp.stack(ys), cache
+from streams import stream
 
 
 def test_growing_cache_is_two_empty_arrays(getkey):

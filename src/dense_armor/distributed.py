@@ -23,6 +23,7 @@ __all__ = [
     "data_mesh",
     "gather_to_host",
     "global_batch",
+    "global_replicated",
     "initialize",
     "place",
     "replicated",
@@ -81,7 +82,7 @@ def place(tree: Any, mesh: Mesh, shard_params: bool = False) -> Any:
         if not eqx.is_array(leaf):
             return leaf
         sharding = _leaf_sharding(leaf, mesh, shard_params)
-        host = np.asarray(gather_to_host(leaf))
+        host = gather_to_host(leaf)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
     return jax.tree_util.tree_map(put, tree)

@@ -159,7 +159,22 @@ def _join_heads(layer: "MultiHeadSelfAttention | MultiHeadCrossAttention", out: 
     return _project(joined, layer.W_O)
 
 
-def _attend_blocked(
+def _sequence_mask(
+    queries: int, keys: int, causal: bool, window: int | None, key_mask: Array | None
+) -> Array | None:
+    """The `(T, S)` mask (or `None`) that `causal`, `window` and `key_mask (S,)` describe."""
+    mask = None
+    if causal:
+        rows, cols = jnp.arange(queries)[:, None], jnp.arange(keys)[None, :]
+        mask = cols <= rows
+        if window is not None:
+            mask = mask & (cols > rows - window)
+    if key_mask is not None:
+        mask = key_mask[None, :] if mask is None else mask & key_mask[None, :]
+    return mask
+
+
+def _attend_sequence(
     layer: "MultiHeadSelfAttention | MultiHeadCrossAttention",
     x: Array,
     keys: Array,
@@ -168,14 +183,19 @@ def _attend_blocked(
     causal: bool = False,
     window: int | None = None,
 ) -> Array:
-    """`_attend_flat` by `blocked_attention`: the mask described by `causal`, `window` and
-    `key_mask (S,)`, never materialised."""
+    """Every row of `x (T, d_model)` against projected `keys` and `values` `(S, d_model)`, under
+    the mask that `causal`, `window` and `key_mask (S,)` describe: with `blocked_attention` (the
+    mask never materialised) or the materialised scores, as `layer.memory_efficient` and the
+    lengths decide."""
+    length, key_length = x.shape[0], keys.shape[0]
+    if not use_blocked(layer.memory_efficient, length, key_length):
+        mask = _sequence_mask(length, key_length, causal, window, key_mask)
+        return _attend_flat(layer, x, keys, values, mask)
     q = _heads(_project(x, layer.W_Q), layer.n_heads)
     keys, values = _heads(keys, layer.n_heads), _heads(values, layer.n_heads)
-    out = blocked_attention(
-        q, keys.astype(x.dtype), values, causal=causal, window=window, key_mask=key_mask
-    )
-    return _join_heads(layer, out.astype(x.dtype))
+    keys, values = keys.astype(x.dtype), values.astype(x.dtype)
+    out = blocked_attention(q, keys, values, causal=causal, window=window, key_mask=key_mask)
+    return _join_heads(layer, out)
 
 
 def _attend_flat(
@@ -296,11 +316,6 @@ class MultiHeadSelfAttention(Layer):
     def d_head(self) -> int:
         return self.d_model // self.n_heads
 
-    def _attend(
-        self, x: Array, keys: Array, values: Array, mask: Array | None
-    ) -> Float[Array, "T d_model"]:
-        return _attend_flat(self, x, keys, values, mask)
-
     def _cache_shape(self, rows: int) -> tuple[int, int, int]:
         """A fixed or ring cache's buffers: per head, `(n_heads, rows, d_head)`, so a step reads
         each head's keys contiguously with no transpose."""
@@ -317,18 +332,6 @@ class MultiHeadSelfAttention(Layer):
     def _keys_values(self, x: Array) -> tuple[Array, Array]:
         return _project(x, self.W_K), _project(x, self.W_V)
 
-    def _mask(self, length: int, valid: Array | None) -> Array | None:
-        """Which keys each query sees: causal, windowed, and not padding."""
-        mask = None
-        if self.causal:
-            rows, cols = jnp.arange(length)[:, None], jnp.arange(length)[None, :]
-            mask = cols <= rows
-            if self.window is not None:
-                mask = mask & (cols > rows - self.window)
-        if valid is not None:
-            mask = valid[None, :] if mask is None else mask & valid[None, :]
-        return mask
-
     @shape_checked
     def forward(
         self,
@@ -338,10 +341,7 @@ class MultiHeadSelfAttention(Layer):
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "T d_model"]:
         keys, values = self._keys_values(x)
-        length = x.shape[0]
-        if use_blocked(self.memory_efficient, length, length):
-            return _attend_blocked(self, x, keys, values, mask, self.causal, self.window)
-        return self._attend(x, keys, values, self._mask(length, mask))
+        return _attend_sequence(self, x, keys, values, mask, self.causal, self.window)
 
     @shape_checked
     def attention_weights(
@@ -350,7 +350,10 @@ class MultiHeadSelfAttention(Layer):
         """The attention weights of `forward(x, mask=mask)`, `(n_heads, T, T)`, in float32."""
         q = _heads(_project(x, self.W_Q), self.n_heads)
         k = _heads(_project(x, self.W_K), self.n_heads)
-        return attention_weights(q, k, self._mask(x.shape[0], mask))
+        length = x.shape[0]
+        return attention_weights(
+            q, k, _sequence_mask(length, length, self.causal, self.window, mask)
+        )
 
     def init_cache(
         self, capacity: int | None = None, *, on_overflow: str = "raise"
@@ -401,7 +404,7 @@ class MultiHeadSelfAttention(Layer):
                 )
             keys = jnp.concatenate([cache.keys, k_t[None].astype(cache.keys.dtype)])
             values = jnp.concatenate([cache.values, v_t[None].astype(cache.values.dtype)])
-            y = self._attend(x_t[None], keys, values, None)[0]
+            y = _attend_flat(self, x_t[None], keys, values, None)[0]
             return y, KVCache(keys, values)
         self._check_cache(cache, "capacity")
         capacity = cache.capacity
@@ -647,9 +650,7 @@ class MultiHeadCrossAttention(Layer):
 
     def step_sequence(self, x: Array, cache: ContextCache) -> Array:
         """Attend from every row of `x (T, d_model)` to a projected context."""
-        if use_blocked(self.memory_efficient, x.shape[0], cache.keys.shape[0]):
-            return _attend_blocked(self, x, cache.keys, cache.values, cache.mask)
-        return _attend_flat(self, x, cache.keys, cache.values, cache.mask[None, :])
+        return _attend_sequence(self, x, cache.keys, cache.values, cache.mask)
 
     @shape_checked
     def step(

@@ -15,6 +15,7 @@ those that fall out of it) are skipped, not just masked.
 
 import math
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -116,60 +117,60 @@ def blocked_attention(
         return jnp.pad(a.reshape(n, length, a.shape[-1]), ((0, 0), (0, pad), (0, 0)))
 
     valid = jnp.pad(valid.reshape(n, S), ((0, 0), (0, s_pad)))
-    out = _blocked(
-        causal,
-        window,
-        block_q,
-        block_k,
-        flat(q, T, t_pad),
-        flat(k, S, s_pad),
-        flat(v, S, s_pad),
-        valid,
-    )
+    blocks = _Blocks(causal, window, block_q, block_k)
+    out = _blocked(blocks, flat(q, T, t_pad), flat(k, S, s_pad), flat(v, S, s_pad), valid)
     return out[:, :T].reshape(*batch, T, v.shape[-1]).astype(v.dtype)
 
 
-def _key_range(
-    i: Array, causal: bool, window: int | None, block_q: int, block_k: int, n_k: int
-) -> tuple[Array, Array]:
-    """The key blocks `[lo, hi)` that query block `i` can see."""
-    if not causal:
-        return jnp.asarray(0), jnp.asarray(n_k)
-    last_query = (i + 1) * block_q - 1
-    hi = jnp.minimum(last_query // block_k + 1, n_k)
-    lo = jnp.asarray(0)
-    if window is not None:
-        lo = jnp.maximum(i * block_q - window + 1, 0) // block_k
-    return lo, hi
+class _Blocks(NamedTuple):
+    """The static layout of a blocked attention: its mask's description and its block sizes."""
 
+    causal: bool
+    window: int | None
+    block_q: int
+    block_k: int
 
-def _query_range(
-    j: Array, causal: bool, window: int | None, block_q: int, block_k: int, n_q: int
-) -> tuple[Array, Array]:
-    """The query blocks `[lo, hi)` that can see key block `j`."""
-    if not causal:
-        return jnp.asarray(0), jnp.asarray(n_q)
-    lo = (j * block_k) // block_q
-    hi = jnp.asarray(n_q)
-    if window is not None:
-        last_query = (j + 1) * block_k - 1 + window - 1
-        hi = jnp.minimum(last_query // block_q + 1, n_q)
-    return lo, hi
+    def queries(self, a: Array, i: Array) -> Array:
+        """Query block `i` of `a (n, T, ...)`."""
+        return jax.lax.dynamic_slice_in_dim(a, i * self.block_q, self.block_q, axis=1)
 
+    def keys(self, a: Array, j: Array) -> Array:
+        """Key block `j` of `a (n, S, ...)`."""
+        return jax.lax.dynamic_slice_in_dim(a, j * self.block_k, self.block_k, axis=1)
 
-def _block_mask(
-    i: Array, j: Array, valid_j: Array, causal: bool, window: int | None, block_q: int, block_k: int
-) -> Array:
-    """Which keys of block `j` each query of block `i` sees, `(n, block_q, block_k)`."""
-    mask = valid_j[:, None, :]
-    if causal:
-        rows = i * block_q + jnp.arange(block_q)[:, None]
-        cols = j * block_k + jnp.arange(block_k)[None, :]
-        visible = cols <= rows
-        if window is not None:
-            visible = visible & (cols > rows - window)
-        mask = mask & visible[None]
-    return mask
+    def key_range(self, i: Array, n_k: int) -> tuple[Array, Array]:
+        """The key blocks `[lo, hi)` that query block `i` can see."""
+        if not self.causal:
+            return jnp.asarray(0), jnp.asarray(n_k)
+        last_query = (i + 1) * self.block_q - 1
+        hi = jnp.minimum(last_query // self.block_k + 1, n_k)
+        lo = jnp.asarray(0)
+        if self.window is not None:
+            lo = jnp.maximum(i * self.block_q - self.window + 1, 0) // self.block_k
+        return lo, hi
+
+    def query_range(self, j: Array, n_q: int) -> tuple[Array, Array]:
+        """The query blocks `[lo, hi)` that can see key block `j`."""
+        if not self.causal:
+            return jnp.asarray(0), jnp.asarray(n_q)
+        lo = (j * self.block_k) // self.block_q
+        hi = jnp.asarray(n_q)
+        if self.window is not None:
+            last_query = (j + 1) * self.block_k - 1 + self.window - 1
+            hi = jnp.minimum(last_query // self.block_q + 1, n_q)
+        return lo, hi
+
+    def mask(self, i: Array, j: Array, valid_j: Array) -> Array:
+        """Which keys of block `j` each query of block `i` sees, `(n, block_q, block_k)`."""
+        mask = valid_j[:, None, :]
+        if self.causal:
+            rows = i * self.block_q + jnp.arange(self.block_q)[:, None]
+            cols = j * self.block_k + jnp.arange(self.block_k)[None, :]
+            visible = cols <= rows
+            if self.window is not None:
+                visible = visible & (cols > rows - self.window)
+            mask = mask & visible[None]
+        return mask
 
 
 def _scores(q_i: Array, k_j: Array) -> Array:
@@ -177,44 +178,32 @@ def _scores(q_i: Array, k_j: Array) -> Array:
     return jnp.einsum("nqd,nkd->nqk", q_i * scale, k_j)
 
 
-def _forward(
-    causal: bool,
-    window: int | None,
-    block_q: int,
-    block_k: int,
-    q: Array,
-    k: Array,
-    v: Array,
-    valid: Array,
-) -> tuple[Array, Array]:
+def _forward(blocks: _Blocks, q: Array, k: Array, v: Array, valid: Array) -> tuple[Array, Array]:
     n, t, _ = q.shape
-    n_q, n_k = t // block_q, k.shape[1] // block_k
+    n_q, n_k = t // blocks.block_q, k.shape[1] // blocks.block_k
     d_v = v.shape[-1]
 
     def query_block(i: Array) -> tuple[Array, Array]:
-        q_i = jax.lax.dynamic_slice_in_dim(q, i * block_q, block_q, axis=1)
+        q_i = blocks.queries(q, i)
 
         def key_block(j: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
             m, total, acc = carry
-            k_j = jax.lax.dynamic_slice_in_dim(k, j * block_k, block_k, axis=1)
-            v_j = jax.lax.dynamic_slice_in_dim(v, j * block_k, block_k, axis=1)
-            valid_j = jax.lax.dynamic_slice_in_dim(valid, j * block_k, block_k, axis=1)
-            mask = _block_mask(i, j, valid_j, causal, window, block_q, block_k)
-            s = jnp.where(mask, _scores(q_i, k_j), -jnp.inf)
+            mask = blocks.mask(i, j, blocks.keys(valid, j))
+            s = jnp.where(mask, _scores(q_i, blocks.keys(k, j)), -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=-1))
             # A row with nothing visible yet keeps max -inf; 0 stands in so exp() gives 0, not NaN.
             m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
             p = jnp.exp(s - m_safe[..., None])
             rescale = jnp.exp(m - m_safe)
             total = total * rescale + p.sum(axis=-1)
-            acc = acc * rescale[..., None] + jnp.einsum("nqk,nkd->nqd", p, v_j)
+            acc = acc * rescale[..., None] + jnp.einsum("nqk,nkd->nqd", p, blocks.keys(v, j))
             return m_new, total, acc
 
-        lo, hi = _key_range(i, causal, window, block_q, block_k, n_k)
+        lo, hi = blocks.key_range(i, n_k)
         start = (
-            jnp.full((n, block_q), -jnp.inf),
-            jnp.zeros((n, block_q)),
-            jnp.zeros((n, block_q, d_v)),
+            jnp.full((n, blocks.block_q), -jnp.inf),
+            jnp.zeros((n, blocks.block_q)),
+            jnp.zeros((n, blocks.block_q, d_v)),
         )
         m, total, acc = jax.lax.fori_loop(lo, hi, key_block, start)
         seen = total > 0
@@ -228,73 +217,46 @@ def _forward(
     return out, lse.transpose(1, 0, 2).reshape(n, t)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _blocked(
-    causal: bool,
-    window: int | None,
-    block_q: int,
-    block_k: int,
-    q: Array,
-    k: Array,
-    v: Array,
-    valid: Array,
-) -> Array:
-    return _forward(causal, window, block_q, block_k, q, k, v, valid)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _blocked(blocks: _Blocks, q: Array, k: Array, v: Array, valid: Array) -> Array:
+    return _forward(blocks, q, k, v, valid)[0]
 
 
 def _blocked_fwd(
-    causal: bool,
-    window: int | None,
-    block_q: int,
-    block_k: int,
-    q: Array,
-    k: Array,
-    v: Array,
-    valid: Array,
+    blocks: _Blocks, q: Array, k: Array, v: Array, valid: Array
 ) -> tuple[Array, tuple[Array, ...]]:
-    out, lse = _forward(causal, window, block_q, block_k, q, k, v, valid)
+    out, lse = _forward(blocks, q, k, v, valid)
     return out, (q, k, v, valid, out, lse)
 
 
 def _blocked_bwd(
-    causal: bool,
-    window: int | None,
-    block_q: int,
-    block_k: int,
-    residuals: tuple[Array, ...],
-    d_out: Array,
+    blocks: _Blocks, residuals: tuple[Array, ...], d_out: Array
 ) -> tuple[Array, Array, Array, None]:
     q, k, v, valid, out, lse = residuals
     t, d_k = q.shape[1:]
-    n_q, n_k = t // block_q, k.shape[1] // block_k
+    n_q, n_k = t // blocks.block_q, k.shape[1] // blocks.block_k
     scale = 1.0 / math.sqrt(d_k)
     # D_i = rowsum(dO_i * O_i) = sum_s P_is dP_is (FlashAttention-2, Algorithm 2, line 4).
     delta = (d_out * out).sum(axis=-1)
 
     def key_block(dq: Array, j: Array) -> tuple[Array, tuple[Array, Array]]:
-        k_j = jax.lax.dynamic_slice_in_dim(k, j * block_k, block_k, axis=1)
-        v_j = jax.lax.dynamic_slice_in_dim(v, j * block_k, block_k, axis=1)
-        valid_j = jax.lax.dynamic_slice_in_dim(valid, j * block_k, block_k, axis=1)
+        k_j, v_j, valid_j = blocks.keys(k, j), blocks.keys(v, j), blocks.keys(valid, j)
 
         def query_block(i: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
             dq, dk_j, dv_j = carry
-            rows = (i * block_q, block_q)
-            q_i = jax.lax.dynamic_slice_in_dim(q, *rows, axis=1)
-            do_i = jax.lax.dynamic_slice_in_dim(d_out, *rows, axis=1)
-            lse_i = jax.lax.dynamic_slice_in_dim(lse, *rows, axis=1)
-            delta_i = jax.lax.dynamic_slice_in_dim(delta, *rows, axis=1)
-            mask = _block_mask(i, j, valid_j, causal, window, block_q, block_k)
+            q_i, do_i = blocks.queries(q, i), blocks.queries(d_out, i)
+            lse_i, delta_i = blocks.queries(lse, i), blocks.queries(delta, i)
+            mask = blocks.mask(i, j, valid_j)
             p = jnp.where(mask, jnp.exp(_scores(q_i, k_j) - lse_i[..., None]), 0.0)
             dv_j = dv_j + jnp.einsum("nqk,nqd->nkd", p, do_i)
             dp = jnp.einsum("nqd,nkd->nqk", do_i, v_j)
             ds = p * (dp - delta_i[..., None]) * scale
-            dq_i = jax.lax.dynamic_slice_in_dim(dq, *rows, axis=1)
-            dq_i = dq_i + jnp.einsum("nqk,nkd->nqd", ds, k_j)
-            dq = jax.lax.dynamic_update_slice_in_dim(dq, dq_i, i * block_q, axis=1)
+            dq_i = blocks.queries(dq, i) + jnp.einsum("nqk,nkd->nqd", ds, k_j)
+            dq = jax.lax.dynamic_update_slice_in_dim(dq, dq_i, i * blocks.block_q, axis=1)
             dk_j = dk_j + jnp.einsum("nqk,nqd->nkd", ds, q_i)
             return dq, dk_j, dv_j
 
-        lo, hi = _query_range(j, causal, window, block_q, block_k, n_q)
+        lo, hi = blocks.query_range(j, n_q)
         start = (dq, jnp.zeros_like(k_j), jnp.zeros_like(v_j))
         dq, dk_j, dv_j = jax.lax.fori_loop(lo, hi, query_block, start)
         return dq, (dk_j, dv_j)
