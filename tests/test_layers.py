@@ -60,6 +60,15 @@ def test_layer_norm_matches_reference(getkey):
     assert len(ln.params()) == 2
 
 
+def test_layer_norm_matches_equinox_with_copied_weights(getkey):
+    ln = LayerNorm(6)
+    gain, bias = jax.random.normal(getkey(), (6,)), jax.random.normal(getkey(), (6,))
+    ln = eqx.tree_at(lambda m: (m.gain.value, m.bias.value), ln, (gain, bias))
+    peer = eqx.tree_at(lambda m: (m.weight, m.bias), eqx.nn.LayerNorm(6), (gain, bias))
+    x = 3.0 * jax.random.normal(getkey(), (5, 6)) + 2.0
+    np.testing.assert_allclose(ln.forward(x), jax.vmap(peer)(x), atol=1e-6, rtol=0)
+
+
 def test_layer_norm_statistics_in_float32(getkey):
     x = (100.0 + jax.random.normal(getkey(), (4, 64))).astype(jnp.bfloat16)
     y = LayerNorm(64).forward(x)

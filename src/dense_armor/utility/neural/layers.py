@@ -123,7 +123,8 @@ class LayerNorm(Pointwise):
         x32 = x.astype(jnp.float32)
         mean = x32.mean(axis=-1, keepdims=True)
         var = jnp.square(x32 - mean).mean(axis=-1, keepdims=True)
-        y = (x32 - mean) / jnp.sqrt(var + self.eps)
+        # Equinox's and Flax's formula: a reciprocal square root, then a product.
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
         gain = jnp.broadcast_to(self.gain.value, y.shape)
         bias = jnp.broadcast_to(self.bias.value, y.shape)
         return (y * gain + bias).astype(x.dtype)
