@@ -7,13 +7,28 @@ nox.options.default_venv_backend = "venv"
 nox.options.reuse_venv = "yes"
 
 PYTHON = "3.11"
+# Line and branch coverage of src/ by the suite, measured in its own process (2026-11-30: 93%).
+COVERAGE_FLOOR = 93
 
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """The test suite (without the benchmarks)."""
+    """The test suite (without the benchmarks), on every core, with line and branch coverage of
+    src/ (at least COVERAGE_FLOOR percent)."""
     session.install("-e", ".[test,examples]")
-    session.run("pytest", "tests", "--ignore=tests/benchmarks", *session.posargs)
+    session.run(
+        "pytest",
+        "tests",
+        "--ignore=tests/benchmarks",
+        "--numprocesses=auto",
+        "--dist=loadgroup",  # tests that share an expensive fixture declare an xdist_group
+        "--cov=dense_armor",
+        "--cov-branch",
+        "--cov-report=term",
+        f"--cov-fail-under={COVERAGE_FLOOR}",
+        "--durations=15",
+        *session.posargs,
+    )
 
 
 @nox.session(python=PYTHON)

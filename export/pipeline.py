@@ -1,6 +1,6 @@
 """The main job: train the digits example (or reuse its checkpoint), export it, verify the export.
 
-    python export/pipeline.py [--steps 1500] [--force-train]
+    python export/pipeline.py [--steps 1500] [--force-train] [--platforms cpu,cuda,tpu]
 
 1. trains examples/digits.py into examples/runs/digits/ (resuming, or reusing a finished run);
 2. exports its best checkpoint with the export stage into export/artifacts/ (replacing it);
@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from dense_armor.export import export_checkpoint
+from dense_armor.export import PLATFORMS, export_checkpoint
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -39,6 +39,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=pathlib.Path, default=HERE / "artifacts")
     parser.add_argument("--force-train", action="store_true", help="discard the saved run first")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--platforms",
+        default=",".join(PLATFORMS),
+        help=f"comma-separated platforms to export for (default {','.join(PLATFORMS)})",
+    )
     args = parser.parse_args(argv)
 
     started = time.perf_counter()
@@ -51,7 +56,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
 
     print(f"[2/3] exporting {args.runs / 'best'} to {args.out}", flush=True)
-    summary = export_checkpoint(args.runs / "best", args.out, force=True)
+    platforms = [p.strip() for p in args.platforms.split(",") if p.strip()]
+    summary = export_checkpoint(args.runs / "best", args.out, force=True, platforms=platforms)
     print(summary, flush=True)
 
     print("[3/3] checking the artifacts with their standalone runner (no dense_armor)", flush=True)
@@ -88,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"({result['static_modules']} static module files)"
     )
     for name, size in result["portable_bytes"].items():
-        print(f"    {name:<22}{size / 1024:>8.1f} KiB (cpu, cuda, tpu)")
+        print(f"    {name:<22}{size / 1024:>8.1f} KiB ({', '.join(platforms)})")
     print(f"  export time             {result['export_seconds']:.1f} s")
     for name, error in errors.items():
         print(f"  max error, {name:<22}{error:.2e}")

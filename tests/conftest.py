@@ -1,9 +1,13 @@
-"""Strict numerics for every test: silent broadcasting or dtype promotion is a bug here."""
+"""Strict numerics for every test: silent broadcasting or dtype promotion is a bug here. And one
+JAX compilation cache shared by every process of the suite (tests/environment.py)."""
 
 import jax
 import pytest
 
+from environment import enable_compilation_cache
+
 jax.config.update("jax_numpy_rank_promotion", "raise")
+enable_compilation_cache()
 
 
 class KeyStream:

@@ -1,6 +1,9 @@
-"""Stepping a layer through a sequence, for the tests that compare `step` with `forward`."""
+"""Stepping a layer through a sequence, and a model's forward on every prefix, for the tests
+that compare `step` with `forward`."""
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def stream(layer, xs, cache, step=None):
@@ -11,3 +14,17 @@ def stream(layer, xs, cache, step=None):
         y_t, cache = step(x_t, cache)
         ys.append(y_t)
     return jnp.stack(ys), cache
+
+
+def prefix_outputs(model, xs, direct=(0, -1), atol=2e-5):
+    """`model` on every prefix `xs[: t + 1]`, stacked: computed as the whole sequence with the
+    steps after `t` masked out, one compilation for all prefixes (a padded sequence gives its
+    unpadded output: tests/test_sequences.py). The prefixes at `direct` are also run unpadded
+    and must agree."""
+    steps = xs.shape[0]
+    masks = jnp.arange(steps)[None, :] <= jnp.arange(steps)[:, None]
+    outputs = jax.jit(jax.vmap(lambda m, mask: m(xs, mask=mask), in_axes=(None, 0)))(model, masks)
+    for t in direct:
+        t = t % steps
+        np.testing.assert_allclose(outputs[t], model(xs[: t + 1]), atol=atol)
+    return outputs

@@ -1,8 +1,12 @@
 """Data parallelism on JAX's own engine, on this CPU: 4 forced host devices in one process, and
-two processes of two devices each on 127.0.0.1, against the single-device run."""
+two processes of two devices each on 127.0.0.1, against the single-device run.
+
+One worker process (tests/distributed/worker.py, mode "all") trains the single-device, mesh and
+FSDP runs, moves checkpoints between 4 devices and 1, and compares exports; the two-process run
+is the only multi-host proof and runs once.
+"""
 
 import json
-import os
 import pathlib
 import socket
 import subprocess
@@ -11,23 +15,24 @@ import sys
 import numpy as np
 import pytest
 
+from environment import child_env
+
+pytestmark = pytest.mark.xdist_group("distributed")  # one worker process serves the whole file
+
 WORKER = pathlib.Path(__file__).resolve().parent / "distributed" / "worker.py"
 
 
-def run(mode, tmp_path, devices=1, checkpoint=None, steps=8, extra_env=None, name=None):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    env.update(extra_env or {})
-    out = tmp_path / f"{name or mode}-{devices}.json"
-    args = [sys.executable, str(WORKER), mode, str(out), str(checkpoint or "-"), str(steps)]
-    return subprocess.Popen(
-        args,
-        env=env,
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    ), out
+def start(mode, work, devices, extra_env=None):
+    env = child_env(
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", **(extra_env or {})
+    )
+    work.mkdir(parents=True, exist_ok=True)
+    out = work / f"{mode}.json"
+    args = [sys.executable, str(WORKER), mode, str(out), str(work)]
+    process = subprocess.Popen(
+        args, env=env, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    return process, out
 
 
 def result(process_and_out, index=0, timeout=300):
@@ -43,28 +48,31 @@ def close(a, b, tol=1e-5):
     np.testing.assert_allclose(a["weight_sum"], b["weight_sum"], rtol=tol)
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    return result(run("single", tmp_path_factory.mktemp("single")))
+@pytest.fixture(scope="session")  # a worker switching modules must not run it again
+def runs(tmp_path_factory):
+    return result(start("all", tmp_path_factory.mktemp("all"), devices=4))
+
+
+def test_the_single_run_uses_one_device_and_learns(runs):
+    single = runs["single"]
+    assert single["devices"] == 1 and single["processes"] == 1
+    assert len(single["train_loss"]) == 4 and single["valid_loss"][-1] < single["valid_loss"][0]
 
 
 @pytest.mark.parametrize("mode", ["mesh", "fsdp"])
-def test_four_devices_match_one(single, tmp_path, mode):
-    four = result(run(mode, tmp_path, devices=4))
-    assert four["devices"] == 4
-    close(four, single)
+def test_four_devices_match_one(runs, mode):
+    assert runs[mode]["devices"] == 4
+    close(runs[mode], runs["single"])
 
 
-def test_checkpoints_move_between_four_devices_and_one(single, tmp_path):
+def test_checkpoints_move_between_four_devices_and_one(runs):
     """Written on 4 devices, resumed on 1; and written on 1, resumed on 4 with sharded params."""
-    result(run("mesh", tmp_path, devices=4, checkpoint=tmp_path / "a", steps=4, name="a4"))
-    resumed_on_one = result(run("single", tmp_path, checkpoint=tmp_path / "a", steps=8, name="a1"))
-    close(resumed_on_one, single)
-    result(run("single", tmp_path, checkpoint=tmp_path / "b", steps=4, name="b1"))
-    resumed_on_four = result(
-        run("fsdp", tmp_path, devices=4, checkpoint=tmp_path / "b", steps=8, name="b4")
-    )
-    close(resumed_on_four, single)
+    resumed_on_one = runs["a: 4 devices, resumed on 1"]
+    assert resumed_on_one["devices"] == 1
+    close(resumed_on_one, runs["single"])
+    resumed_on_four = runs["b: 1 device, resumed on 4"]
+    assert resumed_on_four["devices"] == 4
+    close(resumed_on_four, runs["single"])
 
 
 def free_port() -> int:
@@ -74,36 +82,32 @@ def free_port() -> int:
 
 
 @pytest.mark.multiprocess
-def test_two_processes_on_loopback_agree_and_match_one(single, tmp_path):
+def test_two_processes_on_loopback_agree_and_match_one(runs, tmp_path):
     port = free_port()
     procs = [
-        run(
+        start(
             "multi",
             tmp_path,
             devices=2,
-            checkpoint=tmp_path / "ckpt",
             extra_env={
                 "DENSE_ARMOR_COORDINATOR": f"127.0.0.1:{port}",
                 "DENSE_ARMOR_NUM_PROCESSES": "2",
                 "DENSE_ARMOR_PROCESS_ID": str(i),
             },
-            name="multi",
         )
         for i in range(2)
     ]
     try:
-        results = [result(p, index=i, timeout=240) for i, p in enumerate(procs)]
+        results = [result(p, index=i, timeout=240)["multi"] for i, p in enumerate(procs)]
     finally:
         for process, _ in procs:
             if process.poll() is None:
                 process.kill()
     assert [r["processes"] for r in results] == [2, 2] and results[0]["devices"] == 4
     assert results[0] == results[1]
-    close(results[0], single)
+    close(results[0], runs["single"])
     assert (tmp_path / "ckpt" / "best" / "weights.safetensors").exists()
 
 
-def test_a_model_trained_sharded_exports_like_its_single_device_copy(single, tmp_path):
-    out = result(run("export", tmp_path, devices=4))
-    close(out, single)
-    assert out["identical_exports"] is True
+def test_a_model_trained_sharded_exports_like_its_single_device_copy(runs):
+    assert runs["fsdp"]["identical_exports"] is True

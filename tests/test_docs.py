@@ -1,18 +1,21 @@
 """Every Python listing of the documentation prints exactly the output block shown under it.
 
 A page is Markdown: a ```python block is a listing, and a ```text block right after it is what the
-listing prints. A listing with no such block must still run without error. Each listing runs in a
-fresh interpreter with JAX's default settings, as a reader would run it; the listings of one page
-share a working directory and run in order, so a later listing may read what an earlier one wrote.
+listing prints. A listing with no such block must still run without error. The listings of one
+page run in order in one fresh interpreter (tests/page_runner.py) with JAX's default settings and
+a working directory of their own, as a reader working through the page would run them: a later
+listing may read what an earlier one wrote, and each listing has its own globals.
 """
 
-import os
+import json
 import pathlib
 import re
 import subprocess
 import sys
 
 import pytest
+
+from environment import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [*sorted((ROOT / "docs").glob("**/*.md")), ROOT / "README.md"]
@@ -34,7 +37,13 @@ def listings(page: pathlib.Path) -> list[tuple[str, str | None]]:
 
 
 CASES = [
-    pytest.param(page, code, expected, id=f"{page.relative_to(ROOT)}:{n}")
+    pytest.param(
+        page,
+        code,
+        expected,
+        id=f"{page.relative_to(ROOT)}:{n}",
+        marks=pytest.mark.xdist_group(f"docs:{page.name}"),  # a page's listings on one worker
+    )
     for page in PAGES
     for n, (code, expected) in enumerate(listings(page), 1)
 ]
@@ -47,26 +56,43 @@ def test_every_page_has_listings():
             assert listings(page), f"{page} has no listing"
 
 
-@pytest.fixture(scope="module")
-def page_dirs(tmp_path_factory):
-    dirs: dict[pathlib.Path, pathlib.Path] = {}
-    return lambda page: dirs.setdefault(page, tmp_path_factory.mktemp(page.stem))
+RUNNER = ROOT / "tests" / "page_runner.py"
+
+
+@pytest.fixture(scope="session")  # a worker switching modules must not run a page again
+def page_results(tmp_path_factory):
+    """Each page's listings, run once per page (the first test of a page runs them all)."""
+    results: dict[pathlib.Path, dict[str, dict]] = {}
+
+    def run_page(page: pathlib.Path) -> dict[str, dict]:
+        if page not in results:
+            listings = [{"name": c.id, "code": c.values[1]} for c in CASES if c.values[0] == page]
+            report = tmp_path_factory.mktemp("results") / "results.json"
+            ran = subprocess.run(
+                [sys.executable, str(RUNNER), str(report)],
+                input=json.dumps(listings),
+                capture_output=True,
+                text=True,
+                timeout=900,
+                cwd=tmp_path_factory.mktemp(page.stem),
+                env=child_env(),
+            )
+            assert ran.returncode == 0 and report.exists(), ran.stderr
+            ran_listings = json.loads(report.read_text())
+            by_name = {r["name"]: {**r, "stderr": ran.stderr} for r in ran_listings}
+            assert list(by_name) == [listing["name"] for listing in listings]
+            results[page] = by_name
+        return results[page]
+
+    return run_page
 
 
 @pytest.mark.parametrize("page, code, expected", CASES)
-def test_listing_prints_what_the_page_shows(page, code, expected, page_dirs):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=page_dirs(page),
-        env=env,
-    )
-    assert result.returncode == 0, result.stderr
+def test_listing_prints_what_the_page_shows(request, page, code, expected, page_results):
+    result = page_results(page)[request.node.callspec.id]
+    assert result["status"] == "ok", f"{result['error']}\n{result['stderr']}"
     if expected is not None:
-        assert result.stdout.strip() == expected.strip()
+        assert result["stdout"].strip() == expected.strip()
 
 
 CONTRACT_CHECKER = ROOT.parent / "shared" / "tools" / "check-spec-page"
@@ -81,6 +107,29 @@ def test_contract_page_checker_passes():
         capture_output=True,
         text=True,
         timeout=900,
+        env=child_env(),
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "6 passed, 0 failed" in result.stdout
+
+
+def test_page_runner_separates_outputs_and_stops_at_the_first_failure(tmp_path):
+    listings = [
+        {"name": "one", "code": "x = 1\nprint('one', x)"},
+        {"name": "two", "code": "print('before'); print(x)"},  # globals are not shared
+        {"name": "three", "code": "print('never')"},
+    ]
+    report = tmp_path / "results.json"
+    ran = subprocess.run(
+        [sys.executable, str(RUNNER), str(report)],
+        input=json.dumps(listings),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert ran.returncode == 0, ran.stderr
+    results = json.loads(report.read_text())
+    assert [r["status"] for r in results] == ["ok", "failed", "not run"]
+    assert [r["stdout"] for r in results] == ["one 1\n", "before\n", ""]
+    assert "NameError: name 'x' is not defined" in results[1]["error"]
+    assert results[2]["error"] == "two failed"

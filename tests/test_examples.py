@@ -2,10 +2,11 @@
 
 import importlib.util
 import json
-import os
 import pathlib
 
 import pytest
+
+from environment import child_env
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
@@ -38,7 +39,7 @@ def test_digits_quick_run_and_export_pipeline(tmp_path, capsys):
     spec.loader.exec_module(pipeline)
     runs, out = tmp_path / "runs", tmp_path / "artifacts"
     args = ["--steps", "30", "--runs", str(runs), "--out", str(out), "--no-progress"]
-    result = pipeline.main(args)
+    result = pipeline.main([*args, "--platforms", "cpu"])  # every platform: tests/test_export.py
     printed = capsys.readouterr().out
     assert "test accuracy" in printed and "(ok)" in printed
     report = json.loads((runs / "report.json").read_text())
@@ -50,16 +51,19 @@ def test_digits_quick_run_and_export_pipeline(tmp_path, capsys):
     assert (runs / "best" / "weights.safetensors").exists()
     assert max(result["errors"].values()) < 1e-4
     assert (out / "manifest.json").exists() and (out / "report.json").exists()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["functions"]["forward"]["platforms"] == ["cpu"]
     # a second run reuses the finished checkpoint instead of training again
-    again = pipeline.main(args)
+    saved = (runs / "last" / "weights.safetensors").stat().st_mtime_ns
+    again = load("digits").main(["--steps", "30", "--out", str(runs), "--no-progress"])
     assert again["test_accuracy"] == result["test_accuracy"]
+    assert (runs / "last" / "weights.safetensors").stat().st_mtime_ns == saved
 
 
 def test_data_parallel_example_runs_over_a_mesh(tmp_path):
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
     result = subprocess.run(
         [
             sys.executable,
@@ -75,7 +79,7 @@ def test_data_parallel_example_runs_over_a_mesh(tmp_path):
         ],
         capture_output=True,
         text=True,
-        env=env,
+        env=child_env(),
         timeout=600,
     )
     assert result.returncode == 0, result.stderr

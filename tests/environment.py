@@ -1,0 +1,36 @@
+"""The suite's JAX compilation cache, and the environment of the processes the suite starts.
+
+Every process of the suite (the pytest workers, and the interpreters started for documentation
+pages, examples and distributed runs) shares one persistent JAX compilation cache, so a function
+compiled once (an eager primitive at a shape, a model's step) is read back from disk by the next
+process instead of compiled again. The cache changes no result: its key is the computation, the
+compile options and the jax/jaxlib versions. It lives in `.jax_cache/` at the repository's root
+(ignored by git; delete it at will), or where `DENSE_ARMOR_TEST_JAX_CACHE` says.
+"""
+
+import os
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CACHE_DIR = pathlib.Path(os.environ.get("DENSE_ARMOR_TEST_JAX_CACHE", ROOT / ".jax_cache"))
+CACHE_SETTINGS = {
+    "JAX_COMPILATION_CACHE_DIR": str(CACHE_DIR),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+}
+
+
+def enable_compilation_cache() -> None:
+    """Turn the shared cache on in this process (before its first compilation)."""
+    import jax
+
+    for name, value in CACHE_SETTINGS.items():
+        option = name.lower()
+        jax.config.update(option, value if option.endswith("dir") else int(value))
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This environment without any JAX_ or XLA_ setting of the caller (a child starts with JAX's
+    defaults, as a reader's interpreter would), with the shared cache, and with `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    return {**env, **CACHE_SETTINGS, **extra}
