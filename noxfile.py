@@ -21,7 +21,7 @@ def tests(session: nox.Session) -> None:
         "tests",
         "--ignore=tests/benchmarks",
         "--numprocesses=auto",
-        "--dist=loadgroup",  # tests that share an expensive fixture declare an xdist_group
+        "--dist=loadfile",  # a file's module fixtures (a docs page's run, an export) built once
         "--cov=dense_armor",
         "--cov-branch",
         "--cov-report=term",

@@ -17,8 +17,6 @@ import pytest
 
 from environment import child_env
 
-pytestmark = pytest.mark.xdist_group("distributed")  # one worker process serves the whole file
-
 WORKER = pathlib.Path(__file__).resolve().parent / "distributed" / "worker.py"
 
 
@@ -48,7 +46,7 @@ def close(a, b, tol=1e-5):
     np.testing.assert_allclose(a["weight_sum"], b["weight_sum"], rtol=tol)
 
 
-@pytest.fixture(scope="session")  # a worker switching modules must not run it again
+@pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return result(start("all", tmp_path_factory.mktemp("all"), devices=4))
 

@@ -42,7 +42,6 @@ CASES = [
         code,
         expected,
         id=f"{page.relative_to(ROOT)}:{n}",
-        marks=pytest.mark.xdist_group(f"docs:{page.name}"),  # a page's listings on one worker
     )
     for page in PAGES
     for n, (code, expected) in enumerate(listings(page), 1)
@@ -59,7 +58,7 @@ def test_every_page_has_listings():
 RUNNER = ROOT / "tests" / "page_runner.py"
 
 
-@pytest.fixture(scope="session")  # a worker switching modules must not run a page again
+@pytest.fixture(scope="module")
 def page_results(tmp_path_factory):
     """Each page's listings, run once per page (the first test of a page runs them all)."""
     results: dict[pathlib.Path, dict[str, dict]] = {}

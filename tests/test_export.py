@@ -13,8 +13,6 @@ from dense_armor.checkpoint import CheckpointError, ModelConfig, save_checkpoint
 from dense_armor.cli import main as cli
 from dense_armor.export import ArtifactError, check_golden, export_model, load
 
-pytestmark = pytest.mark.xdist_group("export")  # the module's artifacts are exported once
-
 MAX_LEN, CAPACITY = 8, 6
 CONFIG = ModelConfig(
     "transformer_encoder",
@@ -31,12 +29,12 @@ CONFIG = ModelConfig(
 )
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def model():
     return CONFIG.build(jax.random.PRNGKey(7))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def artifact_dir(tmp_path_factory, model):
     out = tmp_path_factory.mktemp("export") / "artifacts"
     export_model(
@@ -50,7 +48,7 @@ def artifact_dir(tmp_path_factory, model):
     return out
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def every_platform(tmp_path_factory, model):
     """The one export for cpu, cuda and tpu (lowered on this CPU): platforms are its point."""
     out = tmp_path_factory.mktemp("export") / "every-platform"
