@@ -99,7 +99,7 @@ def test_fit_rejects_bad_arguments():
 def test_fit_stops_on_a_non_finite_loss():
     xs, labels = toy_data(16)
     xs[0, 0, 0] = np.nan
-    with pytest.raises(FloatingPointError, match="step 2"):
+    with pytest.raises(FloatingPointError, match="step 1"):  # checked every step
         fit(
             CONFIG.build(jax.random.PRNGKey(0)),
             optax.sgd(0.1),

@@ -8,12 +8,19 @@ A checkpoint is a directory:
 - optionally `state.safetensors` and `state.json`: arrays and JSON of a training run (optimizer
   state, step, history) so that `fit` can resume.
 
-`save_checkpoint` writes the whole directory beside the target and renames it into place, so a
-reader sees the old checkpoint or the new one, never a mixture; if the process dies between the two
-renames of a replacement, `load_checkpoint` finds the previous checkpoint in `<dir>.previous`.
+`config.json` also records the sha256 of every other file (`"files"`), and `load_checkpoint`
+refuses a file whose bytes changed.
+
+`save_checkpoint` writes the whole directory beside the target (`.<name>.XXXX`) and renames it into
+place, so a reader sees the old checkpoint or the new one, never a mixture. Replacing moves the old
+one aside to `<dir>.previous` first; if the process dies between the two renames,
+`load_checkpoint` reads `<dir>.previous`, and the next save puts it back before anything else. No
+sequence of kills loses the last complete checkpoint; the next save removes what killed saves left.
+It refuses to replace a directory that is not a checkpoint.
 """
 
 import dataclasses
+import hashlib
 import json
 import os
 import pathlib
@@ -30,17 +37,21 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from .distributed import gather_to_host
+from .utility.neural.core import python_scalar
 from .utility.neural.models import transformer_decoder, transformer_encoder
 
 __all__ = [
     "FORMAT",
     "VERSION",
+    "SAVE_STEPS",
     "Checkpoint",
     "CheckpointError",
     "ModelConfig",
+    "check_arrays",
     "fill_tree",
     "load_checkpoint",
     "save_checkpoint",
+    "skeleton",
     "tree_arrays",
 ]
 
@@ -65,10 +76,18 @@ class ModelConfig:
     arguments: Mapping[str, Any]
 
     def __post_init__(self) -> None:
-        if self.factory not in FACTORIES:
+        if not isinstance(self.factory, str) or self.factory not in FACTORIES:
             raise CheckpointError(
                 f"unknown model factory {self.factory!r}; known: {sorted(FACTORIES)}."
             )
+        if not isinstance(self.arguments, Mapping):
+            raise CheckpointError(
+                f"a model config's `arguments` must be a dict of the factory's arguments; "
+                f"received {type(self.arguments).__name__}."
+            )
+        # NumPy scalars (np.int64(8)) are welcome, stored as the Python values JSON can hold.
+        plain = {name: python_scalar(value) for name, value in self.arguments.items()}
+        object.__setattr__(self, "arguments", plain)
 
     def build(self, key: jax.Array | None = None) -> Any:
         """The model, with fresh weights from `key` (default `PRNGKey(0)`)."""
@@ -85,6 +104,10 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "ModelConfig":
+        if not isinstance(data, Mapping):
+            raise CheckpointError(
+                f"not a dense_armor checkpoint config: a JSON {type(data).__name__}, not an object."
+            )
         if data.get("format") != FORMAT:
             raise CheckpointError(
                 f"not a dense_armor checkpoint config: format={data.get('format')!r}."
@@ -94,6 +117,9 @@ class ModelConfig:
                 f"checkpoint config version {data.get('version')!r} is not supported "
                 f"(this dense_armor reads version {VERSION})."
             )
+        missing = [key for key in ("factory", "arguments") if key not in data]
+        if missing:
+            raise CheckpointError(f"the checkpoint config lacks {', '.join(map(repr, missing))}.")
         return cls(data["factory"], data["arguments"])
 
 
@@ -104,10 +130,35 @@ def tree_arrays(tree: Any) -> dict[str, np.ndarray]:
     return {jax.tree_util.keystr(path): gather_to_host(leaf) for path, leaf in leaves}
 
 
-def fill_tree(skeleton: Any, arrays: Mapping[str, np.ndarray], what: str = "weights") -> Any:
-    """`skeleton` with each array leaf replaced by `arrays[path]`; structure, shape and dtype are
-    checked, and every mismatch is named."""
-    expected = tree_arrays(skeleton)
+def _is_slot(leaf: Any) -> bool:
+    """An array leaf, or the abstract one (`jax.ShapeDtypeStruct`) of an `eqx.filter_eval_shape`
+    skeleton."""
+    return eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)
+
+
+def _slots(tree: Any) -> dict[str, jax.ShapeDtypeStruct]:
+    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=_is_slot)
+    return {
+        jax.tree_util.keystr(path): jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+        for path, leaf in leaves
+        if _is_slot(leaf)
+    }
+
+
+def skeleton(config: ModelConfig) -> Any:
+    """The model `config` builds, with abstract arrays (`eqx.filter_eval_shape`: no weights are
+    computed), to fill with `fill_tree`."""
+    try:
+        return eqx.filter_eval_shape(config.build, jax.random.PRNGKey(0))
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"the config {config} does not build a model: {error}") from None
+
+
+def check_arrays(
+    expected: Mapping[str, Any], arrays: Mapping[str, Any], what: str = "weights"
+) -> None:
+    """Raise `CheckpointError` naming every path that `arrays` lacks or adds, or the first whose
+    shape or dtype differs from `expected` (both keyed by PyTree path)."""
     missing = sorted(set(expected) - set(arrays))
     unexpected = sorted(set(arrays) - set(expected))
     if missing or unexpected:
@@ -118,14 +169,21 @@ def fill_tree(skeleton: Any, arrays: Mapping[str, np.ndarray], what: str = "weig
         )
     for path, want in expected.items():
         got = arrays[path]
-        if got.shape != want.shape or got.dtype != want.dtype:
+        if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
             raise CheckpointError(
-                f"the {what} at {path} have shape {got.shape} and dtype {got.dtype}; the model "
-                f"expects shape {want.shape} and dtype {want.dtype}."
+                f"the {what} at {path} have shape {tuple(got.shape)} and dtype {got.dtype}; the "
+                f"model expects shape {tuple(want.shape)} and dtype {want.dtype}."
             )
-    paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(skeleton)
+
+
+def fill_tree(skeleton: Any, arrays: Mapping[str, np.ndarray], what: str = "weights") -> Any:
+    """`skeleton` (a tree of arrays, or of `jax.ShapeDtypeStruct`s from `skeleton(config)`) with
+    each array leaf replaced by `arrays[path]`; structure, shape and dtype are checked, and every
+    mismatch is named."""
+    check_arrays(_slots(skeleton), arrays, what)
+    paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(skeleton, is_leaf=_is_slot)
     leaves = [
-        jax.numpy.asarray(arrays[jax.tree_util.keystr(path)]) if eqx.is_array(leaf) else leaf
+        jax.numpy.asarray(arrays[jax.tree_util.keystr(path)]) if _is_slot(leaf) else leaf
         for path, leaf in paths_and_leaves
     ]
     return jax.tree_util.tree_unflatten(treedef, leaves)
@@ -166,16 +224,56 @@ def save_checkpoint(
     A sharded model is gathered whole first; with several processes, every process calls this,
     process 0 writes, and all return once the checkpoint is in place.
 
+    Refuses (`CheckpointError`) a model whose arrays do not fit `config` and a `directory` that
+    exists but is not a checkpoint.
+
     **Returns:** the directory's path.
     """
+    if not isinstance(config, ModelConfig):
+        raise TypeError(
+            f"save_checkpoint: `config` must be a ModelConfig, e.g. ModelConfig(factory, "
+            f"arguments); received {type(config).__name__}."
+        )
     target = pathlib.Path(directory)
     weights = tree_arrays(model)
+    check_arrays(_slots(skeleton(config)), weights, what=f"arrays of the model saved to {target}")
     if jax.process_count() > 1:
         if jax.process_index() == 0:
             _write_checkpoint(target, weights, config, state_arrays, state)
         multihost_utils.sync_global_devices(f"dense_armor checkpoint {target}")
         return target
     return _write_checkpoint(target, weights, config, state_arrays, state)
+
+
+def _reached(step: str) -> None:
+    """Called as each step of the save protocol (`SAVE_STEPS`) completes; the kill tests replace
+    it to SIGKILL the writer at a chosen step."""
+
+
+SAVE_STEPS = (
+    "files written",  # the weights and state in the temporary directory, config.json not yet
+    "temporary complete",  # config.json too, everything fsynced
+    "previous restored",  # a checkpoint a killed save left only in <dir>.previous is back
+    "previous cleared",  # <dir>.previous removed (<dir> is complete)
+    "moved aside",  # <dir> renamed to <dir>.previous
+    "renamed",  # the temporary directory renamed to <dir>: the new checkpoint is in place
+    "done",  # <dir>.previous removed
+)
+
+
+def _is_checkpoint(path: pathlib.Path) -> bool:
+    try:
+        return json.loads((path / "config.json").read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _sha256(path: pathlib.Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _write_checkpoint(
@@ -185,27 +283,48 @@ def _write_checkpoint(
     state_arrays: Mapping[str, np.ndarray] | None,
     state: Mapping[str, Any] | None,
 ) -> pathlib.Path:
+    previous = target.with_name(target.name + ".previous")
+    if target.is_file() or (
+        target.is_dir() and any(target.iterdir()) and not _is_checkpoint(target)
+    ):
+        raise CheckpointError(
+            f"refusing to replace {target}: it exists and is not a dense_armor checkpoint "
+            "(no config.json of one). Save to another directory, or remove it first."
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in target.parent.glob(f".{target.name}.*"):  # left by killed saves
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        _write_json(tmp / "config.json", config.to_json())
         save_file(weights, str(tmp / "weights.safetensors"), metadata={"format": FORMAT})
         if state_arrays is not None:
             save_file(dict(state_arrays), str(tmp / "state.safetensors"))
         if state is not None:
             _write_json(tmp / "state.json", dict(state))
+        _reached("files written")
+        files = {f.name: _sha256(f) for f in sorted(tmp.iterdir())}
+        _write_json(tmp / "config.json", {**config.to_json(), "files": files})
         for file in tmp.iterdir():
             with open(file, "rb") as handle:
                 os.fsync(handle.fileno())
         _fsync_dir(tmp)
-        previous = target.with_name(target.name + ".previous")
-        if previous.exists():
+        _reached("temporary complete")
+        if previous.is_dir() and not target.exists():  # a killed replacement: put it back
+            os.rename(previous, target)
+            _fsync_dir(target.parent)
+        _reached("previous restored")
+        if previous.exists():  # <dir> exists and is complete: the older copy can go
             shutil.rmtree(previous)
+        _reached("previous cleared")
         if target.exists():
             os.rename(target, previous)
+        _reached("moved aside")
         os.rename(tmp, target)
         _fsync_dir(target.parent)
+        _reached("renamed")
         shutil.rmtree(previous, ignore_errors=True)
+        _reached("done")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -230,6 +349,22 @@ def _read_json(path: pathlib.Path) -> Any:
         raise CheckpointError(f"corrupt JSON in {path}: {error}") from None
 
 
+def _verify_files(path: pathlib.Path, files: Any) -> None:
+    """Each file that config.json lists must be there with the bytes it had when saved."""
+    if files is None:  # written before checksums were recorded
+        return
+    if not isinstance(files, dict):
+        raise CheckpointError(f"corrupt config.json in {path}: `files` is not an object.")
+    for name, digest in files.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"missing file: {file} (listed in {path / 'config.json'})")
+        if _sha256(file) != digest:
+            raise CheckpointError(
+                f"{file} is corrupt: its sha256 differs from the one recorded when it was saved."
+            )
+
+
 def load_checkpoint(directory: str | os.PathLike[str]) -> Checkpoint:
     """Read a checkpoint written by `save_checkpoint`, checking structure, shapes and dtypes."""
     path = pathlib.Path(directory)
@@ -238,12 +373,10 @@ def load_checkpoint(directory: str | os.PathLike[str]) -> Checkpoint:
         path = previous  # a replacement was interrupted between its two renames
     if not path.is_dir():
         raise CheckpointError(f"no checkpoint directory at {directory}")
-    config = ModelConfig.from_json(_read_json(path / "config.json"))
-    try:
-        skeleton = config.build()
-    except (TypeError, ValueError) as error:
-        raise CheckpointError(f"the config in {path} does not build a model: {error}") from None
-    model = fill_tree(skeleton, _read_safetensors(path / "weights.safetensors"))
+    data = _read_json(path / "config.json")
+    config = ModelConfig.from_json(data)
+    _verify_files(path, data.get("files"))
+    model = fill_tree(skeleton(config), _read_safetensors(path / "weights.safetensors"))
     state_arrays = (
         _read_safetensors(path / "state.safetensors")
         if (path / "state.safetensors").exists()

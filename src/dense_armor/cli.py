@@ -97,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(summary)
         else:
             print(_inspect(args.directory))
-    except (ArtifactError, CheckpointError) as error:
+    except (ArtifactError, CheckpointError, OSError) as error:  # OSError: an unusable --out
         print(f"dense-armor {args.command}: error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -41,17 +41,47 @@ def initialize(
     (SLURM, Open MPI, Cloud TPU). Call it first, before any other JAX call. On CPU, collectives
     between processes use gloo."""
     env = os.environ
-    coordinator_address = coordinator_address or env.get("DENSE_ARMOR_COORDINATOR")
+    source = "coordinator_address"
+    if coordinator_address is None and "DENSE_ARMOR_COORDINATOR" in env:
+        coordinator_address, source = env["DENSE_ARMOR_COORDINATOR"], "DENSE_ARMOR_COORDINATOR"
+    if coordinator_address is not None:
+        _check_address(coordinator_address, source)
     if num_processes is None and "DENSE_ARMOR_NUM_PROCESSES" in env:
-        num_processes = int(env["DENSE_ARMOR_NUM_PROCESSES"])
+        num_processes = _env_int("DENSE_ARMOR_NUM_PROCESSES", minimum=1)
     if process_id is None and "DENSE_ARMOR_PROCESS_ID" in env:
-        process_id = int(env["DENSE_ARMOR_PROCESS_ID"])
+        process_id = _env_int("DENSE_ARMOR_PROCESS_ID", minimum=0)
+    if num_processes is not None and process_id is not None and process_id >= num_processes:
+        raise ValueError(
+            f"initialize: process id {process_id} is outside [0, {num_processes}) "
+            "(DENSE_ARMOR_PROCESS_ID must be below DENSE_ARMOR_NUM_PROCESSES)."
+        )
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         coordinator_address=coordinator_address,
         num_processes=num_processes,
         process_id=process_id,
     )
+
+
+def _check_address(address: str, source: str) -> None:
+    """`host:port` with a port in [1, 65535], or a `ValueError` naming where it came from."""
+    host, colon, port = str(address).rpartition(":")
+    if not colon or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(
+            f"initialize: {source} must be `host:port` with a port in [1, 65535], e.g. "
+            f"`10.0.0.1:1234`; received {address!r}."
+        )
+
+
+def _env_int(name: str, minimum: int) -> int:
+    value = os.environ[name]
+    try:
+        number = int(value)
+    except ValueError:
+        number = None
+    if number is None or number < minimum:
+        raise ValueError(f"initialize: {name} must be an integer >= {minimum}; received {value!r}.")
+    return number
 
 
 def data_mesh(devices: Any = None) -> Mesh:

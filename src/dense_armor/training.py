@@ -7,6 +7,7 @@ The fit loop is reproducible from its seed: batch `s` and its dropout key are fu
 import dataclasses
 import functools
 import math
+import numbers
 import os
 import pathlib
 import time
@@ -21,7 +22,14 @@ import optax
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from .checkpoint import ModelConfig, fill_tree, load_checkpoint, save_checkpoint, tree_arrays
+from .checkpoint import (
+    CheckpointError,
+    ModelConfig,
+    fill_tree,
+    load_checkpoint,
+    save_checkpoint,
+    tree_arrays,
+)
 from .distributed import global_batch, global_replicated, place
 
 __all__ = ["FitResult", "cross_entropy_loss", "evaluate", "fit", "make_train_step"]
@@ -66,14 +74,59 @@ def _batch_metrics(model: Any, xs: jax.Array, labels: jax.Array) -> tuple[jax.Ar
     return losses.sum(), (logits.argmax(axis=-1) == labels).sum()
 
 
+def _require_int(caller: str, minimum: int, **values: Any) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(
+                f"{caller}: `{name}` must be an integer; received `{name}={value!r}` "
+                f"({type(value).__name__})."
+            )
+        if value < minimum:
+            raise ValueError(f"{caller}: `{name}` must be at least {minimum}; received {value}.")
+
+
+def check_classification_data(caller: str, model: Any, xs: Any, labels: Any) -> None:
+    """Raise `ValueError` unless `labels` are `len(xs)` integers in `[0, n_out)`, where `n_out`
+    is the width of `model`'s output (a label outside would train silently: optax takes -1 as the
+    last class)."""
+    if len(xs) == 0:
+        raise ValueError(f"{caller}: received an empty data set.")
+    if len(xs) != len(labels):
+        raise ValueError(f"{caller}: {len(xs)} inputs but {len(labels)} labels.")
+    labels = np.asarray(labels)
+    if labels.ndim != 1:
+        raise ValueError(
+            f"{caller}: `labels` must have shape (N,), one class index per input; received shape "
+            f"{labels.shape}."
+            + (" Flatten them: `labels.reshape(-1)`." if labels.size == len(xs) else "")
+        )
+    if not np.issubdtype(labels.dtype, np.integer):
+        raise ValueError(f"{caller}: `labels` must be integers; received dtype {labels.dtype}.")
+    n_out = eqx.filter_eval_shape(model, jnp.asarray(xs[0])).shape[-1]
+    low, high = int(labels.min()), int(labels.max())
+    if low < 0 or high >= n_out:
+        raise ValueError(
+            f"{caller}: `labels` must lie in [0, {n_out}) for a model of {n_out} outputs; "
+            f"received labels from {low} to {high}."
+        )
+
+
 def evaluate(
     model: Any, xs: Any, labels: Any, batch_size: int = 512, mesh: Mesh | None = None
 ) -> dict[str, float]:
     """Mean loss and accuracy of `model` over `(xs, labels)`, in batches (inference: no dropout).
 
-    With a `mesh` (a model placed on it), every process passes the same data."""
-    if len(xs) == 0:
-        raise ValueError("evaluate: received an empty data set.")
+    `labels` are class indices in `[0, n_out)`. With a `mesh` (a model placed on it), every process
+    passes the same data."""
+    _require_int("evaluate", 1, batch_size=batch_size)
+    check_classification_data("evaluate", model, xs, labels)
+    return _evaluate(model, xs, labels, batch_size, mesh)
+
+
+def _evaluate(
+    model: Any, xs: Any, labels: Any, batch_size: int = 512, mesh: Mesh | None = None
+) -> dict[str, float]:
+    """`evaluate` on data already checked."""
     put = jnp.asarray if mesh is None else functools.partial(global_replicated, mesh)
     total_loss, correct = 0.0, 0
     for start in range(0, len(xs), batch_size):
@@ -139,14 +192,16 @@ def fit(
     its own slice of each global batch; process 0 writes the checkpoints.
     """
     xs, labels = np.asarray(train[0]), np.asarray(train[1])
+    _require_int("fit", 0, steps=steps, seed=seed)
+    _require_int("fit", 1, batch_size=batch_size, eval_every=eval_every)
     if len(xs) != len(labels):
         raise ValueError(f"fit: {len(xs)} inputs but {len(labels)} labels.")
+    if loss_fn is cross_entropy_loss:  # a custom loss may take other targets
+        check_classification_data("fit", model, xs, labels)
+        if valid is not None:
+            check_classification_data("fit (valid)", model, *valid)
     if not 1 <= batch_size <= len(xs):
         raise ValueError(f"fit: `batch_size={batch_size}` must lie in [1, {len(xs)}].")
-    if steps < 0 or eval_every < 1:
-        raise ValueError(
-            f"fit: need `steps >= 0` and `eval_every >= 1`; got {steps}, {eval_every}."
-        )
     if checkpoint_dir is not None and config is None:
         raise ValueError("fit: saving checkpoints needs the model's `config`.")
     if mesh is not None and batch_size % mesh.size:
@@ -168,6 +223,12 @@ def fit(
         best_dir = pathlib.Path(checkpoint_dir) / "best"
         if resume and (last_dir.exists() or last_dir.with_name("last.previous").exists()):
             saved = load_checkpoint(last_dir)
+            if config is not None and saved.config != config:
+                raise CheckpointError(
+                    f"fit: {checkpoint_dir} holds a run of another model ({saved.config}); this "
+                    f"run's is {config}. Use another checkpoint_dir, or resume=False to start over "
+                    "(its checkpoints are then replaced)."
+                )
             model = placed(saved.model)
             opt_state = placed(fill_tree(opt_state, saved.state_arrays, what="optimizer state"))
             start_step = int(saved.state["step"])
@@ -199,6 +260,12 @@ def fit(
         losses.append(loss)
         bar.update(1)
         done = step + 1
+        # The previous step's loss is ready by now: checking it costs no wait on this one.
+        if len(losses) > 1 and not math.isfinite(float(losses[-2])):
+            bar.close()
+            raise FloatingPointError(
+                f"fit: the training loss is {float(losses[-2])} at step {done - 1}."
+            )
         if done % eval_every and done != steps:
             continue
         train_loss = float(jnp.mean(jnp.stack(losses)))
@@ -212,7 +279,7 @@ def fit(
             "samples_per_s": len(losses) * batch_size / elapsed,
         }
         if valid is not None:
-            metrics = evaluate(model, valid[0], valid[1], mesh=mesh)
+            metrics = _evaluate(model, valid[0], valid[1], mesh=mesh)
             record.update(valid_loss=metrics["loss"], valid_accuracy=metrics["accuracy"])
         history.append(record)
         bar.set_postfix(

@@ -198,6 +198,11 @@ class Artifact:
         ]
 
     def step(self, x_t: Any, cache: Sequence[Any]) -> tuple[jax.Array, list[jax.Array], jax.Array]:
+        if isinstance(cache, str | bytes) or not isinstance(cache, Sequence):
+            raise ArtifactError(
+                f"step: `cache` must be the list of arrays that `init_cache` (or the previous "
+                f"step) returned; received {type(cache).__name__}."
+            )
         y_t, new_cache, overflow = self.call("step", x_t, *cache)
         return y_t, list(new_cache), overflow
 

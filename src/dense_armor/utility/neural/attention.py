@@ -11,8 +11,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
-from beartype import beartype
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, jaxtyped
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .blocked import blocked_attention, use_blocked
 from .cache import (
@@ -23,7 +22,16 @@ from .cache import (
     start_index,
     validate_overflow_mode,
 )
-from .core import Layer, Param, ShapeError, require_positive, shape_checked
+from .core import (
+    Layer,
+    Param,
+    ShapeError,
+    python_scalar,
+    require_bool,
+    require_positive,
+    shape_checked,
+    type_checked,
+)
 from .layers import Dropout, FeedForward, LayerNorm
 
 __all__ = [
@@ -41,7 +49,7 @@ __all__ = [
 ]
 
 
-@jaxtyped(typechecker=beartype)
+@type_checked
 def attention_weights(
     q: Float[Array, "*#batch T d_k"],
     k: Float[Array, "*#batch S d_k"],
@@ -73,7 +81,7 @@ def attention_weights(
     return jnp.where(seen, weights, 0.0)
 
 
-@jaxtyped(typechecker=beartype)
+@type_checked
 def scaled_dot_product_attention(
     q: Float[Array, "*#batch T d_k"],
     k: Float[Array, "*#batch S d_k"],
@@ -91,10 +99,20 @@ def scaled_dot_product_attention(
 
     **Returns:** `(..., T, d_v)`, in the dtype of `v`. The softmax runs in float32 whatever the
     input dtype. A query whose every key is masked gets zeros (never NaN), in the output and in the
-    gradient.
+    gradient. A masked key contributes nothing, its value included: a NaN or infinite value that a
+    query may not see leaves that query's output as it would be without it, and a query that sees
+    one gets NaN in its whole row.
     """
     weights = attention_weights(q, k, mask)
-    return jnp.einsum("...ts,...sd->...td", weights.astype(v.dtype), v)
+    # A masked weight is exactly 0, but 0 * NaN is NaN: zero the non-finite values, then mark the
+    # queries that may see one (the same rule as blocked_attention's).
+    finite = jnp.isfinite(v).all(axis=-1)
+    clean = jnp.where(finite[..., None], v, jnp.zeros((), v.dtype))
+    out = jnp.einsum("...ts,...sd->...td", weights.astype(v.dtype), clean)
+    bad = jnp.broadcast_to(jnp.expand_dims(~finite, -2), weights.shape)
+    if mask is not None:
+        bad = bad & jnp.broadcast_to(mask, weights.shape)
+    return jnp.where(bad.any(axis=-1)[..., None], jnp.asarray(jnp.nan, out.dtype), out)
 
 
 def sinusoidal_encoding(positions: Int[Array, "*P"], d_model: int) -> Float[Array, "*P d_model"]:
@@ -280,11 +298,11 @@ class MultiHeadSelfAttention(Layer):
     W_K: Param
     W_V: Param
     W_O: Param
-    d_model: int = eqx.field(static=True)
-    n_heads: int = eqx.field(static=True)
-    causal: bool = eqx.field(static=True)
-    window: int | None = eqx.field(static=True)
-    memory_efficient: bool | None = eqx.field(static=True)
+    d_model: int = eqx.field(static=True, converter=python_scalar)
+    n_heads: int = eqx.field(static=True, converter=python_scalar)
+    causal: bool = eqx.field(static=True, converter=python_scalar)
+    window: int | None = eqx.field(static=True, converter=python_scalar)
+    memory_efficient: bool | None = eqx.field(static=True, converter=python_scalar)
     accepts_mask: ClassVar[bool] = True
 
     def __init__(
@@ -297,6 +315,7 @@ class MultiHeadSelfAttention(Layer):
         memory_efficient: bool | None = None,
     ):
         _check_heads(d_model, n_heads)
+        require_bool(causal=causal)
         _check_window(window, causal)
         _check_memory_efficient(memory_efficient)
         bound = 1.0 / math.sqrt(d_model)
@@ -412,7 +431,7 @@ class MultiHeadSelfAttention(Layer):
         slot = jnp.minimum(cache.index, capacity - 1)
         # XLA clamps an out-of-range slice start; a full cache rewrites its last row unchanged.
         keys, values = self._write_row(cache, k_t, v_t, slot, keep=full)
-        visible = (jnp.arange(capacity) <= cache.index)[None, :]
+        visible = (jnp.arange(capacity, dtype=cache.index.dtype) <= cache.index)[None, :]
         y = _attend_heads(self, x_t[None], keys, values, visible)[0]
         y = guard_overflow(
             y, full, cache.on_overflow, f"the key/value cache is full (capacity {capacity})"
@@ -441,7 +460,7 @@ class MultiHeadSelfAttention(Layer):
             row = row.reshape(self.n_heads, 1, self.d_head).astype(buffer.dtype)
             if keep is not None:
                 row = jnp.where(keep, jax.lax.dynamic_slice_in_dim(buffer, slot, 1, axis=1), row)
-            written.append(jax.lax.dynamic_update_slice(buffer, row, (0, slot, 0)))
+            written.append(jax.lax.dynamic_update_slice_in_dim(buffer, row, slot, axis=1))
         return written[0], written[1]
 
     def _step_ring(
@@ -452,7 +471,7 @@ class MultiHeadSelfAttention(Layer):
         slot = cache.index % window
         keys, values = self._write_row(cache, k_t, v_t, slot)
         # The softmax does not care about the order of the keys, so the ring needs no rotation.
-        visible = (jnp.arange(window) <= cache.index)[None, :]
+        visible = (jnp.arange(window, dtype=cache.index.dtype) <= cache.index)[None, :]
         y = _attend_heads(self, x_t[None], keys, values, visible)[0]
         index = cache.index + 1
         index = jnp.where(index >= 2 * window, index - window, index)  # same slot, no overflow
@@ -486,8 +505,8 @@ class TransformerBlock(Layer):
     norm2: LayerNorm
     dropout: Dropout
     gates: "tuple[Gate, ...]"
-    d_model: int = eqx.field(static=True)
-    norm_first: bool = eqx.field(static=True)
+    d_model: int = eqx.field(static=True, converter=python_scalar)
+    norm_first: bool = eqx.field(static=True, converter=python_scalar)
     accepts_mask: ClassVar[bool] = True
 
     def __init__(
@@ -505,6 +524,7 @@ class TransformerBlock(Layer):
     ):
         _check_heads(d_model, n_heads)
         require_positive(d_ff=d_ff)
+        require_bool(gate=gate, norm_first=norm_first)
         akey, fkey = jr.split(key)
         self.attention = MultiHeadSelfAttention(
             d_model, n_heads, akey, causal=causal, window=window, memory_efficient=memory_efficient
@@ -601,10 +621,10 @@ class MultiHeadCrossAttention(Layer):
     W_K: Param
     W_V: Param
     W_O: Param
-    d_model: int = eqx.field(static=True)
-    n_heads: int = eqx.field(static=True)
-    d_context: int = eqx.field(static=True)
-    memory_efficient: bool | None = eqx.field(static=True)
+    d_model: int = eqx.field(static=True, converter=python_scalar)
+    n_heads: int = eqx.field(static=True, converter=python_scalar)
+    d_context: int = eqx.field(static=True, converter=python_scalar)
+    memory_efficient: bool | None = eqx.field(static=True, converter=python_scalar)
 
     def __init__(
         self,
@@ -685,7 +705,7 @@ class Gate(Layer):
     U: Param
     W: Param
     b: Param
-    d_model: int = eqx.field(static=True)
+    d_model: int = eqx.field(static=True, converter=python_scalar)
 
     def __init__(self, d_model: int, key: PRNGKeyArray, bias: float = 2.0):
         require_positive(d_model=d_model)
@@ -741,8 +761,8 @@ class TransformerDecoderBlock(Layer):
     norm3: LayerNorm
     dropout: Dropout
     gates: tuple[Gate, ...]
-    d_model: int = eqx.field(static=True)
-    d_context: int = eqx.field(static=True)
+    d_model: int = eqx.field(static=True, converter=python_scalar)
+    d_context: int = eqx.field(static=True, converter=python_scalar)
 
     def __init__(
         self,
@@ -757,6 +777,7 @@ class TransformerDecoderBlock(Layer):
     ):
         _check_heads(d_model, n_heads)
         require_positive(d_ff=d_ff)
+        require_bool(gate=gate)
         skey, ckey, fkey = jr.split(key, 3)
         self.self_attention = MultiHeadSelfAttention(
             d_model, n_heads, skey, causal=True, memory_efficient=memory_efficient

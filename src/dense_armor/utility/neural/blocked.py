@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-from .core import ShapeError, require_positive
+from .core import ShapeError, require_bool, require_positive
 
 __all__ = ["BLOCKED_MIN_LENGTH", "blocked_attention", "use_blocked"]
 
@@ -73,10 +73,13 @@ def blocked_attention(
       `batch * block_q * block_k` floats.
 
     **Returns:** `(..., T, d_v)` in the dtype of `v`, computed in float32. A query that sees no
-    key gets zeros, in the output and in the gradient, as in `scaled_dot_product_attention`.
+    key gets zeros, in the output and in the gradient, as in `scaled_dot_product_attention`; a
+    hidden key contributes nothing, even where its value is NaN or infinite, and a query that
+    sees a non-finite value gets NaN in its whole row.
     """
     block_q, block_k = block_size
     require_positive(block_q=block_q, block_k=block_k)
+    require_bool(causal=causal)
     if window is not None:
         require_positive(window=window)
         if not causal:
@@ -85,6 +88,12 @@ def blocked_attention(
         raise ShapeError(
             f"blocked_attention: received q {q.shape}, k {k.shape}, v {v.shape}; expected "
             "`(..., T, d_k)`, `(..., S, d_k)` and `(..., S, d_v)`."
+        )
+    floating = [jnp.issubdtype(a.dtype, jnp.floating) for a in (q, k, v)]
+    if not all(floating):
+        raise ShapeError(
+            f"blocked_attention: q, k and v must be floating point; received dtypes {q.dtype}, "
+            f"{k.dtype}, {v.dtype}. Cast them first (e.g. `q.astype(jnp.float32)`)."
         )
     T, S, d_k = q.shape[-2], k.shape[-2], q.shape[-1]
     if k.shape[-1] != d_k or v.shape[-2] != S:
@@ -108,6 +117,9 @@ def blocked_attention(
             f"blocked_attention: the leading axes of q {q.shape}, k {k.shape}, v {v.shape} and "
             f"`key_mask` {None if key_mask is None else key_mask.shape} do not broadcast."
         ) from None
+    if T == 0 or S == 0:  # no query, or no key to see: zeros, as a fully hidden row gets
+        return jnp.zeros((*batch, T, v.shape[-1]), v.dtype)
+    v, sees_non_finite = _finite_values(v, valid, batch, T, causal, window)
     n = math.prod(batch)
     block_q, block_k = min(block_q, max(T, 1)), min(block_k, max(S, 1))
     t_pad, s_pad = -T % block_q, -S % block_k
@@ -119,7 +131,30 @@ def blocked_attention(
     valid = jnp.pad(valid.reshape(n, S), ((0, 0), (0, s_pad)))
     blocks = _Blocks(causal, window, block_q, block_k)
     out = _blocked(blocks, flat(q, T, t_pad), flat(k, S, s_pad), flat(v, S, s_pad), valid)
-    return out[:, :T].reshape(*batch, T, v.shape[-1]).astype(v.dtype)
+    out = out[:, :T].reshape(*batch, T, v.shape[-1])
+    return jnp.where(sees_non_finite[..., None], jnp.nan, out).astype(v.dtype)
+
+
+def _finite_values(
+    v: Array, valid: Array, batch: tuple[int, ...], T: int, causal: bool, window: int | None
+) -> tuple[Array, Array]:
+    """`v` with its non-finite values zeroed, and for each query `(*batch, T)` whether it sees one.
+
+    A hidden key's weight is exactly 0, but 0 * NaN is NaN: zeroing the value keeps a hidden NaN
+    out of every row, and marking the rows that do see it keeps NaN in, as without a mask.
+    """
+    finite = jnp.broadcast_to(jnp.isfinite(v).all(axis=-1), valid.shape)
+    bad = (valid & ~finite).astype(jnp.int32)  # (*batch, S): a visible key with a bad value
+    if not causal:
+        sees = jnp.broadcast_to(bad.any(axis=-1, keepdims=True), (*batch, T))
+    else:  # query t sees keys t - window < s <= t: count the bad ones by a running sum
+        seen = jnp.cumsum(bad, axis=-1)
+        if window is not None:
+            before = jnp.pad(seen, [(0, 0)] * len(batch) + [(window, 0)])[..., :T]
+            seen = seen - before
+        sees = seen > 0
+    clean = jnp.where(jnp.isfinite(v).all(axis=-1, keepdims=True), v, jnp.zeros((), v.dtype))
+    return clean, sees
 
 
 class _Blocks(NamedTuple):

@@ -15,7 +15,10 @@ sum and count). Every cache is a PyTree of arrays.
 A fixed cache that is full never overwrites a row. What happens instead is the cache's
 `on_overflow` mode, chosen at `init_cache`:
 
-- `"raise"` (default): the step raises `equinox.EquinoxRuntimeError` (eagerly and under `jax.jit`);
+- `"raise"` (default): the step raises `equinox.EquinoxRuntimeError`, eagerly and under
+  `eqx.filter_jit`. Under plain `jax.jit`, XLA reports the same message inside a `ValueError`
+  (`jax.errors.JaxRuntimeError`, "INTERNAL: CpuCallback error ...") after a callback traceback:
+  jit a stepping loop with `eqx.filter_jit` for the clean error, or use `"nan"` and read the flag;
 - `"nan"`: the step's output is NaN and the cache's `overflow` flag becomes (and stays) `True`.
   This mode uses no host callback, so it is the one an exported step uses.
 """
@@ -25,6 +28,8 @@ from typing import NamedTuple
 import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
+
+from .core import python_scalar
 
 __all__ = [
     "OVERFLOW_MODES",
@@ -70,7 +75,7 @@ class FixedKVCache(eqx.Module):
     values: Float[Array, "n_heads capacity d_head"]
     index: Int[Array, ""]
     overflow: Bool[Array, ""]
-    on_overflow: str = eqx.field(static=True, default="raise")
+    on_overflow: str = eqx.field(static=True, converter=python_scalar, default="raise")
 
     @property
     def capacity(self) -> int:
@@ -101,7 +106,7 @@ class PositionCache(eqx.Module):
 
     index: Int[Array, ""]
     overflow: Bool[Array, ""]
-    on_overflow: str = eqx.field(static=True, default="raise")
+    on_overflow: str = eqx.field(static=True, converter=python_scalar, default="raise")
 
 
 class MeanCache(eqx.Module):

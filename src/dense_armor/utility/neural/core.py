@@ -6,6 +6,9 @@ A layer acts on one unbatched sequence of shape `(T, features)`; batches go thro
 
 import functools
 import inspect
+import numbers
+import types
+import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -14,13 +17,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from beartype import beartype
-from jaxtyping import Array, jaxtyped
+from jaxtyping import Array, TypeCheckError, jaxtyped
 
-__all__ = ["Layer", "Param", "Pointwise", "ShapeError", "require_positive", "shape_checked"]
+__all__ = [
+    "Layer",
+    "Param",
+    "Pointwise",
+    "ShapeError",
+    "require_bool",
+    "require_positive",
+    "require_rate",
+    "python_scalar",
+    "shape_checked",
+    "type_checked",
+]
 
 
 class ShapeError(ValueError):
-    """An input whose rank or size does not match what the layer expects."""
+    """An input whose rank, size or dtype does not match what the layer or function expects."""
 
 
 class Param(eqx.Module):
@@ -29,11 +43,52 @@ class Param(eqx.Module):
     value: Array
 
 
+def python_scalar(value: Any) -> Any:
+    """A NumPy scalar (`np.int64(8)`) as the Python value it holds; anything else unchanged.
+
+    The converter of every hyper-parameter field (`eqx.field(static=True,
+    converter=python_scalar)`): a NumPy scalar is an array to JAX, and arrays are never static."""
+    if isinstance(value, np.bool_):
+        return bool(value)
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    return value
+
+
 def require_positive(**sizes: int) -> None:
-    """Raise `ValueError` naming the first size that is not a positive integer."""
+    """Raise `ValueError` naming the first size that is not a positive integer (a Python or
+    NumPy integer; never a bool, a float or a string)."""
     for name, size in sizes.items():
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"`{name}` must be a positive integer; received `{name}={size!r}`.")
+        integral = isinstance(size, numbers.Integral) and not isinstance(size, bool | np.bool_)
+        if not integral or size < 1:
+            raise ValueError(
+                f"`{name}` must be a positive integer; received `{name}={size!r}` "
+                f"({type(size).__name__})."
+            )
+
+
+def require_bool(**flags: bool) -> None:
+    """Raise `ValueError` naming the first flag that is not `True` or `False` (a string such as
+    `"false"` would otherwise count as true)."""
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise ValueError(
+                f"`{name}` must be True or False; received `{name}={flag!r}` "
+                f"({type(flag).__name__})."
+            )
+
+
+def require_rate(**rates: float) -> None:
+    """Raise `ValueError` naming the first rate that is not a real number in `[0, 1]`."""
+    for name, rate in rates.items():
+        real = isinstance(rate, numbers.Real) and not isinstance(rate, bool | np.bool_)
+        if not real or not 0.0 <= rate <= 1.0:
+            raise ValueError(
+                f"`{name}` must be a number in [0, 1]; received `{name}={rate!r}` "
+                f"({type(rate).__name__})."
+            )
 
 
 Fn = TypeVar("Fn", bound=Callable[..., Any])
@@ -49,6 +104,59 @@ def _describe(dims: tuple[str, ...], sizes: dict[str, int]) -> str:
     return "(" + ", ".join(parts) + ")"
 
 
+def _annotation_text(annotation: Any) -> str:
+    """`Float['T d_model']`, `Bool['T'] | None`: a jaxtyping annotation as one reads it."""
+    options = typing.get_args(annotation) if typing.get_origin(annotation) in _UNIONS else ()
+    if options:
+        return " | ".join(_annotation_text(option) for option in options)
+    if annotation is type(None):
+        return "None"
+    dtype = getattr(annotation, "dtype", None)
+    dim_str = getattr(annotation, "dim_str", None)
+    if dtype is not None and dim_str is not None:
+        return f"{dtype.__name__}[{dim_str!r}]"
+    return getattr(annotation, "__name__", None) or str(annotation)
+
+
+_UNIONS = (typing.Union, types.UnionType)
+
+
+def _mismatch(owner: str, signature: inspect.Signature, arguments: dict[str, Any]) -> ShapeError:
+    """The `ShapeError` for arguments that fail their jaxtyping annotations: every array argument
+    with its expected (annotated) and received shape and dtype."""
+    lines = []
+    for name, value in arguments.items():
+        shape = getattr(value, "shape", None)
+        if shape is None or name not in signature.parameters:
+            continue
+        expected = _annotation_text(signature.parameters[name].annotation)
+        lines.append(
+            f"`{name}`: expected {expected}, received shape {tuple(shape)} dtype {value.dtype}"
+        )
+    return ShapeError(
+        f"{owner}: the array arguments do not fit together ("
+        + "; ".join(lines)
+        + "). A named axis must have one size across the arguments."
+    )
+
+
+def type_checked(function: Fn) -> Fn:
+    """Check a function's jaxtyping annotations with beartype; a mismatch raises `ShapeError`
+    naming every array argument's expected and received shape and dtype."""
+    typechecked = jaxtyped(typechecker=beartype)(function)
+    signature = inspect.signature(function)
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return typechecked(*args, **kwargs)
+        except TypeCheckError:
+            bound = signature.bind_partial(*args, **kwargs)
+            raise _mismatch(function.__qualname__, signature, bound.arguments) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
 def shape_checked(method: Fn) -> Fn:
     """Check a layer method's array arguments before running it.
 
@@ -60,7 +168,7 @@ def shape_checked(method: Fn) -> Fn:
     hint to use `jax.vmap` when the input carries one axis too many. Under `jax.jit` this runs
     once per trace and costs nothing per call.
     """
-    typechecked = jaxtyped(typechecker=beartype)(method)
+    typechecked = type_checked(method)
     signature = inspect.signature(method)
     owner = method.__qualname__
 
@@ -76,10 +184,14 @@ def shape_checked(method: Fn) -> Fn:
                 continue
             fixed = [d for d in dims if not d.startswith(("*", "..."))]
             variadic = len(fixed) != len(dims)
-            sizes = {d: getattr(self, d) for d in fixed if isinstance(getattr(self, d, None), int)}
+            sizes = {
+                d: getattr(self, d)
+                for d in fixed
+                if isinstance(getattr(self, d, None), numbers.Integral)
+            }
             rank_ok = len(shape) >= len(fixed) if variadic else len(shape) == len(fixed)
             trailing = dict(zip(reversed(fixed), reversed(shape), strict=False))
-            size_ok = all(trailing[d] == size for d, size in sizes.items())
+            size_ok = all(trailing.get(d) == size for d, size in sizes.items())
             if rank_ok and size_ok:
                 continue
             message = (

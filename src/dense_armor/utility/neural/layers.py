@@ -13,7 +13,16 @@ import jax.random as jr
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from .cache import MeanCache
-from .core import Layer, Param, Pointwise, ShapeError, require_positive, shape_checked
+from .core import (
+    Layer,
+    Param,
+    Pointwise,
+    ShapeError,
+    python_scalar,
+    require_positive,
+    require_rate,
+    shape_checked,
+)
 
 __all__ = [
     "COMPUTE_DTYPES",
@@ -40,8 +49,8 @@ class Dense(Pointwise):
 
     W: Param
     b: Param
-    n_in: int = eqx.field(static=True)
-    n_out: int = eqx.field(static=True)
+    n_in: int = eqx.field(static=True, converter=python_scalar)
+    n_out: int = eqx.field(static=True, converter=python_scalar)
 
     def __init__(self, n_in: int, n_out: int, key: PRNGKeyArray):
         require_positive(n_in=n_in, n_out=n_out)
@@ -69,7 +78,7 @@ class Cast(Pointwise):
     runs it in bfloat16, and its outputs come out in bfloat16. No parameters.
     """
 
-    dtype: str = eqx.field(static=True)
+    dtype: str = eqx.field(static=True, converter=python_scalar)
 
     def __init__(self, dtype: str):
         if dtype not in COMPUTE_DTYPES:
@@ -104,8 +113,8 @@ class LayerNorm(Pointwise):
 
     gain: Param
     bias: Param
-    d_model: int = eqx.field(static=True)
-    eps: float = eqx.field(static=True)
+    d_model: int = eqx.field(static=True, converter=python_scalar)
+    eps: float = eqx.field(static=True, converter=python_scalar)
 
     def __init__(self, d_model: int, eps: float = 1e-5):
         require_positive(d_model=d_model)
@@ -137,11 +146,10 @@ class Dropout(Pointwise):
     inference is the default and is deterministic.
     """
 
-    rate: float = eqx.field(static=True)
+    rate: float = eqx.field(static=True, converter=python_scalar)
 
     def __init__(self, rate: float = 0.0):
-        if not 0.0 <= rate <= 1.0:
-            raise ValueError(f"`rate` must lie in [0, 1]; received `rate={rate!r}`.")
+        require_rate(rate=rate)
         self.rate = rate
 
     @shape_checked
@@ -164,7 +172,7 @@ class FeedForward(Pointwise):
 
     hidden: Dense
     out: Dense
-    d_model: int = eqx.field(static=True)
+    d_model: int = eqx.field(static=True, converter=python_scalar)
 
     def __init__(self, d_model: int, d_ff: int, key: PRNGKeyArray):
         require_positive(d_model=d_model, d_ff=d_ff)
@@ -191,7 +199,7 @@ class MeanOverTime(Layer):
     no valid step gives zeros.
     """
 
-    features: int | None = eqx.field(static=True, default=None)
+    features: int | None = eqx.field(static=True, converter=python_scalar, default=None)
     accepts_mask: ClassVar[bool] = True
 
     def __init__(self, features: int | None = None):

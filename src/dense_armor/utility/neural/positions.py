@@ -11,7 +11,7 @@ import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .cache import PositionCache, guard_overflow, start_index, validate_overflow_mode
-from .core import Layer, Param, ShapeError, require_positive, shape_checked
+from .core import Layer, Param, ShapeError, python_scalar, require_positive, shape_checked
 
 __all__ = ["LearnedPositions", "PositionalEncoding"]
 
@@ -25,7 +25,7 @@ class PositionalEncoding(Layer):
     (only for a pattern defined everywhere, such as the sinusoid) sets no bound.
     """
 
-    max_len: int | None = eqx.field(static=True)
+    max_len: int | None = eqx.field(static=True, converter=python_scalar)
 
     def rows(self, positions: Int[Array, "*P"], d_model: int) -> Float[Array, "*P d_model"]:
         raise NotImplementedError
@@ -77,7 +77,7 @@ class LearnedPositions(PositionalEncoding):
     """
 
     P: Param
-    d_model: int = eqx.field(static=True)
+    d_model: int = eqx.field(static=True, converter=python_scalar)
 
     def __init__(self, max_len: int, d_model: int, key: PRNGKeyArray):
         require_positive(max_len=max_len, d_model=d_model)

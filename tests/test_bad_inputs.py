@@ -1,0 +1,363 @@
+"""A hostile user's sweep: every bad input gets a clear error (the right type, and a message that
+names the argument or file, what was expected and what was received), never a silent result.
+
+`BAD` is the table: one row per input, with the exception it must raise and words of its message.
+Grow it with every feature. The silent-result cases that need more than one call (NaN behind a
+mask, killed checkpoint writers, 64-bit mode) follow the table as tests of their own.
+"""
+
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dense_armor import checkpoint
+from dense_armor.checkpoint import (
+    SAVE_STEPS,
+    CheckpointError,
+    ModelConfig,
+    load_checkpoint,
+    save_checkpoint,
+    tree_arrays,
+)
+from dense_armor.cli import main as cli
+from dense_armor.distributed import initialize
+from dense_armor.export import ArtifactError, export_model, load
+from dense_armor.training import evaluate, fit
+from dense_armor.utility.neural import (
+    Dropout,
+    MultiHeadSelfAttention,
+    ShapeError,
+    TransformerBlock,
+    TransformerDecoderBlock,
+    blocked_attention,
+    scaled_dot_product_attention,
+    transformer_encoder,
+)
+
+KEY = jax.random.PRNGKey(0)
+ARGUMENTS = {"n_in": 3, "d_model": 8, "n_heads": 2, "d_ff": 16, "depth": 1, "n_out": 2}
+CONFIG = ModelConfig("transformer_encoder", {**ARGUMENTS, "max_len": 6, "causal": True})
+MODEL = CONFIG.build(KEY)
+XS = np.asarray(jax.random.normal(KEY, (8, 6, 3)))
+LABELS = np.array([0, 1] * 4, np.int32)
+ADAM = optax.adam(1e-3)
+
+
+def attention(**options):
+    return MultiHeadSelfAttention(8, 2, KEY, **options)
+
+
+def fit_with(**options):
+    arguments = {"steps": 2, "batch_size": 4, "progress": False, **options}
+    data = (arguments.pop("xs", XS), arguments.pop("labels", LABELS))
+    return fit(MODEL, ADAM, data, **arguments)
+
+
+def with_env(**variables):
+    """`initialize()` with these DENSE_ARMOR_* variables (it fails before joining anything)."""
+
+    def call():
+        saved = {k: os.environ.get(k) for k in variables}
+        os.environ.update(variables)
+        try:
+            initialize()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    return call
+
+
+def config_json(tmp, data):
+    """A checkpoint whose config.json is replaced by `data`, then loaded."""
+    directory = save_checkpoint(tmp / "ckpt", MODEL, CONFIG)
+    (directory / "config.json").write_text(json.dumps(data))
+    return load_checkpoint(directory)
+
+
+def saved_config(tmp, **changes):
+    directory = save_checkpoint(tmp / "ckpt", MODEL, CONFIG)
+    data = json.loads((directory / "config.json").read_text())
+    data["arguments"].update(changes)
+    return config_json(tmp, data)
+
+
+def corrupt_tensor_bytes(tmp):
+    directory = save_checkpoint(tmp / "ckpt", MODEL, CONFIG)
+    weights = directory / "weights.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x40  # a tensor byte, not the header
+    weights.write_bytes(bytes(data))
+    return load_checkpoint(directory)
+
+
+def into_a_users_directory(tmp):
+    (tmp / "mine").mkdir()
+    (tmp / "mine" / "notes.txt").write_text("keep me")
+    try:
+        save_checkpoint(tmp / "mine", MODEL, CONFIG)
+    finally:
+        assert (tmp / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def onto_a_file(tmp):
+    (tmp / "file").write_text("x")
+    save_checkpoint(tmp / "file", MODEL, CONFIG)
+
+
+def resume_another_model(tmp):
+    fit_with(checkpoint_dir=tmp / "run", config=CONFIG)
+    other = ModelConfig("transformer_encoder", {**CONFIG.arguments, "d_ff": 32})
+    fit(other.build(KEY), ADAM, (XS, LABELS), steps=4, batch_size=4, progress=False,
+        checkpoint_dir=tmp / "run", config=other)  # fmt: skip
+
+
+def artifact_step_without_cache(tmp):
+    export_model(MODEL, CONFIG, tmp / "art", platforms=["cpu"], static_shapes=[])
+    load(tmp / "art").step(np.ones((1, 3), np.float32), None)
+
+
+def cli_out_below_a_file(tmp, capsys):
+    save_checkpoint(tmp / "ckpt", MODEL, CONFIG)
+    (tmp / "afile").write_text("x")
+    code = cli(["export", str(tmp / "ckpt"), "--out", str(tmp / "afile" / "sub")])
+    err = capsys.readouterr().err
+    if code == 2 and "error" in err and "Traceback" not in err:
+        raise SystemExit(err)  # the clean failure this row expects
+
+
+def full_cache_under_jax_jit():
+    m = attention(causal=True)
+    step = jax.jit(lambda x, c: m.step(x, c))
+    _, cache = step(jnp.ones(8), m.init_cache(1))
+    step(jnp.ones(8), cache)[0].block_until_ready()
+
+
+def nan_loss_at_the_first_step():
+    huge = np.full_like(XS, np.nan)
+    fit_with(xs=huge, eval_every=100, steps=3)
+
+
+# (id, action(tmp, capsys) or action(), exception type, regex its message must match)
+BAD = [
+    # bools must be bools: "false" is a truthy string
+    ("causal-string", lambda: attention(causal="false"), ValueError, r"`causal` must be True or False.*'false'.*str"),
+    ("causal-int", lambda: attention(causal=1), ValueError, r"`causal`.*received `causal=1`"),
+    ("norm_first-string", lambda: TransformerBlock(8, 2, 16, KEY, norm_first="yes"), ValueError, r"`norm_first`"),
+    ("gate-string", lambda: TransformerBlock(8, 2, 16, KEY, gate="no"), ValueError, r"`gate`"),
+    ("decoder-gate-none", lambda: TransformerDecoderBlock(8, 2, 16, KEY, gate=None), ValueError, r"`gate`"),
+    ("encoder-causal-string", lambda: transformer_encoder(3, 8, 2, 16, 1, 2, KEY, 6, causal="false"), ValueError, r"`causal`"),
+    ("blocked-causal-string", lambda: blocked_attention(jnp.ones((4, 2)), jnp.ones((4, 2)), jnp.ones((4, 2)), causal="yes"), ValueError, r"`causal`"),
+    ("config-causal-string", lambda tmp, _: saved_config(tmp, causal="false"), CheckpointError, r"does not build a model.*`causal`"),
+    # sizes and rates
+    ("size-float", lambda: MultiHeadSelfAttention(8.0, 2, KEY), ValueError, r"`d_model` must be a positive integer.*8\.0.*float"),
+    ("size-string", lambda: TransformerBlock(8, 2, "16", KEY), ValueError, r"`d_ff`.*'16'.*str"),
+    ("size-bool", lambda: MultiHeadSelfAttention(8, True, KEY), ValueError, r"`n_heads`"),
+    ("dropout-string", lambda: Dropout("0.1"), ValueError, r"`rate` must be a number in \[0, 1\].*'0.1'.*str"),
+    ("dropout-above-one", lambda: Dropout(1.5), ValueError, r"`rate`.*1\.5"),
+    ("dropout-nan", lambda: Dropout(float("nan")), ValueError, r"`rate`.*nan"),
+    ("dropout-bool", lambda: Dropout(True), ValueError, r"`rate`.*bool"),
+    # shapes: one error type, ShapeError, naming expected and received
+    ("scalar-input", lambda: attention()(jnp.array(1.0)), ShapeError, r"x\.shape=\(\)`; expected `\(T, d_model=8\)"),
+    ("scalar-input-encoder", lambda: MODEL(jnp.array(1.0)), ShapeError, r"x\.shape=\(\)"),
+    ("mask-length", lambda: attention()(jnp.ones((5, 8)), mask=jnp.ones(4, bool)), ShapeError, r"`x`: expected Float\['T d_model'\], received shape \(5, 8\).*`mask`: expected Bool\['T'\] \| None, received shape \(4,\) dtype bool"),
+    ("mask-dtype", lambda: attention()(jnp.ones((5, 8)), mask=jnp.ones(5)), ShapeError, r"`mask`.*float32"),
+    ("sdpa-d_k", lambda: scaled_dot_product_attention(jnp.ones((3, 4)), jnp.ones((5, 3)), jnp.ones((5, 2))), ShapeError, r"`q`: expected Float\['\*#batch T d_k'\], received shape \(3, 4\).*`k`.*\(5, 3\)"),
+    ("sdpa-integers", lambda: scaled_dot_product_attention(jnp.ones((3, 4), int), jnp.ones((5, 4), int), jnp.ones((5, 2), int)), ShapeError, r"int32"),
+    ("blocked-integers", lambda: blocked_attention(jnp.ones((3, 4), int), jnp.ones((3, 4), int), jnp.ones((3, 2), int)), ShapeError, r"floating point.*int32"),
+    ("step-scalar", lambda: attention(causal=True).step(jnp.array(1.0), attention(causal=True).init_cache(2)), ShapeError, r"x_t\.shape=\(\)"),
+    # configs and checkpoints
+    ("config-arguments-list", lambda: ModelConfig("transformer_encoder", [1, 2]), CheckpointError, r"`arguments` must be a dict.*list"),
+    ("config-factory-unknown", lambda: ModelConfig("rnn", {}), CheckpointError, r"unknown model factory 'rnn'"),
+    ("config-json-list", lambda tmp, _: config_json(tmp, [1, 2]), CheckpointError, r"a JSON list, not an object"),
+    ("config-json-no-factory", lambda tmp, _: config_json(tmp, {"format": checkpoint.FORMAT, "version": 1, "arguments": {}}), CheckpointError, r"lacks 'factory'"),
+    ("config-as-dict", lambda tmp, _: save_checkpoint(tmp / "c", MODEL, CONFIG.to_json()), TypeError, r"`config` must be a ModelConfig.*dict"),
+    ("config-of-another-model", lambda tmp, _: save_checkpoint(tmp / "c", MODEL, ModelConfig("transformer_encoder", {**CONFIG.arguments, "d_model": 16})), CheckpointError, r"saved to .*c.*shape \(3, 8\).*expects shape \(3, 16\)"),
+    ("tensor-bytes-corrupted", lambda tmp, _: corrupt_tensor_bytes(tmp), CheckpointError, r"weights\.safetensors is corrupt: its sha256"),
+    ("save-into-users-directory", lambda tmp, _: into_a_users_directory(tmp), CheckpointError, r"refusing to replace .*mine: it exists and is not a dense_armor checkpoint"),
+    ("save-onto-a-file", lambda tmp, _: onto_a_file(tmp), CheckpointError, r"refusing to replace .*file"),
+    # training
+    ("fit-batch-size-float", lambda: fit_with(batch_size=4.0), TypeError, r"`batch_size` must be an integer.*4\.0.*float"),
+    ("fit-steps-float", lambda: fit_with(steps=2.5), TypeError, r"`steps` must be an integer.*2\.5"),
+    ("fit-steps-negative", lambda: fit_with(steps=-1), ValueError, r"`steps` must be at least 0"),
+    ("fit-eval-every-zero", lambda: fit_with(eval_every=0), ValueError, r"`eval_every` must be at least 1"),
+    ("fit-labels-column", lambda: fit_with(labels=LABELS[:, None]), ValueError, r"`labels` must have shape \(N,\).*\(8, 1\).*reshape"),
+    ("fit-labels-negative", lambda: fit_with(labels=LABELS - 1), ValueError, r"`labels` must lie in \[0, 2\).*from -1 to 0"),
+    ("fit-labels-too-large", lambda: fit_with(labels=LABELS * 5), ValueError, r"\[0, 2\).*from 0 to 5"),
+    ("fit-labels-float", lambda: fit_with(labels=LABELS.astype(np.float32)), ValueError, r"`labels` must be integers.*float32"),
+    ("fit-labels-length", lambda: fit_with(labels=LABELS[:5]), ValueError, r"8 inputs but 5 labels"),
+    ("fit-valid-labels", lambda: fit_with(valid=(XS, LABELS + 2)), ValueError, r"fit \(valid\).*\[0, 2\)"),
+    ("fit-resume-another-model", lambda tmp, _: resume_another_model(tmp), CheckpointError, r"holds a run of another model"),
+    ("fit-nan-loss-first-step", nan_loss_at_the_first_step, FloatingPointError, r"training loss is nan at step 1"),
+    ("evaluate-length", lambda: evaluate(MODEL, XS, LABELS[:3]), ValueError, r"8 inputs but 3 labels"),
+    ("evaluate-batch-size-zero", lambda: evaluate(MODEL, XS, LABELS, batch_size=0), ValueError, r"`batch_size` must be at least 1"),
+    ("evaluate-labels-range", lambda: evaluate(MODEL, XS, LABELS - 1), ValueError, r"\[0, 2\)"),
+    ("evaluate-empty", lambda: evaluate(MODEL, XS[:0], LABELS[:0]), ValueError, r"empty data set"),
+    # streams and artifacts
+    ("full-cache-under-jax-jit", full_cache_under_jax_jit, ValueError, r"the key/value cache is full \(capacity 1\)"),
+    ("artifact-step-without-cache", lambda tmp, _: artifact_step_without_cache(tmp), ArtifactError, r"`cache` must be the list of arrays.*NoneType"),
+    ("cli-out-below-a-file", cli_out_below_a_file, SystemExit, r"dense-armor export: error: .*afile"),
+    # several processes
+    ("coordinator-without-port", with_env(DENSE_ARMOR_COORDINATOR="127.0.0.1"), ValueError, r"DENSE_ARMOR_COORDINATOR must be `host:port`.*'127.0.0.1'"),
+    ("coordinator-port-not-a-number", with_env(DENSE_ARMOR_COORDINATOR="127.0.0.1:http"), ValueError, r"DENSE_ARMOR_COORDINATOR.*'127.0.0.1:http'"),
+    ("coordinator-port-out-of-range", with_env(DENSE_ARMOR_COORDINATOR="localhost:70000"), ValueError, r"port in \[1, 65535\]"),
+    ("num-processes-not-a-number", with_env(DENSE_ARMOR_COORDINATOR="127.0.0.1:1", DENSE_ARMOR_NUM_PROCESSES="two"), ValueError, r"DENSE_ARMOR_NUM_PROCESSES must be an integer >= 1.*'two'"),
+    ("process-id-too-large", with_env(DENSE_ARMOR_COORDINATOR="127.0.0.1:1", DENSE_ARMOR_NUM_PROCESSES="2", DENSE_ARMOR_PROCESS_ID="2"), ValueError, r"process id 2 is outside \[0, 2\)"),
+]  # fmt: skip
+
+
+@pytest.mark.optax
+@pytest.mark.parametrize("action, error, words", [pytest.param(*r[1:], id=r[0]) for r in BAD])
+def test_a_bad_input_gets_a_clear_error(action, error, words, tmp_path, capsys):
+    with pytest.raises(error) as raised:
+        action(tmp_path, capsys) if action.__code__.co_argcount == 2 else action()
+    assert (
+        raised.type is error
+        or error is SystemExit
+        or not issubclass(raised.type, KeyError | AttributeError | IndexError)
+    )
+    message = str(raised.value)
+    assert re.search(words, message, re.S), message
+
+
+def test_the_sweep_covers_every_cause_it_names():
+    ids = [row[0] for row in BAD]
+    assert len(ids) == len(set(ids)) >= 50
+
+
+# What used to be refused and must be accepted
+
+
+def test_numpy_integer_sizes_are_welcome():
+    m = MultiHeadSelfAttention(np.int64(8), np.int32(2), KEY)
+    assert m(jnp.ones((3, 8))).shape == (3, 8)
+    with pytest.raises(ShapeError, match=r"d_model=8"):
+        m(jnp.ones((3, 7)))
+    config = ModelConfig("transformer_encoder", {**CONFIG.arguments, "d_model": np.int64(8)})
+    assert config == CONFIG and type(config.arguments["d_model"]) is int
+
+
+def test_empty_sequences_on_both_paths():
+    for flag in (True, False):
+        assert attention(memory_efficient=flag)(jnp.zeros((0, 8))).shape == (0, 8)
+    out = blocked_attention(jnp.zeros((2, 0, 4)), jnp.zeros((2, 0, 4)), jnp.zeros((2, 0, 3)))
+    assert out.shape == (2, 0, 3)
+    no_keys = blocked_attention(jnp.ones((5, 4)), jnp.zeros((0, 4)), jnp.zeros((0, 3)))
+    np.testing.assert_array_equal(no_keys, np.zeros((5, 3)))
+
+
+def test_fixed_and_ring_caches_step_in_64_bit_mode():
+    with jax.enable_x64(True):
+        for m, capacity in ((attention(causal=True), 4), (attention(causal=True, window=2), None)):
+            x = jax.random.normal(KEY, (5 if capacity is None else 4, 8))
+            cache = m.init_cache(capacity)
+            for t in range(x.shape[0]):
+                y_t, cache = m.step(x[t], cache)
+            np.testing.assert_allclose(y_t, m(x)[-1], atol=1e-5)
+
+
+# Masked positions contribute nothing, their values included
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True])
+def test_nan_in_padding_never_reaches_the_output(memory_efficient):
+    enc = transformer_encoder(3, 8, 2, 16, 2, 2, KEY, 8, memory_efficient=memory_efficient)
+    x = jax.random.normal(KEY, (5, 3))
+    padded = jnp.concatenate([x, jnp.full((3, 3), jnp.nan)])
+    mask = jnp.arange(8) < 5
+    y = enc(padded, mask=mask)
+    assert bool(jnp.isfinite(y).all())
+    np.testing.assert_allclose(y, enc(x), atol=1e-5)
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True])
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf])
+def test_a_later_non_finite_step_leaves_earlier_causal_rows_as_step_gives_them(
+    memory_efficient, bad
+):
+    block = TransformerBlock(8, 2, 16, KEY, causal=True, memory_efficient=memory_efficient)
+    x = jax.random.normal(KEY, (6, 8)).at[4, 2].set(bad)
+    y = block(x)
+    assert bool(jnp.isfinite(y[:4]).all()) and not bool(jnp.isfinite(y[4:]).any())
+    cache, rows = block.init_cache(6), []
+    for t in range(4):
+        y_t, cache = block.step(x[t], cache)
+        rows.append(y_t)
+    np.testing.assert_allclose(y[:4], jnp.stack(rows), atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_blocked_and_materialised_mark_the_same_rows_that_see_a_nan(window):
+    q, k, v = (jax.random.normal(jax.random.fold_in(KEY, i), (7, 4)) for i in range(3))
+    v = v.at[2, 1].set(jnp.nan)
+    rows, cols = np.arange(7)[:, None], np.arange(7)[None, :]
+    mask = (cols <= rows) & (cols > rows - (window or 7))
+    dense = scaled_dot_product_attention(q, k, v, jnp.asarray(mask))
+    blocked = blocked_attention(q, k, v, causal=True, window=window, block_size=(2, 3))
+    sees = mask[:, 2]  # the rows whose mask shows key 2
+    np.testing.assert_array_equal(np.isnan(dense).any(-1), sees)
+    np.testing.assert_array_equal(np.isnan(blocked).any(-1), sees)
+    np.testing.assert_allclose(dense[~sees], blocked[~sees], atol=2e-6)
+
+
+def test_a_visible_nan_still_propagates():
+    q = k = jnp.ones((3, 4))
+    v = jnp.ones((3, 2)).at[1, 0].set(jnp.nan)
+    for out in (scaled_dot_product_attention(q, k, v), blocked_attention(q, k, v)):
+        assert bool(jnp.isnan(out).all())  # every query sees value 1: every row is NaN
+
+
+# Killed checkpoint writers: SIGKILL at every step of the save protocol, twice in a row
+
+KILLER = pathlib.Path(__file__).resolve().parent / "checkpoint_killer.py"
+
+
+def test_no_sequence_of_kills_loses_the_last_complete_checkpoint(tmp_path):
+    versions = [jax.tree.map(lambda a, i=i: a + i, MODEL) for i in range(4)]
+    source = tmp_path / "source"
+    for i, model in enumerate(versions):
+        save_checkpoint(source / f"v{i}", model, CONFIG)
+    steps = [*SAVE_STEPS, "never"]
+    pairs = [(first, second) for first in steps for second in steps]
+    ran = subprocess.run(
+        [sys.executable, str(KILLER), str(source), str(tmp_path / "runs"), json.dumps(pairs)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert ran.returncode == 0, ran.stderr
+    signals = json.loads(ran.stdout)
+    renamed = steps.index("renamed")
+    for n, (first, second) in enumerate(pairs):
+        assert signals[n] == [-signal.SIGKILL if s != "never" else 0 for s in (first, second)], (
+            first,
+            second,
+        )
+        directory = tmp_path / "runs" / str(n) / "ckpt"
+        # the newest save that got past its rename is the one in place; else the one before
+        expected = (
+            2 if steps.index(second) >= renamed else 1 if steps.index(first) >= renamed else 0
+        )
+        loaded = load_checkpoint(directory)
+        for name, array in tree_arrays(loaded.model).items():
+            np.testing.assert_array_equal(array, tree_arrays(versions[expected])[name])
+        # the next save cleans up whatever the kills left, and is the one that loads
+        save_checkpoint(directory, versions[3], CONFIG)
+        leftovers = sorted(p.name for p in directory.parent.iterdir() if p.name != "ckpt")
+        assert leftovers == [], (first, second, leftovers)
+        final = tree_arrays(load_checkpoint(directory).model)
+        for name, array in tree_arrays(versions[3]).items():
+            np.testing.assert_array_equal(final[name], array)
