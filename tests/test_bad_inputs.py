@@ -34,7 +34,9 @@ from dense_armor.distributed import initialize
 from dense_armor.export import ArtifactError, export_model, load
 from dense_armor.training import evaluate, fit
 from dense_armor.utility.neural import (
+    Dense,
     Dropout,
+    LayerNorm,
     MultiHeadSelfAttention,
     ShapeError,
     TransformerBlock,
@@ -162,7 +164,20 @@ BAD = [
     ("encoder-causal-string", lambda: transformer_encoder(3, 8, 2, 16, 1, 2, KEY, 6, causal="false"), ValueError, r"`causal`"),
     ("blocked-causal-string", lambda: blocked_attention(jnp.ones((4, 2)), jnp.ones((4, 2)), jnp.ones((4, 2)), causal="yes"), ValueError, r"`causal`"),
     ("config-causal-string", lambda tmp, _: saved_config(tmp, causal="false"), CheckpointError, r"does not build a model.*`causal`"),
+    # keys
+    ("key-none", lambda: MultiHeadSelfAttention(8, 2, None), TypeError, r"`key` must be a JAX PRNG key.*received None"),
+    ("key-int", lambda: TransformerBlock(8, 2, 16, 0), TypeError, r"`key` must be a JAX PRNG key.*received 0"),
+    ("key-float-array", lambda: Dense(3, 4, jnp.ones(2)), TypeError, r"`key`.*float32"),
     # sizes and rates
+    ("capacity-string", lambda: attention(causal=True).init_cache("4"), ValueError, r"`capacity` must be a positive integer.*'4'"),
+    ("capacity-zero", lambda: attention(causal=True).init_cache(0), ValueError, r"`capacity`.*received `capacity=0`"),
+    ("on-overflow-unknown", lambda: attention(causal=True).init_cache(4, on_overflow="wrap"), ValueError, r"`on_overflow` must be one of \('raise', 'nan'\).*'wrap'"),
+    ("window-string", lambda: attention(causal=True, window="3"), ValueError, r"`window` must be a positive integer.*'3'"),
+    ("window-without-causal", lambda: attention(window=3), ValueError, r"needs `causal=True`"),
+    ("layer-norm-eps-string", lambda: LayerNorm(8, eps="1e-5"), ValueError, r"`eps` must be a positive number.*'1e-5'.*str"),
+    ("layer-norm-eps-nan", lambda: LayerNorm(8, eps=float("nan")), ValueError, r"`eps` must be a positive number.*nan"),
+    ("positions-unknown", lambda: transformer_encoder(3, 8, 2, 16, 1, 2, KEY, 6, positions="rope"), ValueError, r"`positions` must be 'sinusoidal' or 'learned'.*'rope'"),
+    ("compute-dtype-unknown", lambda: transformer_encoder(3, 8, 2, 16, 1, 2, KEY, 6, compute_dtype="int8"), ValueError, r"`dtype` must be one of"),
     ("size-float", lambda: MultiHeadSelfAttention(8.0, 2, KEY), ValueError, r"`d_model` must be a positive integer.*8\.0.*float"),
     ("size-string", lambda: TransformerBlock(8, 2, "16", KEY), ValueError, r"`d_ff`.*'16'.*str"),
     ("size-bool", lambda: MultiHeadSelfAttention(8, True, KEY), ValueError, r"`n_heads`"),
@@ -178,8 +193,15 @@ BAD = [
     ("sdpa-d_k", lambda: scaled_dot_product_attention(jnp.ones((3, 4)), jnp.ones((5, 3)), jnp.ones((5, 2))), ShapeError, r"`q`: expected Float\['\*#batch T d_k'\], received shape \(3, 4\).*`k`.*\(5, 3\)"),
     ("sdpa-integers", lambda: scaled_dot_product_attention(jnp.ones((3, 4), int), jnp.ones((5, 4), int), jnp.ones((5, 2), int)), ShapeError, r"int32"),
     ("blocked-integers", lambda: blocked_attention(jnp.ones((3, 4), int), jnp.ones((3, 4), int), jnp.ones((3, 2), int)), ShapeError, r"floating point.*int32"),
+    ("list-input", lambda: attention()([[1.0] * 8] * 3), ShapeError, r"`x`: expected Float\['T d_model'\], received list"),
+    ("step-cache-none", lambda: attention(causal=True).step(jnp.ones(8), None), ShapeError, r"`cache`: expected .*KVCache.*received NoneType"),
+    ("step-cache-tuple", lambda: attention(causal=True).step(jnp.ones(8), (1, 2)), ShapeError, r"`cache`: expected .*received tuple"),
+    ("encoder-step-cache-none", lambda: MODEL.step(jnp.ones(3), None), ValueError, r"tuple of \d+ layer caches from `init_cache`.*NoneType"),
+    ("sequence-longer-than-max-len", lambda: MODEL(jnp.ones((7, 3))), ShapeError, r"`T=7` steps.*at most `max_len=6`"),
+    ("sdpa-mask-integers", lambda: scaled_dot_product_attention(jnp.ones((3, 4)), jnp.ones((3, 4)), jnp.ones((3, 4)), jnp.ones((3, 3), int)), ShapeError, r"`mask`: expected Bool\['\.\.\.'\] \| None, received shape \(3, 3\) dtype int32"),
     ("step-scalar", lambda: attention(causal=True).step(jnp.array(1.0), attention(causal=True).init_cache(2)), ShapeError, r"x_t\.shape=\(\)"),
     # configs and checkpoints
+    ("load-missing-directory", lambda tmp, _: load_checkpoint(tmp / "none"), CheckpointError, r"no checkpoint directory at .*none"),
     ("config-arguments-list", lambda: ModelConfig("transformer_encoder", [1, 2]), CheckpointError, r"`arguments` must be a dict.*list"),
     ("config-factory-unknown", lambda: ModelConfig("rnn", {}), CheckpointError, r"unknown model factory 'rnn'"),
     ("config-json-list", lambda tmp, _: config_json(tmp, [1, 2]), CheckpointError, r"a JSON list, not an object"),

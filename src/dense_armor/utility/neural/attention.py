@@ -28,6 +28,7 @@ from .core import (
     ShapeError,
     python_scalar,
     require_bool,
+    require_key,
     require_positive,
     shape_checked,
     type_checked,
@@ -314,6 +315,7 @@ class MultiHeadSelfAttention(Layer):
         window: int | None = None,
         memory_efficient: bool | None = None,
     ):
+        require_key(key)
         _check_heads(d_model, n_heads)
         require_bool(causal=causal)
         _check_window(window, causal)
@@ -522,6 +524,7 @@ class TransformerBlock(Layer):
         window: int | None = None,
         memory_efficient: bool | None = None,
     ):
+        require_key(key)
         _check_heads(d_model, n_heads)
         require_positive(d_ff=d_ff)
         require_bool(gate=gate, norm_first=norm_first)
@@ -634,6 +637,7 @@ class MultiHeadCrossAttention(Layer):
         d_context: int | None = None,
         memory_efficient: bool | None = None,
     ):
+        require_key(key)
         _check_heads(d_model, n_heads)
         _check_memory_efficient(memory_efficient)
         d_context = d_model if d_context is None else d_context
@@ -708,6 +712,7 @@ class Gate(Layer):
     d_model: int = eqx.field(static=True, converter=python_scalar)
 
     def __init__(self, d_model: int, key: PRNGKeyArray, bias: float = 2.0):
+        require_key(key)
         require_positive(d_model=d_model)
         ukey, wkey = jr.split(key)
         bound = 1.0 / math.sqrt(d_model)
@@ -775,6 +780,7 @@ class TransformerDecoderBlock(Layer):
         gate: bool = False,
         memory_efficient: bool | None = None,
     ):
+        require_key(key)
         _check_heads(d_model, n_heads)
         require_positive(d_ff=d_ff)
         require_bool(gate=gate)

@@ -25,6 +25,7 @@ __all__ = [
     "Pointwise",
     "ShapeError",
     "require_bool",
+    "require_key",
     "require_positive",
     "require_rate",
     "python_scalar",
@@ -80,6 +81,18 @@ def require_bool(**flags: bool) -> None:
             )
 
 
+def require_key(key: Any) -> None:
+    """Raise `TypeError` unless `key` is a JAX PRNG key (`jax.random.PRNGKey(0)` or
+    `jax.random.key(0)`)."""
+    typed = isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    raw = isinstance(key, jax.Array) and key.dtype == jnp.uint32 and key.shape[-1:] == (2,)
+    if not (typed or raw):
+        described = f"an array of dtype {key.dtype}" if hasattr(key, "dtype") else repr(key)
+        raise TypeError(
+            f"`key` must be a JAX PRNG key, e.g. `jax.random.PRNGKey(0)`; received {described}."
+        )
+
+
 def require_rate(**rates: float) -> None:
     """Raise `ValueError` naming the first rate that is not a real number in `[0, 1]`."""
     for name, rate in rates.items():
@@ -126,13 +139,17 @@ def _mismatch(owner: str, signature: inspect.Signature, arguments: dict[str, Any
     with its expected (annotated) and received shape and dtype."""
     lines = []
     for name, value in arguments.items():
-        shape = getattr(value, "shape", None)
-        if shape is None or name not in signature.parameters:
+        if name == "self" or name not in signature.parameters:
             continue
         expected = _annotation_text(signature.parameters[name].annotation)
-        lines.append(
-            f"`{name}`: expected {expected}, received shape {tuple(shape)} dtype {value.dtype}"
-        )
+        shape = getattr(value, "shape", None)
+        if shape is not None:
+            received = f"shape {tuple(shape)} dtype {value.dtype}"
+        elif value is None and "None" in expected.split(" | "):
+            continue
+        else:
+            received = type(value).__name__
+        lines.append(f"`{name}`: expected {expected}, received {received}")
     return ShapeError(
         f"{owner}: the array arguments do not fit together ("
         + "; ".join(lines)

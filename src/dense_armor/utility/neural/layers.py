@@ -4,6 +4,7 @@ All but `MeanOverTime` act on each time step alone: they accept `(..., features)
 leading axes, so they serve both a sequence `(T, features)` and a single step `(features,)`.
 """
 
+import numbers
 from typing import ClassVar
 
 import equinox as eqx
@@ -19,6 +20,7 @@ from .core import (
     Pointwise,
     ShapeError,
     python_scalar,
+    require_key,
     require_positive,
     require_rate,
     shape_checked,
@@ -53,6 +55,7 @@ class Dense(Pointwise):
     n_out: int = eqx.field(static=True, converter=python_scalar)
 
     def __init__(self, n_in: int, n_out: int, key: PRNGKeyArray):
+        require_key(key)
         require_positive(n_in=n_in, n_out=n_out)
         wkey, bkey = jr.split(key)
         bound = 1.0 / n_in**0.5
@@ -118,8 +121,10 @@ class LayerNorm(Pointwise):
 
     def __init__(self, d_model: int, eps: float = 1e-5):
         require_positive(d_model=d_model)
-        if not eps > 0:
-            raise ValueError(f"`eps` must be positive; received `eps={eps!r}`.")
+        if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps > 0:
+            raise ValueError(
+                f"`eps` must be a positive number; received `eps={eps!r}` ({type(eps).__name__})."
+            )
         self.gain = Param(jnp.ones((d_model,)))
         self.bias = Param(jnp.zeros((d_model,)))
         self.d_model = d_model
@@ -175,6 +180,7 @@ class FeedForward(Pointwise):
     d_model: int = eqx.field(static=True, converter=python_scalar)
 
     def __init__(self, d_model: int, d_ff: int, key: PRNGKeyArray):
+        require_key(key)
         require_positive(d_model=d_model, d_ff=d_ff)
         hkey, okey = jr.split(key)
         self.hidden = Dense(d_model, d_ff, hkey)

@@ -7,7 +7,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .attention import TransformerBlock, TransformerDecoderBlock, sinusoidal_encoding
 from .cache import validate_overflow_mode
-from .core import Layer, require_positive
+from .core import Layer, require_key, require_positive
 from .layers import Cast, Dense, LayerNorm, MeanOverTime
 from .positions import LearnedPositions, PositionalEncoding
 
@@ -144,6 +144,7 @@ def transformer_encoder(
 
     `forward(x, mask=None)`: `mask (T,)` marks the valid steps of a sequence padded at the end.
     """
+    require_key(key)
     require_positive(
         n_in=n_in, d_model=d_model, d_ff=d_ff, depth=depth, n_out=n_out, max_len=max_len
     )
@@ -256,6 +257,7 @@ def transformer_decoder(
     """A decoder next to `transformer_encoder`: arguments in the same order, then `d_context`
     (default `d_model`), `dropout`, `gate` (gated residuals in every block), `positions` and
     `memory_efficient` (blocked attention in every block; see `MultiHeadSelfAttention`)."""
+    require_key(key)
     require_positive(
         n_in=n_in, d_model=d_model, d_ff=d_ff, depth=depth, n_out=n_out, max_len=max_len
     )

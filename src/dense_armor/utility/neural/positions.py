@@ -11,7 +11,15 @@ import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .cache import PositionCache, guard_overflow, start_index, validate_overflow_mode
-from .core import Layer, Param, ShapeError, python_scalar, require_positive, shape_checked
+from .core import (
+    Layer,
+    Param,
+    ShapeError,
+    python_scalar,
+    require_key,
+    require_positive,
+    shape_checked,
+)
 
 __all__ = ["LearnedPositions", "PositionalEncoding"]
 
@@ -80,6 +88,7 @@ class LearnedPositions(PositionalEncoding):
     d_model: int = eqx.field(static=True, converter=python_scalar)
 
     def __init__(self, max_len: int, d_model: int, key: PRNGKeyArray):
+        require_key(key)
         require_positive(max_len=max_len, d_model=d_model)
         self.P = Param(0.02 * jr.normal(key, (max_len, d_model)))
         self.max_len = max_len
