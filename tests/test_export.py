@@ -263,7 +263,7 @@ def test_wrong_inputs_to_loaded_functions(artifact_dir):
         artifact.forward(np.ones((1, 9, 3), np.float32))
     cache = artifact.init_cache(2)
     with pytest.raises(
-        ArtifactError, match=r"cache\[1\]\.index' has B=2, but an earlier input has B=1"
+        ArtifactError, match=r"cache\[1\]\.counter\.index' has B=2, but an earlier input has B=1"
     ):
         artifact.step(np.ones((1, 3), np.float32), cache)
     with pytest.raises(ArtifactError, match=r"step: expected \d+ inputs \(x_t, cache"):

@@ -43,6 +43,7 @@ from safetensors.numpy import save_file
 from .. import __version__
 from ..checkpoint import ModelConfig, fill_tree, load_checkpoint, tree_arrays
 from ..distributed import gather_to_host
+from ..utility.neural.cache import Counter
 from . import standalone
 from .standalone import FORMAT, FORMAT_VERSION, MANIFEST, ArtifactError
 
@@ -166,8 +167,16 @@ class _Lowering:
             _spec("cache" + jax.tree_util.keystr(path), "cache", leaf.dtype, ["B", *leaf.shape])
             for path, leaf in cache_paths
         ]
+        # The overflow flags are those of the cache's counters, found by type.
+        flag_paths = {
+            jax.tree_util.keystr((*path, jax.tree_util.GetAttrKey("overflow")))
+            for path, node in jax.tree_util.tree_flatten_with_path(
+                cache_shape, is_leaf=lambda n: isinstance(n, Counter)
+            )[0]
+            if isinstance(node, Counter)
+        }
         self.overflow_flags = [
-            i for i, s in enumerate(self.cache) if s["name"].endswith(".overflow")
+            i for i, (path, _) in enumerate(cache_paths) if jax.tree_util.keystr(path) in flag_paths
         ]
 
     # -- the model's pieces, for one sample -------------------------------------------------
@@ -500,9 +509,10 @@ def _manifest(
                         else "every cache array zero (counters 0, flags false), batch B first"
                     ),
                     "layout": "one entry per cache array, named by its path in the model's "
-                    "cache tree: positions (index, overflow); each attention's keys and values "
-                    "(B, n_heads, capacity, d_head), index and overflow; a decoder's projected "
-                    "context (B, S, d_model) and its mask; the mean over time (total, count)",
+                    "cache tree: positions (counter.index, counter.overflow); each attention's "
+                    "keys and values (B, n_heads, capacity, d_head) and counter; a decoder's "
+                    "projected context (B, S, d_model) and its mask; the mean over time (total, "
+                    "count)",
                 },
             )
         described[name] = entry

@@ -13,11 +13,16 @@ from .attention import sinusoidal_encoding as sinusoidal_encoding
 from .attention import sinusoidal_positions as sinusoidal_positions
 from .blocked import BLOCKED_MIN_LENGTH as BLOCKED_MIN_LENGTH
 from .blocked import blocked_attention as blocked_attention
+from .cache import Counter as Counter
 from .cache import FixedKVCache as FixedKVCache
 from .cache import KVCache as KVCache
+from .cache import KVUpdate as KVUpdate
 from .cache import MeanCache as MeanCache
 from .cache import PositionCache as PositionCache
 from .cache import RingKVCache as RingKVCache
+from .cache import batch_streams as batch_streams
+from .cache import reset as reset
+from .core import CannotStream as CannotStream
 from .core import Layer as Layer
 from .core import Param as Param
 from .core import Pointwise as Pointwise

@@ -4,7 +4,7 @@ sinusoidal positional encoding (Vaswani et al. 2017, "Attention Is All You Need"
 
 import math
 from collections.abc import Callable
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import equinox as eqx
 import jax
@@ -14,15 +14,9 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .blocked import blocked_attention, use_blocked
-from .cache import (
-    FixedKVCache,
-    KVCache,
-    RingKVCache,
-    guard_overflow,
-    start_index,
-    validate_overflow_mode,
-)
+from .cache import Counter, FixedKVCache, KVCache, RingKVCache, validate_overflow_mode
 from .core import (
+    CannotStream,
     Layer,
     Param,
     ShapeError,
@@ -267,7 +261,7 @@ def _check_memory_efficient(memory_efficient: bool | None) -> None:
 
 def _require_causal(layer: "MultiHeadSelfAttention | TransformerBlock") -> None:
     if not layer.causal:
-        raise ValueError(
+        raise CannotStream(
             f"{type(layer).__name__} was built with `causal=False`: step t of it would see later "
             "steps, so it cannot stream. Build it with `causal=True`."
         )
@@ -342,14 +336,6 @@ class MultiHeadSelfAttention(Layer):
         each head's keys contiguously with no transpose."""
         return (self.n_heads, rows, self.d_head)
 
-    def _check_cache(self, cache: "FixedKVCache | RingKVCache", name: str) -> None:
-        if cache.keys.ndim != 3 or cache.keys.shape[::2] != (self.n_heads, self.d_head):
-            raise ShapeError(
-                f"MultiHeadSelfAttention.step: received `cache.keys.shape={cache.keys.shape}`; "
-                f"expected `(n_heads={self.n_heads}, {name}, d_head={self.d_head})`. Use this "
-                "layer's `init_cache`."
-            )
-
     def _keys_values(self, x: Array) -> tuple[Array, Array]:
         return _project(x, self.W_K), _project(x, self.W_V)
 
@@ -395,9 +381,24 @@ class MultiHeadSelfAttention(Layer):
             return KVCache(jnp.zeros((0, self.d_model)), jnp.zeros((0, self.d_model)))
         require_positive(capacity=capacity)
         zeros = self._cache_shape(capacity)
-        return FixedKVCache(
-            jnp.zeros(zeros), jnp.zeros(zeros), *start_index(), on_overflow=on_overflow
-        )
+        return FixedKVCache(jnp.zeros(zeros), jnp.zeros(zeros), Counter.start(on_overflow))
+
+    @shape_checked
+    def prefill(
+        self, x: Float[Array, "K d_model"], cache: KVCache | FixedKVCache | RingKVCache
+    ) -> tuple[Float[Array, "K d_model"], KVCache | FixedKVCache | RingKVCache]:
+        """`K` causal steps at once: the chunk's keys and values go into `cache` (the cache owns
+        the write: `cache.update`), and each row attends to what its step may see.
+
+        **Returns:** `(y, cache)`, `y (K, d_model)`: what `K` calls of `step` return, stacked, to
+        float32 round-off. A fixed cache with too little room applies its overflow rule to the
+        rows past its capacity, as `step` would.
+        """
+        _require_causal(self)
+        keys, values = (_heads(_project(x, w), self.n_heads) for w in (self.W_K, self.W_V))
+        update = cache.update(keys, values, self.window)
+        y = _attend_heads(self, x, update.keys, update.values, update.visible)
+        return update.cache.guard(y, update.fits), update.cache
 
     @shape_checked
     def step(
@@ -408,76 +409,8 @@ class MultiHeadSelfAttention(Layer):
         **Returns:** `(y_t, cache)`, `y_t` of shape `(d_model,)`: after `t+1` steps, row `t` of
         `forward` on those steps.
         """
-        _require_causal(self)
-        k_t, v_t = self._keys_values(x_t)
-        if isinstance(cache, RingKVCache) != (self.window is not None):
-            raise ValueError(
-                "MultiHeadSelfAttention.step: a windowed layer steps with the ring cache of its "
-                "own `init_cache()`, and only a windowed layer does."
-            )
-        if isinstance(cache, RingKVCache):
-            return self._step_ring(x_t, k_t, v_t, cache)
-        if isinstance(cache, KVCache):
-            if cache.keys.ndim != 2 or cache.keys.shape[1] != self.d_model:
-                raise ShapeError(
-                    f"MultiHeadSelfAttention.step: received `cache.keys.shape={cache.keys.shape}`;"
-                    f" expected `(t, d_model={self.d_model})`. Use `init_cache()`."
-                )
-            keys = jnp.concatenate([cache.keys, k_t[None].astype(cache.keys.dtype)])
-            values = jnp.concatenate([cache.values, v_t[None].astype(cache.values.dtype)])
-            y = _attend_flat(self, x_t[None], keys, values, None)[0]
-            return y, KVCache(keys, values)
-        self._check_cache(cache, "capacity")
-        capacity = cache.capacity
-        full = cache.index >= capacity
-        slot = jnp.minimum(cache.index, capacity - 1)
-        # XLA clamps an out-of-range slice start; a full cache rewrites its last row unchanged.
-        keys, values = self._write_row(cache, k_t, v_t, slot, keep=full)
-        visible = (jnp.arange(capacity, dtype=cache.index.dtype) <= cache.index)[None, :]
-        y = _attend_heads(self, x_t[None], keys, values, visible)[0]
-        y = guard_overflow(
-            y, full, cache.on_overflow, f"the key/value cache is full (capacity {capacity})"
-        )
-        new = FixedKVCache(
-            keys,
-            values,
-            cache.index + jnp.where(full, 0, 1).astype(cache.index.dtype),
-            cache.overflow | full,
-            on_overflow=cache.on_overflow,
-        )
-        return y, new
-
-    def _write_row(
-        self,
-        cache: FixedKVCache | RingKVCache,
-        k_t: Array,
-        v_t: Array,
-        slot: Array,
-        keep: Array | None = None,
-    ) -> tuple[Array, Array]:
-        """The cache's buffers with `k_t`, `v_t` written, per head, at row `slot` (left as they
-        were where `keep` is true)."""
-        written = []
-        for buffer, row in ((cache.keys, k_t), (cache.values, v_t)):
-            row = row.reshape(self.n_heads, 1, self.d_head).astype(buffer.dtype)
-            if keep is not None:
-                row = jnp.where(keep, jax.lax.dynamic_slice_in_dim(buffer, slot, 1, axis=1), row)
-            written.append(jax.lax.dynamic_update_slice_in_dim(buffer, row, slot, axis=1))
-        return written[0], written[1]
-
-    def _step_ring(
-        self, x_t: Array, k_t: Array, v_t: Array, cache: RingKVCache
-    ) -> tuple[Array, RingKVCache]:
-        self._check_cache(cache, "window")
-        window = cache.window
-        slot = cache.index % window
-        keys, values = self._write_row(cache, k_t, v_t, slot)
-        # The softmax does not care about the order of the keys, so the ring needs no rotation.
-        visible = (jnp.arange(window, dtype=cache.index.dtype) <= cache.index)[None, :]
-        y = _attend_heads(self, x_t[None], keys, values, visible)[0]
-        index = cache.index + 1
-        index = jnp.where(index >= 2 * window, index - window, index)  # same slot, no overflow
-        return y, RingKVCache(keys, values, index)
+        y, cache = self.prefill(x_t[None], cache)
+        return y[0], cache
 
 
 class TransformerBlock(Layer):
@@ -549,14 +482,19 @@ class TransformerBlock(Layer):
     def causal(self) -> bool:
         return self.attention.causal
 
-    def _apply(self, x: Array, attend: Callable[[Array], Array], key: PRNGKeyArray | None) -> Array:
-        """The block around an attention `attend`: post-LN (the page's) or pre-LN."""
+    def _apply(
+        self, x: Array, attend: Callable[[Array], tuple[Array, Any]], key: PRNGKeyArray | None
+    ) -> tuple[Array, Any]:
+        """The block's equations, written once for `forward`, `step` and `prefill`, around an
+        attention `attend(h) -> (a, cache)`: post-LN (the page's) or pre-LN."""
         akey, fkey = (None, None) if key is None else jr.split(key)
         if self.norm_first:
-            y = self._join(0, x, attend(self.norm1(x)), akey)
-            return self._join(1, y, self.feed_forward(self.norm2(y)), fkey)
-        y = self.norm1(self._join(0, x, attend(x), akey))
-        return self.norm2(self._join(1, y, self.feed_forward(y), fkey))
+            a, cache = attend(self.norm1(x))
+            y = self._join(0, x, a, akey)
+            return self._join(1, y, self.feed_forward(self.norm2(y)), fkey), cache
+        a, cache = attend(x)
+        y = self.norm1(self._join(0, x, a, akey))
+        return self.norm2(self._join(1, y, self.feed_forward(y), fkey)), cache
 
     @shape_checked
     def forward(
@@ -566,7 +504,7 @@ class TransformerBlock(Layer):
         mask: Bool[Array, " T"] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "T d_model"]:
-        return self._apply(x, lambda h: self.attention(h, mask=mask), key)
+        return self._apply(x, lambda h: (self.attention(h, mask=mask), None), key)[0]
 
     @shape_checked
     def attention_weights(
@@ -582,18 +520,19 @@ class TransformerBlock(Layer):
         return self.attention.init_cache(capacity, on_overflow=on_overflow)
 
     @shape_checked
+    def prefill(
+        self, x: Float[Array, "K d_model"], cache: KVCache | FixedKVCache | RingKVCache
+    ) -> tuple[Float[Array, "K d_model"], KVCache | FixedKVCache | RingKVCache]:
+        """`K` causal steps of the block at once; see `MultiHeadSelfAttention.prefill`."""
+        return self._apply(x, lambda h: self.attention.prefill(h, cache), None)
+
+    @shape_checked
     def step(
         self, x_t: Float[Array, " d_model"], cache: KVCache | FixedKVCache | RingKVCache
     ) -> tuple[Float[Array, " d_model"], KVCache | FixedKVCache | RingKVCache]:
         """One causal step of the block; see `MultiHeadSelfAttention.step`."""
-        caches = []
-
-        def attend(h: Array) -> Array:
-            a, new = self.attention.step(h, cache)
-            caches.append(new)
-            return a
-
-        return self._apply(x_t, attend, None), caches[0]
+        y, cache = self.prefill(x_t[None], cache)
+        return y[0], cache
 
 
 class ContextCache(NamedTuple):
@@ -687,6 +626,13 @@ class MultiHeadCrossAttention(Layer):
                 f"expected `(S, d_model={self.d_model})`. Use `init_cache(context)`."
             )
         return self.step_sequence(x_t[None], cache)[0], cache
+
+    @shape_checked
+    def prefill(
+        self, x: Float[Array, "K d_model"], cache: ContextCache
+    ) -> tuple[Float[Array, "K d_model"], ContextCache]:
+        """`K` queries against the cached context at once; the cache comes back unchanged."""
+        return self.step_sequence(x, cache), cache
 
 
 class Gate(Layer):
@@ -813,12 +759,23 @@ class TransformerDecoderBlock(Layer):
         context_mask: Bool[Array, " S"] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "T d_model"]:
+        context_cache = self.cross_attention.init_cache(context, context_mask=context_mask)
+        return self._apply(x, lambda h: (self.self_attention(h), None), context_cache, key)[0]
+
+    def _apply(
+        self,
+        x: Array,
+        attend: Callable[[Array], tuple[Array, Any]],
+        context: ContextCache,
+        key: PRNGKeyArray | None,
+    ) -> tuple[Array, Any]:
+        """The block's equations, written once for `forward`, `step` and `prefill`, around a
+        self-attention `attend(h) -> (a, cache)` and a projected context."""
         keys = [None] * 3 if key is None else list(jr.split(key, 3))
-        y = self.norm1(self._join(0, x, self.self_attention(x), keys[0]))
-        u = self.norm2(
-            self._join(1, y, self.cross_attention(y, context, context_mask=context_mask), keys[1])
-        )
-        return self.norm3(self._join(2, u, self.feed_forward(u), keys[2]))
+        a, cache = attend(x)
+        y = self.norm1(self._join(0, x, a, keys[0]))
+        u = self.norm2(self._join(1, y, self.cross_attention.step_sequence(y, context), keys[1]))
+        return self.norm3(self._join(2, u, self.feed_forward(u), keys[2])), cache
 
     @shape_checked
     def init_cache(
@@ -841,9 +798,15 @@ class TransformerDecoderBlock(Layer):
         self, x_t: Float[Array, " d_model"], cache: DecoderCache
     ) -> tuple[Float[Array, " d_model"], DecoderCache]:
         """One step; after `t+1` steps, row `t` of `forward` on them (with the same context)."""
-        a_t, self_cache = self.self_attention.step(x_t, cache.self_attention)
-        y_t = self.norm1(self._join(0, x_t, a_t, None))
-        c_t, context = self.cross_attention.step(y_t, cache.context)
-        u_t = self.norm2(self._join(1, y_t, c_t, None))
-        z_t = self.norm3(self._join(2, u_t, self.feed_forward(u_t), None))
-        return z_t, DecoderCache(self_cache, context)
+        y, cache = self.prefill(x_t[None], cache)
+        return y[0], cache
+
+    @shape_checked
+    def prefill(
+        self, x: Float[Array, "K d_model"], cache: DecoderCache
+    ) -> tuple[Float[Array, "K d_model"], DecoderCache]:
+        """`K` steps at once: what `K` calls of `step` return, stacked."""
+        y, self_cache = self._apply(
+            x, lambda h: self.self_attention.prefill(h, cache.self_attention), cache.context, None
+        )
+        return y, DecoderCache(self_cache, cache.context)

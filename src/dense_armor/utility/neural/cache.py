@@ -12,6 +12,19 @@ Two kinds of key/value cache serve the attention layers:
 Layers with other time state carry it in `PositionCache` (the step index) and `MeanCache` (a running
 sum and count). Every cache is a PyTree of arrays.
 
+The protocol: a key/value cache owns its update. `cache.update(keys, values, window)` takes the
+new steps' keys and values per head, `(n_heads, K, d_head)` for `K` steps, and returns a
+`KVUpdate`: what the attention reads (keys, values, and which of them each new step may see) and
+the updated cache; `cache.guard(y, fits)` then applies the cache's overflow rule to the `K` output
+rows. The growing, fixed and ring caches all answer it, so a layer's `step` and `prefill` have one
+code path; a new kind of cache is one new class. One `Counter` (index, overflow flag, overflow mode)
+serves the fixed cache and the positions.
+
+A batch of streams is a cache with a leading batch axis on every array (`batch_streams`, or
+`init_cache` under `jax.vmap`); every stream keeps its own counters. Every fixed-shape cache's empty
+state is all zeros (counters at 0, flags false), so `reset(cache, streams)` returns the chosen
+streams to it and leaves the others untouched.
+
 A fixed cache that is full never overwrites a row. What happens instead is the cache's
 `on_overflow` mode, chosen at `init_cache`:
 
@@ -23,22 +36,26 @@ A fixed cache that is full never overwrites a row. What happens instead is the c
   This mode uses no host callback, so it is the one an exported step uses.
 """
 
-from typing import NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from .core import python_scalar
+from .core import ShapeError, python_scalar
 
 __all__ = [
     "OVERFLOW_MODES",
+    "Counter",
     "FixedKVCache",
     "KVCache",
+    "KVUpdate",
     "MeanCache",
     "PositionCache",
     "RingKVCache",
-    "guard_overflow",
+    "batch_streams",
+    "reset",
     "validate_overflow_mode",
 ]
 
@@ -53,11 +70,89 @@ def validate_overflow_mode(on_overflow: str) -> None:
         )
 
 
-def guard_overflow(y: Array, bad: Bool[Array, ""], on_overflow: str, message: str) -> Array:
-    """Return `y`, or fail as `on_overflow` says when `bad` is true."""
-    if on_overflow == "raise":
-        return eqx.error_if(y, bad, message)
-    return jnp.where(bad, jnp.asarray(jnp.nan, y.dtype), y)
+class Counter(eqx.Module):
+    """A stream's step counter: the index of the next step, whether a step ever went past the
+    limit, and what a step past it does (`on_overflow`: "raise" or "nan")."""
+
+    index: Int[Array, ""]
+    overflow: Bool[Array, ""]
+    on_overflow: str = eqx.field(static=True, converter=python_scalar, default="raise")
+
+    @classmethod
+    def start(cls, on_overflow: str = "raise") -> "Counter":
+        """A counter at 0, its flag clear; the one place the mode is validated."""
+        validate_overflow_mode(on_overflow)
+        return cls(jnp.zeros((), jnp.int32), jnp.zeros((), bool), on_overflow)
+
+    def advance(self, steps: int, limit: int | None) -> tuple[Array, Array, "Counter"]:
+        """`(positions (steps,), fits (steps,), counter)`: the positions of the next `steps`
+        steps, which of them lie below `limit` (all, for `None`), and the counter after them. The
+        index never passes `limit`, and the flag, once set, stays set."""
+        positions = self.index + jnp.arange(steps, dtype=self.index.dtype)
+        if limit is None:
+            after = Counter(self.index + steps, self.overflow, self.on_overflow)
+            return positions, jnp.ones(steps, bool), after
+        fits = positions < limit
+        index = jnp.minimum(self.index + steps, limit).astype(self.index.dtype)
+        return positions, fits, Counter(index, self.overflow | ~fits.all(), self.on_overflow)
+
+    def guard(self, y: Array, fits: Array, message: str) -> Array:
+        """`y (steps, ...)`, with each row that did not fit failed as `on_overflow` says: the
+        step raises `equinox.EquinoxRuntimeError`, or its row is NaN."""
+        if self.on_overflow == "raise":
+            return eqx.error_if(y, ~fits.all(), message)
+        rows = fits.reshape(fits.shape + (1,) * (y.ndim - 1))
+        return jnp.where(rows, y, jnp.asarray(jnp.nan, y.dtype))
+
+
+class KVUpdate(NamedTuple):
+    """What a key/value cache's `update` returns: the keys and values the new steps attend over,
+    `(n_heads, L, d_head)`, which of the `L` each new step may see, `visible (K, L)`, which new
+    steps the cache could hold, `fits (K,)`, and the updated cache."""
+
+    keys: Array
+    values: Array
+    visible: Array
+    fits: Array
+    cache: Any
+
+
+def _heads(a: Array, n_heads: int) -> Array:
+    """`(L, n_heads * d_head) -> (n_heads, L, d_head)`."""
+    return a.reshape(a.shape[0], n_heads, a.shape[1] // n_heads).transpose(1, 0, 2)
+
+
+def _refuse_window(window: int | None, owner: str) -> None:
+    if window is not None:
+        raise ValueError(
+            f"{owner}: a windowed layer steps with the ring cache of its own `init_cache()`, and "
+            "only a windowed layer does."
+        )
+
+
+def _check_buffers(buffer: Array, new: Array, rows: str) -> None:
+    if buffer.ndim != 3 or (buffer.shape[0], buffer.shape[2]) != (new.shape[0], new.shape[2]):
+        raise ShapeError(
+            f"MultiHeadSelfAttention.step: received `cache.keys.shape={buffer.shape}`; expected "
+            f"`(n_heads={new.shape[0]}, {rows}, d_head={new.shape[2]})`. Use this layer's "
+            "`init_cache`."
+        )
+
+
+def _write_rows(buffer: Array, rows: Array, slots: Array, keep: Array | None = None) -> Array:
+    """`buffer (n_heads, N, d_head)` with `rows (n_heads, K, d_head)` written at rows `slots (K,)`
+    (distinct); where `keep` is true a row is not written. One row is a dynamic-update-slice, the
+    cheapest write; more rows are one scatter."""
+    rows = rows.astype(buffer.dtype)
+    if rows.shape[1] == 1:
+        slot = jnp.minimum(slots[0], buffer.shape[1] - 1)
+        if keep is not None:
+            old = jax.lax.dynamic_slice_in_dim(buffer, slot, 1, axis=1)
+            rows = jnp.where(keep[0], old, rows)
+        return jax.lax.dynamic_update_slice_in_dim(buffer, rows, slot, axis=1)
+    if keep is not None:  # an index past the end is dropped
+        slots = jnp.where(keep, buffer.shape[1], slots)
+    return buffer.at[:, slots].set(rows, mode="drop")
 
 
 class KVCache(NamedTuple):
@@ -66,20 +161,79 @@ class KVCache(NamedTuple):
     keys: Float[Array, "t d_model"]
     values: Float[Array, "t d_model"]
 
+    @property
+    def fixed_shape(self) -> bool:  # a NamedTuple holds no class variables
+        return False
+
+    def update(self, keys: Array, values: Array, window: int | None) -> KVUpdate:
+        _refuse_window(window, "MultiHeadSelfAttention.step")
+        n_heads, steps, d_head = keys.shape
+        if self.keys.ndim != 2 or self.keys.shape[1] != n_heads * d_head:
+            raise ShapeError(
+                f"MultiHeadSelfAttention.step: received `cache.keys.shape={self.keys.shape}`; "
+                f"expected `(t, d_model={n_heads * d_head})`. Use `init_cache()`."
+            )
+
+        def grown(old: Array, new: Array) -> Array:
+            rows = new.transpose(1, 0, 2).reshape(steps, n_heads * d_head)
+            return jnp.concatenate([old, rows.astype(old.dtype)])
+
+        all_keys, all_values = grown(self.keys, keys), grown(self.values, values)
+        seen = self.keys.shape[0]
+        visible = jnp.arange(seen + steps)[None, :] <= seen + jnp.arange(steps)[:, None]
+        return KVUpdate(
+            _heads(all_keys, n_heads),
+            _heads(all_values, n_heads),
+            visible,
+            jnp.ones(steps, bool),
+            KVCache(all_keys, all_values),
+        )
+
+    def guard(self, y: Array, fits: Array) -> Array:
+        return y
+
 
 class FixedKVCache(eqx.Module):
     """Preallocated keys and values, per head: `(n_heads, capacity, d_head)`; rows `>= index` are
-    unwritten."""
+    unwritten. Its `counter` holds the index, the overflow flag and the overflow mode."""
 
     keys: Float[Array, "n_heads capacity d_head"]
     values: Float[Array, "n_heads capacity d_head"]
-    index: Int[Array, ""]
-    overflow: Bool[Array, ""]
-    on_overflow: str = eqx.field(static=True, converter=python_scalar, default="raise")
+    counter: Counter
+
+    fixed_shape: ClassVar[bool] = True
 
     @property
     def capacity(self) -> int:
         return self.keys.shape[1]
+
+    @property
+    def index(self) -> Array:
+        return self.counter.index
+
+    @property
+    def overflow(self) -> Array:
+        return self.counter.overflow
+
+    @property
+    def on_overflow(self) -> str:
+        return self.counter.on_overflow
+
+    def update(self, keys: Array, values: Array, window: int | None) -> KVUpdate:
+        _refuse_window(window, "MultiHeadSelfAttention.step")
+        _check_buffers(self.keys, keys, "capacity")
+        positions, fits, counter = self.counter.advance(keys.shape[1], self.capacity)
+        new_keys = _write_rows(self.keys, keys, positions, keep=~fits)
+        new_values = _write_rows(self.values, values, positions, keep=~fits)
+        visible = jnp.arange(self.capacity, dtype=positions.dtype)[None, :] <= positions[:, None]
+        return KVUpdate(
+            new_keys, new_values, visible, fits, FixedKVCache(new_keys, new_values, counter)
+        )
+
+    def guard(self, y: Array, fits: Array) -> Array:
+        return self.counter.guard(
+            y, fits, f"the key/value cache is full (capacity {self.capacity})"
+        )
 
 
 class RingKVCache(eqx.Module):
@@ -96,17 +250,70 @@ class RingKVCache(eqx.Module):
     values: Float[Array, "n_heads window d_head"]
     index: Int[Array, ""]
 
+    fixed_shape: ClassVar[bool] = True
+
     @property
     def window(self) -> int:
         return self.keys.shape[1]
 
+    def update(self, keys: Array, values: Array, window: int | None) -> KVUpdate:
+        if window is None:
+            raise ValueError(
+                "MultiHeadSelfAttention.step: a windowed layer steps with the ring cache of its "
+                "own `init_cache()`, and only a windowed layer does."
+            )
+        _check_buffers(self.keys, keys, f"window={window}")
+        if self.window != window:
+            raise ShapeError(
+                f"MultiHeadSelfAttention.step: the ring cache holds {self.window} steps; this "
+                f"layer's window is {window}. Use this layer's `init_cache()`."
+            )
+        steps, n = keys.shape[1], self.index
+        # The position each ring row holds (negative: not written yet), and the new steps'.
+        rows = jnp.arange(window, dtype=n.dtype)
+        held = n - 1 - jnp.mod(n - 1 - rows, window)
+        new = n + jnp.arange(steps, dtype=n.dtype)
+        positions = jnp.concatenate([held, new])
+        written = jnp.concatenate([held >= 0, jnp.ones(steps, bool)])
+        query = new[:, None]
+        later = positions[None, :]
+        visible = written[None, :] & (later <= query) & (later > query - window)
+        # The softmax does not care about the order of the keys, so the ring needs no rotation.
+        # Only the last `window` new steps stay in the ring, each in its own row.
+        last = min(steps, window)
+        slots = jnp.mod(new[steps - last :], window)
+        ring_keys = _write_rows(self.keys, keys[:, steps - last :], slots)
+        ring_values = _write_rows(self.values, values[:, steps - last :], slots)
+        index = n + steps
+        index = jnp.where(index >= 2 * window, window + jnp.mod(index - window, window), index)
+        return KVUpdate(
+            jnp.concatenate([self.keys, keys.astype(self.keys.dtype)], axis=1),
+            jnp.concatenate([self.values, values.astype(self.values.dtype)], axis=1),
+            visible,
+            jnp.ones(steps, bool),
+            RingKVCache(ring_keys, ring_values, index.astype(n.dtype)),
+        )
+
+    def guard(self, y: Array, fits: Array) -> Array:
+        return y
+
 
 class PositionCache(eqx.Module):
-    """The index of the next step, for the positional encodings."""
+    """The index of the next step, for the positional encodings, in a `Counter`."""
 
-    index: Int[Array, ""]
-    overflow: Bool[Array, ""]
-    on_overflow: str = eqx.field(static=True, converter=python_scalar, default="raise")
+    counter: Counter
+
+    @property
+    def index(self) -> Array:
+        return self.counter.index
+
+    @property
+    def overflow(self) -> Array:
+        return self.counter.overflow
+
+    @property
+    def on_overflow(self) -> str:
+        return self.counter.on_overflow
 
 
 class MeanCache(eqx.Module):
@@ -116,6 +323,51 @@ class MeanCache(eqx.Module):
     count: Int[Array, ""]
 
 
-def start_index() -> tuple[Int[Array, ""], Bool[Array, ""]]:
-    """A zero step counter and a clear overflow flag."""
-    return jnp.zeros((), jnp.int32), jnp.zeros((), bool)
+def _is_growing(node: Any) -> bool:
+    return getattr(node, "fixed_shape", True) is False
+
+
+def _refuse_growing(cache: Any, what: str) -> None:
+    if any(_is_growing(n) for n in jax.tree.leaves(cache, is_leaf=_is_growing)):
+        raise ValueError(
+            f"{what}: a growing cache (`init_cache()` without a capacity) holds one stream of its "
+            "own length; build a batch of streams with `init_cache(capacity)`."
+        )
+
+
+def batch_streams(cache: Any, batch: int) -> Any:
+    """`cache` repeated for `batch` streams: every array with a leading batch axis, ready for
+    `jax.vmap(model.step)(x_t, caches)`."""
+    _refuse_growing(cache, "batch_streams")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"`batch` must be a positive integer; received `batch={batch!r}`.")
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (batch, *jnp.shape(a))).copy(), cache)
+
+
+def reset(cache: Any, streams: Bool[Array, " B"], fresh: Any = None) -> Any:
+    """A batch of streams' `cache` with the streams where `streams (B,)` is true returned to
+    `fresh` (default: the empty state, all zeros: counters at 0, flags false), and the others
+    untouched. A decoder's new stream needs its context: pass
+    `fresh=jax.vmap(model.init_cache ...)(new_contexts)`."""
+    _refuse_growing(cache, "reset")
+    streams = jnp.asarray(streams)
+    leaves = jax.tree.leaves(cache)
+    if streams.dtype != bool or streams.ndim != 1:
+        raise ShapeError(
+            f"reset: `streams` must be a boolean vector, one entry per stream; received shape "
+            f"{streams.shape} dtype {streams.dtype}."
+        )
+    for leaf in leaves:
+        if jnp.ndim(leaf) < 1 or jnp.shape(leaf)[0] != streams.shape[0]:
+            raise ShapeError(
+                f"reset: the cache's arrays must have a leading axis of {streams.shape[0]} streams "
+                f"(a batch of streams from `batch_streams` or `jax.vmap`); one has shape "
+                f"{jnp.shape(leaf)}."
+            )
+    fresh = jax.tree.map(jnp.zeros_like, cache) if fresh is None else fresh
+
+    def pick(old: Array, new: Array) -> Array:
+        chosen = streams.reshape(streams.shape + (1,) * (jnp.ndim(old) - 1))
+        return jnp.where(chosen, new, old)
+
+    return jax.tree.map(pick, cache, fresh)

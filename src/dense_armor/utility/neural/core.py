@@ -20,6 +20,7 @@ from beartype import beartype
 from jaxtyping import Array, TypeCheckError, jaxtyped
 
 __all__ = [
+    "CannotStream",
     "Layer",
     "Param",
     "Pointwise",
@@ -36,6 +37,10 @@ __all__ = [
 
 class ShapeError(ValueError):
     """An input whose rank, size or dtype does not match what the layer or function expects."""
+
+
+class CannotStream(ValueError):
+    """A layer that cannot run step by step: not causal, or with no time state to carry."""
 
 
 class Param(eqx.Module):
@@ -231,8 +236,9 @@ class Layer(eqx.Module):
 
     `forward` is the computation; `__call__` is the same method, so a layer drops into any Equinox
     code. `params()` lists the layer's `Param`s in the order of its fields, depth first.
-    Layers that can run in a causal model also stream: `init_cache(capacity)` and
-    `step(x_t, cache) -> (y_t, cache)`.
+    Layers that can run in a causal model also stream: `init_cache(capacity)`,
+    `step(x_t, cache) -> (y_t, cache)` and `prefill(x_chunk, cache) -> (y_chunk, cache)` (what
+    `K` calls of `step` return, stacked); the others raise `CannotStream`.
     """
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -247,10 +253,13 @@ class Layer(eqx.Module):
         return [leaf for leaf in leaves if isinstance(leaf, Param)]
 
     def init_cache(self, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError(f"{type(self).__name__} does not stream: it has no `init_cache`.")
+        raise CannotStream(f"{type(self).__name__} does not stream: it has no `init_cache`.")
 
     def step(self, x_t: Any, cache: Any) -> tuple[Any, Any]:
-        raise TypeError(f"{type(self).__name__} does not stream: it has no `step`.")
+        raise CannotStream(f"{type(self).__name__} does not stream: it has no `step`.")
+
+    def prefill(self, x: Any, cache: Any) -> tuple[Any, Any]:
+        raise CannotStream(f"{type(self).__name__} does not stream: it has no `prefill`.")
 
 
 class Pointwise(Layer):
@@ -264,3 +273,6 @@ class Pointwise(Layer):
 
     def step(self, x_t: Any, cache: None) -> tuple[Any, None]:
         return self.forward(x_t), cache
+
+    def prefill(self, x: Any, cache: None) -> tuple[Any, None]:
+        return self.forward(x), cache

@@ -15,6 +15,7 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from .cache import MeanCache
 from .core import (
+    CannotStream,
     Layer,
     Param,
     Pointwise,
@@ -232,15 +233,24 @@ class MeanOverTime(Layer):
 
     def init_cache(self, capacity: int | None = None, *, on_overflow: str = "raise") -> MeanCache:
         if self.features is None:
-            raise ValueError(
+            raise CannotStream(
                 "MeanOverTime needs its width to stream: build it as `MeanOverTime(features)`."
             )
         return MeanCache(jnp.zeros((self.features,)), jnp.zeros((), jnp.int32))
 
     @shape_checked
+    def prefill(
+        self, x: Float[Array, "K features"], cache: MeanCache
+    ) -> tuple[Float[Array, "K features"], MeanCache]:
+        """The running mean after each of `K` more steps."""
+        totals = cache.total[None, :] + jnp.cumsum(x.astype(cache.total.dtype), axis=0)
+        counts = cache.count + jnp.arange(1, x.shape[0] + 1, dtype=cache.count.dtype)
+        means = totals / counts.astype(totals.dtype)[:, None]
+        return means.astype(x.dtype), MeanCache(totals[-1], counts[-1])
+
+    @shape_checked
     def step(
         self, x_t: Float[Array, " features"], cache: MeanCache
     ) -> tuple[Float[Array, " features"], MeanCache]:
-        total = cache.total + x_t.astype(cache.total.dtype)
-        count = cache.count + 1
-        return (total / count.astype(total.dtype)).astype(x_t.dtype), MeanCache(total, count)
+        y, cache = self.prefill(x_t[None], cache)
+        return y[0], cache

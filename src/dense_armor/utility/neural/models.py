@@ -6,7 +6,7 @@ import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .attention import TransformerBlock, TransformerDecoderBlock, sinusoidal_encoding
-from .cache import validate_overflow_mode
+from .cache import batch_streams, validate_overflow_mode
 from .core import Layer, require_key, require_positive
 from .layers import Cast, Dense, LayerNorm, MeanOverTime
 from .positions import LearnedPositions, PositionalEncoding
@@ -83,19 +83,36 @@ class Sequential(Layer):
         validate_overflow_mode(on_overflow)
         return tuple(layer.init_cache(capacity, on_overflow=on_overflow) for layer in self.layers)
 
-    def step(self, x_t: Array, cache: tuple[Any, ...]) -> tuple[Array, tuple[Any, ...]]:
-        """One step through every layer; after `t+1` steps, `forward` on those steps."""
+    def _check_caches(self, cache: Any, method: str) -> None:
         if not isinstance(cache, tuple) or len(cache) != len(self.layers):
             received = f"a tuple of {len(cache)}" if isinstance(cache, tuple) else type(cache)
             raise ValueError(
-                f"Sequential.step: expected a tuple of {len(self.layers)} layer caches from "
+                f"Sequential.{method}: expected a tuple of {len(self.layers)} layer caches from "
                 f"`init_cache`; received {received}."
             )
+
+    def step(self, x_t: Array, cache: tuple[Any, ...]) -> tuple[Array, tuple[Any, ...]]:
+        """One step through every layer; after `t+1` steps, `forward` on those steps."""
+        self._check_caches(cache, "step")
+        y, cache = self.prefill(x_t[None], cache)
+        return y[0], cache
+
+    def prefill(self, x: Array, cache: tuple[Any, ...]) -> tuple[Array, tuple[Any, ...]]:
+        """`K` steps at once through every layer, `x (K, features)`: what `K` calls of `step`
+        return, stacked (a model that pools over time returns its output after each step)."""
+        self._check_caches(cache, "prefill")
         new = []
         for layer, layer_cache in zip(self.layers, cache, strict=True):
-            x_t, layer_cache = layer.step(x_t, layer_cache)
+            x, layer_cache = layer.prefill(x, layer_cache)
             new.append(layer_cache)
-        return x_t, tuple(new)
+        return x, tuple(new)
+
+    def init_streams(
+        self, batch: int, capacity: int | None = None, *, on_overflow: str = "raise"
+    ) -> tuple[Any, ...]:
+        """`init_cache(capacity)` for `batch` streams: every array with a leading batch axis,
+        for `jax.vmap(model.step)(x_t, caches)`; `reset` returns chosen streams to the start."""
+        return batch_streams(self.init_cache(capacity, on_overflow=on_overflow), batch)
 
 
 def _positions(kind: str, max_len: int, d_model: int, key: PRNGKeyArray) -> PositionalEncoding:
@@ -226,15 +243,20 @@ class TransformerDecoder(Layer):
         )
 
     def step(self, x_t: Array, cache: tuple[Any, ...]) -> tuple[Array, tuple[Any, ...]]:
+        y, cache = self.prefill(x_t[None], cache)
+        return y[0], cache
+
+    def prefill(self, x: Array, cache: tuple[Any, ...]) -> tuple[Array, tuple[Any, ...]]:
+        """`K` steps at once, `x (K, n_in)`: what `K` calls of `step` return, stacked."""
         if not isinstance(cache, tuple) or len(cache) != 1 + len(self.blocks):
             raise ValueError(
                 f"TransformerDecoder.step: expected the tuple of {1 + len(self.blocks)} caches "
                 "from `init_cache(context, ...)`."
             )
-        h, position_cache = self.positions.step(self.embed(x_t), cache[0])
+        h, position_cache = self.positions.prefill(self.embed(x), cache[0])
         new: list[Any] = [position_cache]
         for block, block_cache in zip(self.blocks, cache[1:], strict=True):
-            h, block_cache = block.step(h, block_cache)
+            h, block_cache = block.prefill(h, block_cache)
             new.append(block_cache)
         return self.head(h), tuple(new)
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .cache import PositionCache, guard_overflow, start_index, validate_overflow_mode
+from .cache import Counter, PositionCache
 from .core import (
     Layer,
     Param,
@@ -53,28 +53,28 @@ class PositionalEncoding(Layer):
         self, capacity: int | None = None, *, on_overflow: str = "raise"
     ) -> PositionCache:
         """A step counter at 0. `capacity` is not needed here (the bound is `max_len`)."""
-        validate_overflow_mode(on_overflow)
-        return PositionCache(*start_index(), on_overflow=on_overflow)
+        return PositionCache(Counter.start(on_overflow))
+
+    @shape_checked
+    def prefill(
+        self, x: Float[Array, "K d_model"], cache: PositionCache
+    ) -> tuple[Float[Array, "K d_model"], PositionCache]:
+        """Add the rows of the next `K` positions to `x`, and count `K` steps; a position at or
+        past `max_len` fails as the counter's `on_overflow` says."""
+        positions, fits, counter = cache.counter.advance(x.shape[0], self.max_len)
+        if self.max_len is not None:
+            positions = jnp.minimum(positions, self.max_len - 1)
+        y = x + self.rows(positions, x.shape[1]).astype(x.dtype)
+        message = f"{type(self).__name__}: step at a position >= max_len={self.max_len}"
+        return counter.guard(y, fits, message), PositionCache(counter)
 
     @shape_checked
     def step(
         self, x_t: Float[Array, " d_model"], cache: PositionCache
     ) -> tuple[Float[Array, " d_model"], PositionCache]:
         """Add the row of the cache's position to `x_t`, and count one step."""
-        if self.max_len is None:
-            beyond = jnp.zeros((), bool)
-            row = self.rows(cache.index, x_t.shape[0])
-        else:
-            beyond = cache.index >= self.max_len
-            row = self.rows(jnp.minimum(cache.index, self.max_len - 1), x_t.shape[0])
-        y_t = guard_overflow(
-            x_t + row.astype(x_t.dtype),
-            beyond,
-            cache.on_overflow,
-            f"{type(self).__name__}: step at a position >= max_len={self.max_len}",
-        )
-        index = cache.index + jnp.where(beyond, 0, 1).astype(cache.index.dtype)
-        return y_t, PositionCache(index, cache.overflow | beyond, on_overflow=cache.on_overflow)
+        y, cache = self.prefill(x_t[None], cache)
+        return y[0], cache
 
 
 class LearnedPositions(PositionalEncoding):

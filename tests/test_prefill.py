@@ -1,0 +1,180 @@
+"""The streaming-state protocol: chunked prefill and per-stream reset, for every cache kind and
+every streaming model family, against the step loop and `forward` on the prefixes."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dense_armor.utility.neural import (
+    CannotStream,
+    FixedKVCache,
+    KVCache,
+    MultiHeadSelfAttention,
+    RingKVCache,
+    TransformerBlock,
+    reset,
+    transformer_decoder,
+    transformer_encoder,
+)
+from streams import prefix_outputs, stream
+
+KEY = jax.random.PRNGKey(3)
+STEPS = 16
+
+
+def encoder(**options):
+    return transformer_encoder(3, 16, 2, 32, 2, 4, KEY, STEPS, causal=True, **options)
+
+
+FAMILIES = {
+    # name: (model, capacity, cache kind, tolerance)
+    "encoder, fixed": (encoder(), STEPS, FixedKVCache, 2e-5),
+    "encoder, growing": (encoder(), None, KVCache, 2e-5),
+    "encoder, windowed": (encoder(window=5), None, RingKVCache, 2e-5),
+    "pre-LN, learned positions": (
+        encoder(norm_first=True, positions="learned"),
+        STEPS,
+        FixedKVCache,
+        2e-5,
+    ),
+    "encoder, bfloat16": (encoder(compute_dtype="bfloat16"), STEPS, FixedKVCache, 6e-2),
+}
+CHUNKS = {"ones": [1] * STEPS, "sevens": [7, 7, 2], "whole": [STEPS], "mixed": [7, 1, 8]}
+
+
+def chunked(model, xs, cache, sizes, prefill=None):
+    """Prefill `xs` in chunks of `sizes`; the outputs stacked, and the last cache."""
+    prefill = prefill or eqx.filter_jit(model.prefill)
+    outputs, start = [], 0
+    for size in sizes:
+        y, cache = prefill(xs[start : start + size], cache)
+        outputs.append(y)
+        start += size
+    return jnp.concatenate(outputs), cache
+
+
+def as32(a):
+    return np.asarray(a, np.float32)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_prefill_in_chunks_equals_steps_and_forward_on_every_prefix(family):
+    model, capacity, kind, atol = FAMILIES[family]
+    xs = jax.random.normal(jax.random.fold_in(KEY, 1), (STEPS, 3))
+    cache = model.init_cache(capacity)
+    assert any(isinstance(layer_cache, kind) for layer_cache in cache)
+    stepped, _ = stream(model, xs, cache, eqx.filter_jit(model.step))
+    np.testing.assert_allclose(as32(stepped), as32(prefix_outputs(model, xs, atol=atol)), atol=atol)
+    for name, sizes in CHUNKS.items():
+        ys, after = chunked(model, xs, cache, sizes)
+        np.testing.assert_allclose(as32(ys), as32(stepped), atol=atol, err_msg=name)
+        # and the stream goes on from the prefilled cache, as from the stepped one
+        extra = jax.random.normal(jax.random.fold_in(KEY, 2), (3,))
+        if sum(sizes) < STEPS:  # room left under max_len and the capacity
+            y_next, _ = model.step(extra, after)
+            y_ref, _ = model.step(extra, stream(model, xs, cache)[1])
+            np.testing.assert_allclose(as32(y_next), as32(y_ref), atol=atol)
+
+
+def test_a_ring_prefill_longer_than_the_window_keeps_the_last_steps():
+    m = MultiHeadSelfAttention(8, 2, KEY, causal=True, window=3)
+    xs = jax.random.normal(KEY, (11, 8))
+    stepped, ring = stream(m, xs, m.init_cache())
+    for sizes in ([11], [2, 9], [4, 4, 3]):
+        ys, after = chunked(m, xs, m.init_cache(), sizes)
+        np.testing.assert_allclose(ys, stepped, atol=1e-5)
+        np.testing.assert_array_equal(after.index, ring.index)
+        np.testing.assert_allclose(after.keys, ring.keys, atol=1e-6)
+    np.testing.assert_allclose(stepped, m(xs), atol=1e-5)
+
+
+def test_decoder_prefill_equals_its_steps_and_forward():
+    model = transformer_decoder(3, 8, 2, 16, 2, 4, KEY, STEPS, d_context=5)
+    xs = jax.random.normal(KEY, (STEPS, 3))
+    context = jax.random.normal(jax.random.fold_in(KEY, 9), (6, 5))
+    mask = jnp.arange(6) < 4
+    full = model(xs, context, context_mask=mask)
+    for capacity in (None, STEPS):
+        cache = model.init_cache(context, capacity, context_mask=mask)
+        for sizes in CHUNKS.values():
+            ys, _ = chunked(model, xs, cache, sizes, prefill=model.prefill)
+            np.testing.assert_allclose(ys, full, atol=2e-5)
+
+
+@pytest.mark.parametrize("layer", ["attention", "block"])
+def test_prefill_past_the_capacity_is_never_silent(layer):
+    m = (
+        MultiHeadSelfAttention(8, 2, KEY, causal=True)
+        if layer == "attention"
+        else TransformerBlock(8, 2, 16, KEY, causal=True)
+    )
+    xs = jax.random.normal(KEY, (10, 8))
+    stepped, _ = stream(m, xs[:8], m.init_cache(8))
+    ys, cache = m.prefill(xs, m.init_cache(8, on_overflow="nan"))
+    np.testing.assert_allclose(ys[:8], stepped, atol=1e-5)
+    assert bool(jnp.isnan(ys[8:]).all()) and bool(cache.overflow) and int(cache.index) == 8
+    # a chunk that starts in an overflowed cache is NaN throughout, and the rows stay as they were
+    more, again = m.prefill(xs[:2], cache)
+    assert bool(jnp.isnan(more).all()) and bool(again.overflow)
+    np.testing.assert_array_equal(again.keys, cache.keys)
+    with pytest.raises(eqx.EquinoxRuntimeError, match=r"cache is full \(capacity 8\)"):
+        m.prefill(xs, m.init_cache(8))[0].block_until_ready()
+
+
+def test_positions_prefill_past_max_len_follows_the_step_rules():
+    model = encoder()
+    xs = jnp.ones((STEPS + 2, 3))
+    ys, cache = model.prefill(xs, model.init_cache(STEPS + 4, on_overflow="nan"))
+    assert bool(jnp.isfinite(ys[:STEPS]).all()) and bool(jnp.isnan(ys[STEPS:]).all())
+    assert bool(cache[1].overflow) and int(cache[1].index) == STEPS
+
+
+def test_layers_that_cannot_stream_say_so_with_one_exception():
+    plain = MultiHeadSelfAttention(8, 2, KEY)
+    causal = MultiHeadSelfAttention(8, 2, KEY, causal=True)
+    with pytest.raises(CannotStream, match="causal=True"):
+        plain.prefill(jnp.ones((2, 8)), causal.init_cache(4))
+    with pytest.raises(CannotStream, match="causal=True"):
+        transformer_encoder(3, 8, 2, 16, 1, 2, KEY, 6).init_cache(4)
+    assert issubclass(CannotStream, ValueError)
+
+
+# A batch of streams: per-stream counters and reset
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_reset_streams_restart_alone_and_leave_the_others_untouched(window):
+    model = encoder(window=window) if window else encoder()
+    n, t_reset = 4, 6
+    xs = jax.random.normal(jax.random.fold_in(KEY, 5), (n, 12, 3))
+    caches = model.init_streams(n, None if window else STEPS)
+    assert all(jnp.shape(leaf)[0] == n for leaf in jax.tree.leaves(caches))
+    step = jax.jit(jax.vmap(lambda x_t, cache: model.step(x_t, cache)))
+    outputs = []
+    for t in range(12):
+        if t == t_reset:
+            caches = reset(caches, jnp.array([False, True, False, True]))
+        y, caches = step(xs[:, t], caches)
+        outputs.append(y)
+    outputs = jnp.stack(outputs, axis=1)  # (streams, steps, n_out)
+    for s in range(n):
+        start = t_reset if s in (1, 3) else 0
+        alone, _ = stream(model, xs[s, start:], model.init_cache(None if window else STEPS))
+        np.testing.assert_allclose(outputs[s, start:], alone, atol=2e-5, err_msg=f"stream {s}")
+    if not window:  # each stream's own counter: the reset ones saw 6 steps, the others 12
+        np.testing.assert_array_equal(caches[2].index, [12, 6, 12, 6])
+
+
+def test_reset_refuses_what_it_cannot_reset():
+    model = encoder()
+    with pytest.raises(ValueError, match="growing cache"):
+        reset(model.init_cache(), jnp.array([True]))
+    caches = model.init_streams(2, 8)
+    with pytest.raises(ValueError, match="leading axis of 3 streams"):
+        reset(caches, jnp.array([True, False, True]))
+    with pytest.raises(ValueError, match="boolean vector"):
+        reset(caches, jnp.array([1, 0]))
+    with pytest.raises(ValueError, match="`batch` must be a positive integer"):
+        model.init_streams(0, 8)
