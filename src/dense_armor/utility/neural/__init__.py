@@ -1,18 +1,16 @@
 """The layers of dense_armor. Every public name is re-exported here."""
 
 from .attention import ContextCache as ContextCache
-from .attention import DecoderCache as DecoderCache
-from .attention import Gate as Gate
 from .attention import MultiHeadCrossAttention as MultiHeadCrossAttention
 from .attention import MultiHeadSelfAttention as MultiHeadSelfAttention
-from .attention import TransformerBlock as TransformerBlock
-from .attention import TransformerDecoderBlock as TransformerDecoderBlock
 from .attention import attention_weights as attention_weights
 from .attention import scaled_dot_product_attention as scaled_dot_product_attention
-from .attention import sinusoidal_encoding as sinusoidal_encoding
-from .attention import sinusoidal_positions as sinusoidal_positions
 from .blocked import BLOCKED_MIN_LENGTH as BLOCKED_MIN_LENGTH
 from .blocked import blocked_attention as blocked_attention
+from .blocks import DecoderCache as DecoderCache
+from .blocks import Gate as Gate
+from .blocks import TransformerBlock as TransformerBlock
+from .blocks import TransformerDecoderBlock as TransformerDecoderBlock
 from .cache import Counter as Counter
 from .cache import FixedKVCache as FixedKVCache
 from .cache import KVCache as KVCache
@@ -34,11 +32,13 @@ from .layers import FeedForward as FeedForward
 from .layers import LayerNorm as LayerNorm
 from .layers import MeanOverTime as MeanOverTime
 from .layers import ReLU as ReLU
-from .models import AddPositions as AddPositions
 from .models import Sequential as Sequential
 from .models import TransformerDecoder as TransformerDecoder
 from .models import attention_maps as attention_maps
 from .models import transformer_decoder as transformer_decoder
 from .models import transformer_encoder as transformer_encoder
+from .positions import AddPositions as AddPositions
 from .positions import LearnedPositions as LearnedPositions
 from .positions import PositionalEncoding as PositionalEncoding
+from .positions import sinusoidal_encoding as sinusoidal_encoding
+from .positions import sinusoidal_positions as sinusoidal_positions

@@ -1,17 +1,18 @@
-"""Scaled dot-product attention, multi-head self-attention, the Transformer block, and the
-sinusoidal positional encoding (Vaswani et al. 2017, "Attention Is All You Need").
+"""Scaled dot-product attention and the two attention layers, self- and cross-attention
+(Vaswani et al. 2017, "Attention Is All You Need").
+
+The blocks built on them live in `blocks`, the positional encodings in `positions`; the names the
+attention page imports from here (`TransformerBlock`, `sinusoidal_positions`, ...) are re-exported.
 """
 
 import math
-from collections.abc import Callable
-from typing import Any, ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-import numpy as np
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from .blocked import blocked_attention, use_blocked
 from .cache import Counter, FixedKVCache, KVCache, RingKVCache, validate_overflow_mode
@@ -27,24 +28,22 @@ from .core import (
     shape_checked,
     type_checked,
 )
-from .layers import Dropout, FeedForward, LayerNorm
 
 __all__ = [
-    "attention_weights",
     "ContextCache",
     "DecoderCache",
     "Gate",
     "MultiHeadCrossAttention",
     "MultiHeadSelfAttention",
-    "TransformerDecoderBlock",
     "TransformerBlock",
+    "TransformerDecoderBlock",
+    "attention_weights",
     "scaled_dot_product_attention",
     "sinusoidal_encoding",
     "sinusoidal_positions",
 ]
 
 
-@type_checked
 def attention_weights(
     q: Float[Array, "*#batch T d_k"],
     k: Float[Array, "*#batch S d_k"],
@@ -108,32 +107,6 @@ def scaled_dot_product_attention(
     if mask is not None:
         bad = bad & jnp.broadcast_to(mask, weights.shape)
     return jnp.where(bad.any(axis=-1)[..., None], jnp.asarray(jnp.nan, out.dtype), out)
-
-
-def sinusoidal_encoding(positions: Int[Array, "*P"], d_model: int) -> Float[Array, "*P d_model"]:
-    """The sinusoidal encoding of the given integer positions (Vaswani et al. 2017, page 6).
-
-    Column `2i` is `sin(pos / 10000^(2i/d_model))` and column `2i+1` the cosine of the same angle.
-    Defined for any position, so a traced step counter works under `jax.jit`.
-    """
-    require_positive(d_model=d_model)
-    half = (d_model + 1) // 2
-    frequencies = np.exp(-math.log(10000.0) * 2.0 * np.arange(half) / d_model)
-    angles = jnp.tensordot(
-        jnp.asarray(positions, jnp.float32), jnp.asarray(frequencies, jnp.float32), axes=0
-    )
-    pairs = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)
-    return pairs.reshape(*angles.shape[:-1], 2 * half)[..., :d_model]
-
-
-def sinusoidal_positions(length: int, d_model: int) -> Float[Array, "length d_model"]:
-    """The fixed table of sines and cosines for positions `0 .. length-1`, `(length, d_model)`.
-
-    Row 1 of `sinusoidal_positions(4, 4)` is `[sin(1), cos(1), sin(0.01), cos(0.01)]`.
-    """
-    if isinstance(length, bool) or not isinstance(length, int) or length < 0:
-        raise ValueError(f"`length` must be a non-negative integer; received `length={length!r}`.")
-    return sinusoidal_encoding(jnp.arange(length), d_model)
 
 
 def _check_heads(d_model: int, n_heads: int) -> None:
@@ -226,18 +199,6 @@ def _attend_flat(
 def _heads(a: Array, n_heads: int) -> Array:
     """`(L, d_model) -> (n_heads, L, d_model / n_heads)`."""
     return a.reshape(a.shape[0], n_heads, a.shape[1] // n_heads).transpose(1, 0, 2)
-
-
-def _residual(
-    block: "TransformerBlock | TransformerDecoderBlock",
-    i: int,
-    x: Array,
-    sub: Array,
-    key: PRNGKeyArray | None,
-) -> Array:
-    """A block's `i`-th residual connection: `x + Dropout(sub)`, or its `i`-th gate of the two."""
-    sub = block.dropout(sub, key=key)
-    return block.gates[i](x, sub) if block.gates else x + sub
 
 
 def _check_window(window: int | None, causal: bool) -> None:
@@ -413,128 +374,6 @@ class MultiHeadSelfAttention(Layer):
         return y[0], cache
 
 
-class TransformerBlock(Layer):
-    """The post-LayerNorm Transformer block (Vaswani et al. 2017, page 3 and Eq.(2), page 5).
-
-    `y = LayerNorm(x + Dropout(Attention(x)))`, then `z = LayerNorm(y + Dropout(FFN(y)))`.
-
-    **Arguments:** `d_model`, `n_heads`, `d_ff` (the hidden width of the feed-forward), `key`,
-    `causal=False`, `dropout=0.0` (applied to each sub-layer's output before the residual
-    addition, only when `forward` gets a `key`), `gate=False` (a `Gate` replaces each residual
-    addition: `y = LayerNorm(Gate(x, Attention(x)))`, ...), `norm_first=False` (pre-LN instead:
-    `y = x + Attention(LayerNorm(x))`, `z = y + FFN(LayerNorm(y))`, Xiong et al. 2020),
-    `window=None` (sliding-window attention) and `memory_efficient=None` (blocked attention; see
-    `MultiHeadSelfAttention`).
-
-    `forward(x, mask=None)`: `mask (T,)` marks the valid steps of a padded sequence.
-
-    `params()` is, in order, the attention's `[W_Q, W_K, W_V, W_O]`, the first LayerNorm's
-    `[gain, bias]`, the feed-forward's `[W_1, b_1, W_2, b_2]` and the second LayerNorm's
-    `[gain, bias]`: 12 in all; then, with `gate=True`, each gate's `[U, W, b]` (18 in all).
-    A causal block streams like `MultiHeadSelfAttention`.
-    """
-
-    attention: MultiHeadSelfAttention
-    norm1: LayerNorm
-    feed_forward: FeedForward
-    norm2: LayerNorm
-    dropout: Dropout
-    gates: "tuple[Gate, ...]"
-    d_model: int = eqx.field(static=True, converter=python_scalar)
-    norm_first: bool = eqx.field(static=True, converter=python_scalar)
-    accepts_mask: ClassVar[bool] = True
-
-    def __init__(
-        self,
-        d_model: int,
-        n_heads: int,
-        d_ff: int,
-        key: PRNGKeyArray,
-        causal: bool = False,
-        dropout: float = 0.0,
-        gate: bool = False,
-        norm_first: bool = False,
-        window: int | None = None,
-        memory_efficient: bool | None = None,
-    ):
-        require_key(key)
-        _check_heads(d_model, n_heads)
-        require_positive(d_ff=d_ff)
-        require_bool(gate=gate, norm_first=norm_first)
-        akey, fkey = jr.split(key)
-        self.attention = MultiHeadSelfAttention(
-            d_model, n_heads, akey, causal=causal, window=window, memory_efficient=memory_efficient
-        )
-        self.norm1 = LayerNorm(d_model)
-        self.feed_forward = FeedForward(d_model, d_ff, fkey)
-        self.norm2 = LayerNorm(d_model)
-        self.dropout = Dropout(dropout)
-        # Gate keys come from a separate fold, so gate=False models keep their weights.
-        gate_keys = jr.split(jr.fold_in(key, 1), 2)
-        self.gates = tuple(Gate(d_model, k) for k in gate_keys) if gate else ()
-        self.d_model = d_model
-        self.norm_first = norm_first
-
-    def _join(self, i: int, x: Array, sub: Array, key: PRNGKeyArray | None) -> Array:
-        return _residual(self, i, x, sub, key)
-
-    @property
-    def causal(self) -> bool:
-        return self.attention.causal
-
-    def _apply(
-        self, x: Array, attend: Callable[[Array], tuple[Array, Any]], key: PRNGKeyArray | None
-    ) -> tuple[Array, Any]:
-        """The block's equations, written once for `forward`, `step` and `prefill`, around an
-        attention `attend(h) -> (a, cache)`: post-LN (the page's) or pre-LN."""
-        akey, fkey = (None, None) if key is None else jr.split(key)
-        if self.norm_first:
-            a, cache = attend(self.norm1(x))
-            y = self._join(0, x, a, akey)
-            return self._join(1, y, self.feed_forward(self.norm2(y)), fkey), cache
-        a, cache = attend(x)
-        y = self.norm1(self._join(0, x, a, akey))
-        return self.norm2(self._join(1, y, self.feed_forward(y), fkey)), cache
-
-    @shape_checked
-    def forward(
-        self,
-        x: Float[Array, "T d_model"],
-        *,
-        mask: Bool[Array, " T"] | None = None,
-        key: PRNGKeyArray | None = None,
-    ) -> Float[Array, "T d_model"]:
-        return self._apply(x, lambda h: (self.attention(h, mask=mask), None), key)[0]
-
-    @shape_checked
-    def attention_weights(
-        self, x: Float[Array, "T d_model"], *, mask: Bool[Array, " T"] | None = None
-    ) -> Float[Array, "n_heads T T"]:
-        """The weights `(n_heads, T, T)` of the block's attention on the input `x`."""
-        return self.attention.attention_weights(self.norm1(x) if self.norm_first else x, mask=mask)
-
-    def init_cache(
-        self, capacity: int | None = None, *, on_overflow: str = "raise"
-    ) -> KVCache | FixedKVCache | RingKVCache:
-        """The attention's cache (see `MultiHeadSelfAttention.init_cache`)."""
-        return self.attention.init_cache(capacity, on_overflow=on_overflow)
-
-    @shape_checked
-    def prefill(
-        self, x: Float[Array, "K d_model"], cache: KVCache | FixedKVCache | RingKVCache
-    ) -> tuple[Float[Array, "K d_model"], KVCache | FixedKVCache | RingKVCache]:
-        """`K` causal steps of the block at once; see `MultiHeadSelfAttention.prefill`."""
-        return self._apply(x, lambda h: self.attention.prefill(h, cache), None)
-
-    @shape_checked
-    def step(
-        self, x_t: Float[Array, " d_model"], cache: KVCache | FixedKVCache | RingKVCache
-    ) -> tuple[Float[Array, " d_model"], KVCache | FixedKVCache | RingKVCache]:
-        """One causal step of the block; see `MultiHeadSelfAttention.step`."""
-        y, cache = self.prefill(x_t[None], cache)
-        return y[0], cache
-
-
 class ContextCache(NamedTuple):
     """A context's projected keys and values, `(S, d_model)` each, and its mask `(S,)`."""
 
@@ -635,178 +474,6 @@ class MultiHeadCrossAttention(Layer):
         return self.step_sequence(x, cache), cache
 
 
-class Gate(Layer):
-    """A learned elementwise gate between a residual stream `x` and a sub-layer's output `y`:
-
-    `g = sigmoid(x U + y W - b)`, `z = (1 - g) * x + g * y`.
-
-    This is the highway connection (Srivastava et al. 2015, "Highway Networks", Section 2,
-    Eq.(3)) with its gate conditioned on both signals, as the update gate `z` of the GRU-type
-    gating of Parisotto et al. 2019 ("Stabilizing Transformers for Reinforcement Learning",
-    Section 3.2), which uses it in place of a Transformer's residual addition. Unlike that GRU gate,
-    its extremes are the inputs themselves (`g -> 0` gives `x`, `g -> 1` gives `y`), so a gated
-    block can still learn the plain residual path exactly. `b` starts at `bias=2.0`, so `g` starts
-    near `sigmoid(-2) = 0.12` and the gated block starts close to the identity, as Parisotto et al.
-    recommend for their `b_g`.
-
-    **Arguments:** `d_model`, `key`, `bias=2.0`. `params()` is `[U, W, b]`.
-    """
-
-    U: Param
-    W: Param
-    b: Param
-    d_model: int = eqx.field(static=True, converter=python_scalar)
-
-    def __init__(self, d_model: int, key: PRNGKeyArray, bias: float = 2.0):
-        require_key(key)
-        require_positive(d_model=d_model)
-        ukey, wkey = jr.split(key)
-        bound = 1.0 / math.sqrt(d_model)
-        self.U = Param(jr.uniform(ukey, (d_model, d_model), minval=-bound, maxval=bound))
-        self.W = Param(jr.uniform(wkey, (d_model, d_model), minval=-bound, maxval=bound))
-        self.b = Param(jnp.full((d_model,), bias, jnp.float32))
-        self.d_model = d_model
-
-    @shape_checked
-    def forward(
-        self,
-        x: Float[Array, "*T d_model"],
-        y: Float[Array, "*T d_model"],
-        *,
-        key: PRNGKeyArray | None = None,
-    ) -> Float[Array, "*T d_model"]:
-        logits = _project(x, self.U) + _project(y, self.W)
-        g = jax.nn.sigmoid(logits - jnp.broadcast_to(self.b.value.astype(x.dtype), logits.shape))
-        return (1 - g) * x + g * y
-
-
-class DecoderCache(NamedTuple):
-    """A decoder block's caches: its causal self-attention's and its projected context."""
-
-    self_attention: KVCache | FixedKVCache | RingKVCache
-    context: ContextCache
-
-
-class TransformerDecoderBlock(Layer):
-    """The decoder block (Vaswani et al. 2017, page 3): causal self-attention, attention to a
-    context, and the feed-forward, each followed by its residual addition (or a `Gate`) and a
-    LayerNorm:
-
-    `y = LN(x + SelfAttention(x))`, `u = LN(y + CrossAttention(y, context))`, `z = LN(u + FFN(u))`.
-
-    **Arguments:** `d_model`, `n_heads`, `d_ff`, `key`, `d_context=None` (default `d_model`),
-    `dropout=0.0` (on each sub-layer's output, with a `key`), `gate=False` (a `Gate` replaces each
-    residual addition), `memory_efficient=None` (blocked attention in both attentions; see
-    `MultiHeadSelfAttention`).
-
-    `params()`: the self-attention's 4, the first LayerNorm's 2, the cross-attention's 4, the second
-    LayerNorm's 2, the feed-forward's 4, the third LayerNorm's 2 (18), then each gate's 3.
-    Streaming: `init_cache(context, capacity=None)` then `step(x_t, cache)`.
-    """
-
-    self_attention: MultiHeadSelfAttention
-    norm1: LayerNorm
-    cross_attention: MultiHeadCrossAttention
-    norm2: LayerNorm
-    feed_forward: FeedForward
-    norm3: LayerNorm
-    dropout: Dropout
-    gates: tuple[Gate, ...]
-    d_model: int = eqx.field(static=True, converter=python_scalar)
-    d_context: int = eqx.field(static=True, converter=python_scalar)
-
-    def __init__(
-        self,
-        d_model: int,
-        n_heads: int,
-        d_ff: int,
-        key: PRNGKeyArray,
-        d_context: int | None = None,
-        dropout: float = 0.0,
-        gate: bool = False,
-        memory_efficient: bool | None = None,
-    ):
-        require_key(key)
-        _check_heads(d_model, n_heads)
-        require_positive(d_ff=d_ff)
-        require_bool(gate=gate)
-        skey, ckey, fkey = jr.split(key, 3)
-        self.self_attention = MultiHeadSelfAttention(
-            d_model, n_heads, skey, causal=True, memory_efficient=memory_efficient
-        )
-        self.norm1 = LayerNorm(d_model)
-        self.cross_attention = MultiHeadCrossAttention(
-            d_model, n_heads, ckey, d_context, memory_efficient=memory_efficient
-        )
-        self.norm2 = LayerNorm(d_model)
-        self.feed_forward = FeedForward(d_model, d_ff, fkey)
-        self.norm3 = LayerNorm(d_model)
-        self.dropout = Dropout(dropout)
-        gate_keys = jr.split(jr.fold_in(key, 1), 3)
-        self.gates = tuple(Gate(d_model, k) for k in gate_keys) if gate else ()
-        self.d_model = d_model
-        self.d_context = self.cross_attention.d_context
-
-    def _join(self, i: int, x: Array, sub: Array, key: PRNGKeyArray | None) -> Array:
-        return _residual(self, i, x, sub, key)
-
-    @shape_checked
-    def forward(
-        self,
-        x: Float[Array, "T d_model"],
-        context: Float[Array, "S d_context"],
-        *,
-        context_mask: Bool[Array, " S"] | None = None,
-        key: PRNGKeyArray | None = None,
-    ) -> Float[Array, "T d_model"]:
-        context_cache = self.cross_attention.init_cache(context, context_mask=context_mask)
-        return self._apply(x, lambda h: (self.self_attention(h), None), context_cache, key)[0]
-
-    def _apply(
-        self,
-        x: Array,
-        attend: Callable[[Array], tuple[Array, Any]],
-        context: ContextCache,
-        key: PRNGKeyArray | None,
-    ) -> tuple[Array, Any]:
-        """The block's equations, written once for `forward`, `step` and `prefill`, around a
-        self-attention `attend(h) -> (a, cache)` and a projected context."""
-        keys = [None] * 3 if key is None else list(jr.split(key, 3))
-        a, cache = attend(x)
-        y = self.norm1(self._join(0, x, a, keys[0]))
-        u = self.norm2(self._join(1, y, self.cross_attention.step_sequence(y, context), keys[1]))
-        return self.norm3(self._join(2, u, self.feed_forward(u), keys[2])), cache
-
-    @shape_checked
-    def init_cache(
-        self,
-        context: Float[Array, "S d_context"],
-        capacity: int | None = None,
-        *,
-        context_mask: Bool[Array, " S"] | None = None,
-        on_overflow: str = "raise",
-    ) -> DecoderCache:
-        """The self-attention's cache (growing, or fixed with `capacity`) and the projected
-        context."""
-        return DecoderCache(
-            self.self_attention.init_cache(capacity, on_overflow=on_overflow),
-            self.cross_attention.init_cache(context, context_mask=context_mask),
-        )
-
-    @shape_checked
-    def step(
-        self, x_t: Float[Array, " d_model"], cache: DecoderCache
-    ) -> tuple[Float[Array, " d_model"], DecoderCache]:
-        """One step; after `t+1` steps, row `t` of `forward` on them (with the same context)."""
-        y, cache = self.prefill(x_t[None], cache)
-        return y[0], cache
-
-    @shape_checked
-    def prefill(
-        self, x: Float[Array, "K d_model"], cache: DecoderCache
-    ) -> tuple[Float[Array, "K d_model"], DecoderCache]:
-        """`K` steps at once: what `K` calls of `step` return, stacked."""
-        y, self_cache = self._apply(
-            x, lambda h: self.self_attention.prefill(h, cache.self_attention), cache.context, None
-        )
-        return y, DecoderCache(self_cache, cache.context)
+# The names the attention page imports from this module, defined where their concern lives.
+from .blocks import DecoderCache, Gate, TransformerBlock, TransformerDecoderBlock  # noqa: E402
+from .positions import sinusoidal_encoding, sinusoidal_positions  # noqa: E402

@@ -1,41 +1,25 @@
-"""Composition: `Sequential`, `AddPositions` and the `transformer_encoder` factory."""
+"""Composition: `Sequential` and the factories, `transformer_encoder` and `transformer_decoder`
+(`AddPositions`, defined in `positions`, is re-exported here)."""
 
 from typing import Any
 
 import jax.random as jr
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, PRNGKeyArray
 
-from .attention import TransformerBlock, TransformerDecoderBlock, sinusoidal_encoding
+from .blocks import TransformerBlock, TransformerDecoderBlock
 from .cache import batch_streams, validate_overflow_mode
 from .core import Layer, require_key, require_positive
 from .layers import Cast, Dense, LayerNorm, MeanOverTime
-from .positions import LearnedPositions, PositionalEncoding
+from .positions import AddPositions, LearnedPositions, PositionalEncoding
 
 __all__ = [
-    "AddPositions",
+    "AddPositions",  # re-exported from positions
     "attention_maps",
     "Sequential",
     "TransformerDecoder",
     "transformer_decoder",
     "transformer_encoder",
 ]
-
-
-class AddPositions(PositionalEncoding):
-    """Add the sinusoidal pattern of `sinusoidal_positions` to the input. No parameters.
-
-    **Arguments:** `max_len`, the longest sequence (and the last step) it accepts; `None` for no
-    bound, as in a sliding-window model that streams forever (float32 angles lose precision past
-    about 2**24 steps). The width is the input's.
-    """
-
-    def __init__(self, max_len: int | None):
-        if max_len is not None:
-            require_positive(max_len=max_len)
-        self.max_len = max_len
-
-    def rows(self, positions: Int[Array, "*P"], d_model: int) -> Float[Array, "*P d_model"]:
-        return sinusoidal_encoding(positions, d_model)
 
 
 def _apply(layer: Layer, x: Array, mask: Array | None, key: PRNGKeyArray | None) -> Array:

@@ -1,13 +1,17 @@
 """Positional encodings: what tells attention where each step sits in the sequence.
 
-`AddPositions` (in `models`) adds the fixed sinusoidal pattern; `LearnedPositions` adds a learned
-table. Both add the row of position `t` to step `t`, bounded by `max_len`, and both stream: the
-step counter lives in their cache.
+`sinusoidal_encoding` and `sinusoidal_positions` compute the fixed pattern of Vaswani et al. 2017
+(page 6); `AddPositions` adds it to a sequence; `LearnedPositions` adds a learned table. Both add
+the row of position `t` to step `t`, bounded by `max_len`, and both stream: the step counter
+lives in their cache.
 """
+
+import math
 
 import equinox as eqx
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .cache import Counter, PositionCache
@@ -21,7 +25,39 @@ from .core import (
     shape_checked,
 )
 
-__all__ = ["LearnedPositions", "PositionalEncoding"]
+__all__ = [
+    "AddPositions",
+    "LearnedPositions",
+    "PositionalEncoding",
+    "sinusoidal_encoding",
+    "sinusoidal_positions",
+]
+
+
+def sinusoidal_encoding(positions: Int[Array, "*P"], d_model: int) -> Float[Array, "*P d_model"]:
+    """The sinusoidal encoding of the given integer positions (Vaswani et al. 2017, page 6).
+
+    Column `2i` is `sin(pos / 10000^(2i/d_model))` and column `2i+1` the cosine of the same angle.
+    Defined for any position, so a traced step counter works under `jax.jit`.
+    """
+    require_positive(d_model=d_model)
+    half = (d_model + 1) // 2
+    frequencies = np.exp(-math.log(10000.0) * 2.0 * np.arange(half) / d_model)
+    angles = jnp.tensordot(
+        jnp.asarray(positions, jnp.float32), jnp.asarray(frequencies, jnp.float32), axes=0
+    )
+    pairs = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+    return pairs.reshape(*angles.shape[:-1], 2 * half)[..., :d_model]
+
+
+def sinusoidal_positions(length: int, d_model: int) -> Float[Array, "length d_model"]:
+    """The fixed table of sines and cosines for positions `0 .. length-1`, `(length, d_model)`.
+
+    Row 1 of `sinusoidal_positions(4, 4)` is `[sin(1), cos(1), sin(0.01), cos(0.01)]`.
+    """
+    if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+        raise ValueError(f"`length` must be a non-negative integer; received `length={length!r}`.")
+    return sinusoidal_encoding(jnp.arange(length), d_model)
 
 
 class PositionalEncoding(Layer):
@@ -96,3 +132,20 @@ class LearnedPositions(PositionalEncoding):
 
     def rows(self, positions: Int[Array, "*P"], d_model: int) -> Float[Array, "*P d_model"]:
         return self.P.value[positions]
+
+
+class AddPositions(PositionalEncoding):
+    """Add the sinusoidal pattern of `sinusoidal_positions` to the input. No parameters.
+
+    **Arguments:** `max_len`, the longest sequence (and the last step) it accepts; `None` for no
+    bound, as in a sliding-window model that streams forever (float32 angles lose precision past
+    about 2**24 steps). The width is the input's.
+    """
+
+    def __init__(self, max_len: int | None):
+        if max_len is not None:
+            require_positive(max_len=max_len)
+        self.max_len = max_len
+
+    def rows(self, positions: Int[Array, "*P"], d_model: int) -> Float[Array, "*P d_model"]:
+        return sinusoidal_encoding(positions, d_model)
