@@ -22,7 +22,6 @@ Two model families export: `transformer_encoder` (`kind: encoder`) and `transfor
 
 import dataclasses
 import datetime
-import hashlib
 import json
 import os
 import pathlib
@@ -269,10 +268,6 @@ def _causal_form(model: Any, config: ModelConfig) -> tuple[Any, ModelConfig]:
     return fill_tree(causal.build(), tree_arrays(model)), causal
 
 
-def _sha256(path: pathlib.Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def export_model(
     model: Any,
     config: ModelConfig,
@@ -380,7 +375,10 @@ def export_model(
             golden_manifest,
         )
         manifest["files"] = {
-            str(path.relative_to(tmp)): {"sha256": _sha256(path), "bytes": path.stat().st_size}
+            str(path.relative_to(tmp)): {
+                "sha256": standalone.sha256(path),
+                "bytes": path.stat().st_size,
+            }
             for path in sorted(tmp.rglob("*"))
             if path.is_file()
         }

@@ -342,7 +342,9 @@ class MultiHeadSelfAttention(Layer):
             return KVCache(jnp.zeros((0, self.d_model)), jnp.zeros((0, self.d_model)))
         require_positive(capacity=capacity)
         zeros = self._cache_shape(capacity)
-        return FixedKVCache(jnp.zeros(zeros), jnp.zeros(zeros), Counter.start(on_overflow))
+        return FixedKVCache(
+            keys=jnp.zeros(zeros), values=jnp.zeros(zeros), counter=Counter.start(on_overflow)
+        )
 
     @shape_checked
     def prefill(

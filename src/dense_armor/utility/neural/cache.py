@@ -193,19 +193,11 @@ class KVCache(NamedTuple):
         return y
 
 
-class FixedKVCache(eqx.Module):
-    """Preallocated keys and values, per head: `(n_heads, capacity, d_head)`; rows `>= index` are
-    unwritten. Its `counter` holds the index, the overflow flag and the overflow mode."""
+class Counted(eqx.Module):
+    """A cache with a `Counter`: its `index`, `overflow` flag and `on_overflow` mode, read
+    through."""
 
-    keys: Float[Array, "n_heads capacity d_head"]
-    values: Float[Array, "n_heads capacity d_head"]
-    counter: Counter
-
-    fixed_shape: ClassVar[bool] = True
-
-    @property
-    def capacity(self) -> int:
-        return self.keys.shape[1]
+    counter: eqx.AbstractVar[Counter]
 
     @property
     def index(self) -> Array:
@@ -219,6 +211,21 @@ class FixedKVCache(eqx.Module):
     def on_overflow(self) -> str:
         return self.counter.on_overflow
 
+
+class FixedKVCache(Counted):
+    """Preallocated keys and values, per head: `(n_heads, capacity, d_head)`; rows `>= index` are
+    unwritten. Its `counter` holds the index, the overflow flag and the overflow mode."""
+
+    keys: Float[Array, "n_heads capacity d_head"]
+    values: Float[Array, "n_heads capacity d_head"]
+    counter: Counter
+
+    fixed_shape: ClassVar[bool] = True
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[1]
+
     def update(self, keys: Array, values: Array, window: int | None) -> KVUpdate:
         _refuse_window(window, "MultiHeadSelfAttention.step")
         _check_buffers(self.keys, keys, "capacity")
@@ -227,7 +234,11 @@ class FixedKVCache(eqx.Module):
         new_values = _write_rows(self.values, values, positions, keep=~fits)
         visible = jnp.arange(self.capacity, dtype=positions.dtype)[None, :] <= positions[:, None]
         return KVUpdate(
-            new_keys, new_values, visible, fits, FixedKVCache(new_keys, new_values, counter)
+            new_keys,
+            new_values,
+            visible,
+            fits,
+            FixedKVCache(keys=new_keys, values=new_values, counter=counter),
         )
 
     def guard(self, y: Array, fits: Array) -> Array:
@@ -298,22 +309,10 @@ class RingKVCache(eqx.Module):
         return y
 
 
-class PositionCache(eqx.Module):
+class PositionCache(Counted):
     """The index of the next step, for the positional encodings, in a `Counter`."""
 
     counter: Counter
-
-    @property
-    def index(self) -> Array:
-        return self.counter.index
-
-    @property
-    def overflow(self) -> Array:
-        return self.counter.overflow
-
-    @property
-    def on_overflow(self) -> str:
-        return self.counter.on_overflow
 
 
 class MeanCache(eqx.Module):
