@@ -365,3 +365,22 @@ def test_decoder_with_cross_attention_exports_forward_init_and_step(tmp_path):
     assert max(check_golden(artifact).values()) < 1e-5
     with pytest.raises(ArtifactError, match="has S=3, but an earlier input has S=4"):
         artifact.forward(x, context, mask[:, :3])
+
+
+def test_export_of_a_pre_ln_windowed_decoder(tmp_path):
+    config = ModelConfig(
+        "transformer_decoder", {**DECODER.arguments, "norm_first": True, "window": 3}
+    )
+    model = config.build(jax.random.PRNGKey(4))
+    export_model(model, config, tmp_path / "art", platforms=["cpu"], static_shapes=[])
+    artifact = load(tmp_path / "art")
+    assert max(check_golden(artifact).values()) < 1e-5
+    x = jax.random.normal(jax.random.PRNGKey(5), (2, 10, 3))  # past the capacity: a ring
+    context = jax.random.normal(jax.random.PRNGKey(6), (2, 4, 5))
+    mask = np.ones((2, 4), bool)
+    expected = jax.vmap(lambda x, c: model(x, c))(x, context)
+    cache = artifact.init_cache(context, mask)
+    for t in range(10):
+        y_t, cache, overflow = artifact.step(x[:, t], cache)
+        assert not bool(overflow.any())
+        np.testing.assert_allclose(y_t, expected[:, t], atol=1e-5)

@@ -14,6 +14,7 @@ from dense_armor.utility.neural import (
     MultiHeadSelfAttention,
     RingKVCache,
     TransformerBlock,
+    TransformerDecoderBlock,
     reset,
     transformer_decoder,
     transformer_encoder,
@@ -178,3 +179,33 @@ def test_reset_refuses_what_it_cannot_reset():
         reset(caches, jnp.array([1, 0]))
     with pytest.raises(ValueError, match="`batch` must be a positive integer"):
         model.init_streams(0, 8)
+
+
+# The decoder block's pre-LN and window options
+
+
+def test_pre_ln_decoder_block_by_its_equations():
+    d = TransformerDecoderBlock(8, 2, 16, KEY, d_context=5, norm_first=True)
+    x = jax.random.normal(KEY, (6, 8))
+    context = jax.random.normal(jax.random.fold_in(KEY, 1), (4, 5))
+    y = x + d.self_attention(d.norm1(x))
+    u = y + d.cross_attention(d.norm2(y), context)
+    np.testing.assert_allclose(d(x, context), u + d.feed_forward(d.norm3(u)), atol=1e-5)
+
+
+@pytest.mark.parametrize("norm_first, window", [(True, None), (False, 3), (True, 3)])
+def test_pre_ln_and_windowed_decoders_stream_and_prefill(norm_first, window):
+    model = transformer_decoder(
+        3, 8, 2, 16, 2, 4, KEY, 8, d_context=5, norm_first=norm_first, window=window
+    )
+    assert (model.final_norm is not None) == norm_first
+    xs = jax.random.normal(KEY, (12 if window else 8, 3))  # a windowed one runs past max_len
+    context = jax.random.normal(jax.random.fold_in(KEY, 9), (6, 5))
+    full = model(xs, context)
+    cache = model.init_cache(context, None if window else 8)
+    if window:
+        assert isinstance(cache[1].self_attention, RingKVCache)
+    stepped, _ = stream(model, xs, cache, eqx.filter_jit(model.step))
+    np.testing.assert_allclose(stepped, full, atol=2e-5)
+    ys, _ = chunked(model, xs, cache, [5, len(xs) - 5])
+    np.testing.assert_allclose(ys, full, atol=2e-5)

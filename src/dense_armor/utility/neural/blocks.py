@@ -233,7 +233,9 @@ class TransformerDecoderBlock(Layer):
     **Arguments:** `d_model`, `n_heads`, `d_ff`, `key`, `d_context=None` (default `d_model`),
     `dropout=0.0` (on each sub-layer's output, with a `key`), `gate=False` (a `Gate` replaces each
     residual addition), `memory_efficient=None` (blocked attention in both attentions; see
-    `MultiHeadSelfAttention`).
+    `MultiHeadSelfAttention`), `norm_first=False` (pre-LN, as in `TransformerBlock`:
+    `y = x + SelfAttention(LN(x))`, `u = y + CrossAttention(LN(y), context)`,
+    `z = u + FFN(LN(u))`) and `window=None` (sliding-window self-attention: its cache is a ring).
 
     `params()`: the self-attention's 4, the first LayerNorm's 2, the cross-attention's 4, the second
     LayerNorm's 2, the feed-forward's 4, the third LayerNorm's 2 (18), then each gate's 3.
@@ -250,6 +252,7 @@ class TransformerDecoderBlock(Layer):
     gates: tuple[Gate, ...]
     d_model: int = eqx.field(static=True, converter=python_scalar)
     d_context: int = eqx.field(static=True, converter=python_scalar)
+    norm_first: bool = eqx.field(static=True, converter=python_scalar)
 
     def __init__(
         self,
@@ -261,14 +264,16 @@ class TransformerDecoderBlock(Layer):
         dropout: float = 0.0,
         gate: bool = False,
         memory_efficient: bool | None = None,
+        norm_first: bool = False,
+        window: int | None = None,
     ):
         require_key(key)
         _check_heads(d_model, n_heads)
         require_positive(d_ff=d_ff)
-        require_bool(gate=gate)
+        require_bool(gate=gate, norm_first=norm_first)
         skey, ckey, fkey = jr.split(key, 3)
         self.self_attention = MultiHeadSelfAttention(
-            d_model, n_heads, skey, causal=True, memory_efficient=memory_efficient
+            d_model, n_heads, skey, causal=True, window=window, memory_efficient=memory_efficient
         )
         self.norm1 = LayerNorm(d_model)
         self.cross_attention = MultiHeadCrossAttention(
@@ -282,6 +287,7 @@ class TransformerDecoderBlock(Layer):
         self.gates = tuple(Gate(d_model, k) for k in gate_keys) if gate else ()
         self.d_model = d_model
         self.d_context = self.cross_attention.d_context
+        self.norm_first = norm_first
 
     def _join(self, i: int, x: Array, sub: Array, key: PRNGKeyArray | None) -> Array:
         return _residual(self, i, x, sub, key)
@@ -308,9 +314,15 @@ class TransformerDecoderBlock(Layer):
         """The block's equations, written once for `forward`, `step` and `prefill`, around a
         self-attention `attend(h) -> (a, cache)` and a projected context."""
         keys = [None] * 3 if key is None else list(jr.split(key, 3))
+        cross = self.cross_attention.step_sequence
+        if self.norm_first:
+            a, cache = attend(self.norm1(x))
+            y = self._join(0, x, a, keys[0])
+            u = self._join(1, y, cross(self.norm2(y), context), keys[1])
+            return self._join(2, u, self.feed_forward(self.norm3(u)), keys[2]), cache
         a, cache = attend(x)
         y = self.norm1(self._join(0, x, a, keys[0]))
-        u = self.norm2(self._join(1, y, self.cross_attention.step_sequence(y, context), keys[1]))
+        u = self.norm2(self._join(1, y, cross(y, context), keys[1]))
         return self.norm3(self._join(2, u, self.feed_forward(u), keys[2])), cache
 
     @shape_checked

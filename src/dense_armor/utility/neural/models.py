@@ -191,6 +191,7 @@ class TransformerDecoder(Layer):
     positions: PositionalEncoding
     blocks: tuple[TransformerDecoderBlock, ...]
     head: Dense
+    final_norm: LayerNorm | None = None  # pre-LN blocks end with one more LayerNorm
 
     def forward(
         self,
@@ -204,7 +205,10 @@ class TransformerDecoder(Layer):
         h = self.positions(self.embed(x))
         for block, block_key in zip(self.blocks, keys, strict=True):
             h = block(h, context, context_mask=context_mask, key=block_key)
-        return self.head(h)
+        return self._out(h)
+
+    def _out(self, h: Array) -> Array:
+        return self.head(h if self.final_norm is None else self.final_norm(h))
 
     def init_cache(
         self,
@@ -242,7 +246,7 @@ class TransformerDecoder(Layer):
         for block, block_cache in zip(self.blocks, cache[1:], strict=True):
             h, block_cache = block.prefill(h, block_cache)
             new.append(block_cache)
-        return self.head(h), tuple(new)
+        return self._out(h), tuple(new)
 
 
 def transformer_decoder(
@@ -259,10 +263,15 @@ def transformer_decoder(
     gate: bool = False,
     positions: str = "sinusoidal",
     memory_efficient: bool | None = None,
+    norm_first: bool = False,
+    window: int | None = None,
 ) -> TransformerDecoder:
     """A decoder next to `transformer_encoder`: arguments in the same order, then `d_context`
-    (default `d_model`), `dropout`, `gate` (gated residuals in every block), `positions` and
-    `memory_efficient` (blocked attention in every block; see `MultiHeadSelfAttention`)."""
+    (default `d_model`), `dropout`, `gate` (gated residuals in every block), `positions`,
+    `memory_efficient` (blocked attention in every block; see `MultiHeadSelfAttention`),
+    `norm_first` (pre-LN blocks, then a final `LayerNorm` before the head) and `window`
+    (sliding-window self-attention in every block; the sinusoidal positions are then unbounded,
+    so the decoder streams forever)."""
     require_key(key)
     require_positive(
         n_in=n_in, d_model=d_model, d_ff=d_ff, depth=depth, n_out=n_out, max_len=max_len
@@ -278,14 +287,18 @@ def transformer_decoder(
             dropout=dropout,
             gate=gate,
             memory_efficient=memory_efficient,
+            norm_first=norm_first,
+            window=window,
         )
         for k in block_keys
     )
+    unbounded = window is not None and positions == "sinusoidal"
     return TransformerDecoder(
         Dense(n_in, d_model, in_key),
-        _positions(positions, max_len, d_model, pos_key),
+        AddPositions(None) if unbounded else _positions(positions, max_len, d_model, pos_key),
         blocks,
         Dense(d_model, n_out, out_key),
+        LayerNorm(d_model) if norm_first else None,
     )
 
 
