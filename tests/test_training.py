@@ -109,3 +109,34 @@ def test_fit_stops_on_a_non_finite_loss():
             eval_every=2,
             progress=False,
         )
+
+
+def mean_squared_error(model, xs, targets, key=None):
+    """A regression loss: the model's 2 outputs against float targets."""
+    return ((jax.vmap(model)(xs) - targets) ** 2).mean()
+
+
+def test_fit_validates_with_its_own_loss():
+    xs, _ = toy_data(48)
+    targets = np.stack([xs[:, :, 0].mean(axis=1), xs[:, :, 1].mean(axis=1)], axis=1)
+    result = fit(
+        CONFIG.build(jax.random.PRNGKey(0)),
+        optax.adam(3e-3),
+        (xs[:32], targets[:32]),
+        steps=4,
+        batch_size=16,
+        eval_every=2,
+        valid=(xs[32:], targets[32:]),
+        loss_fn=mean_squared_error,
+        progress=False,
+    )
+    last = result.history[-1]
+    assert "valid_accuracy" not in last
+    by_hand = float(np.mean((np.asarray(jax.vmap(result.model)(xs[32:])) - targets[32:]) ** 2))
+    np.testing.assert_allclose(last["valid_loss"], by_hand, rtol=1e-5)
+    metrics = evaluate(
+        result.model, xs[32:], targets[32:], batch_size=5, loss_fn=mean_squared_error
+    )
+    np.testing.assert_allclose(metrics["loss"], by_hand, rtol=1e-5)
+    best = min(result.history, key=lambda r: r["valid_loss"])
+    assert result.best["step"] == best["step"]  # the best run is the lowest validation loss

@@ -68,10 +68,15 @@ def make_train_step(
 
 
 @eqx.filter_jit
-def _batch_metrics(model: Any, xs: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
-    logits = jax.vmap(model)(xs)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-    return losses.sum(), (logits.argmax(axis=-1) == labels).sum()
+def _batch_metrics(
+    model: Any, xs: jax.Array, labels: jax.Array, loss_fn: LossFn
+) -> tuple[jax.Array, jax.Array]:
+    """The batch's summed loss (`loss_fn`'s mean times the batch size) and its correct argmax
+    predictions (meaningful for the default classification loss)."""
+    loss = loss_fn(model, xs, labels, None) * xs.shape[0]
+    if loss_fn is not cross_entropy_loss:
+        return loss, jnp.zeros((), jnp.int32)
+    return loss, (jax.vmap(model)(xs).argmax(axis=-1) == labels).sum()
 
 
 def _require_int(caller: str, minimum: int, **values: Any) -> None:
@@ -112,19 +117,34 @@ def check_classification_data(caller: str, model: Any, xs: Any, labels: Any) -> 
 
 
 def evaluate(
-    model: Any, xs: Any, labels: Any, batch_size: int = 512, mesh: Mesh | None = None
+    model: Any,
+    xs: Any,
+    labels: Any,
+    batch_size: int = 512,
+    mesh: Mesh | None = None,
+    loss_fn: LossFn = cross_entropy_loss,
 ) -> dict[str, float]:
-    """Mean loss and accuracy of `model` over `(xs, labels)`, in batches (inference: no dropout).
+    """Mean loss (of `loss_fn`, the one `fit` trains with; default the cross-entropy) and, with
+    the default loss, the accuracy of `model` over `(xs, labels)`, in batches (inference: no
+    dropout).
 
-    `labels` are class indices in `[0, n_out)`. With a `mesh` (a model placed on it), every process
-    passes the same data."""
+    With the default loss, `labels` are class indices in `[0, n_out)`. With a `mesh` (a model
+    placed on it), every process passes the same data."""
     _require_int("evaluate", 1, batch_size=batch_size)
-    check_classification_data("evaluate", model, xs, labels)
-    return _evaluate(model, xs, labels, batch_size, mesh)
+    if loss_fn is cross_entropy_loss:
+        check_classification_data("evaluate", model, xs, labels)
+    elif len(xs) == 0 or len(xs) != len(labels):
+        raise ValueError(f"evaluate: {len(xs)} inputs and {len(labels)} labels.")
+    return _evaluate(model, xs, labels, batch_size, mesh, loss_fn)
 
 
 def _evaluate(
-    model: Any, xs: Any, labels: Any, batch_size: int = 512, mesh: Mesh | None = None
+    model: Any,
+    xs: Any,
+    labels: Any,
+    batch_size: int,
+    mesh: Mesh | None,
+    loss_fn: LossFn,
 ) -> dict[str, float]:
     """`evaluate` on data already checked."""
     put = jnp.asarray if mesh is None else functools.partial(global_replicated, mesh)
@@ -134,10 +154,14 @@ def _evaluate(
             model,
             put(np.asarray(xs[start : start + batch_size])),
             put(np.asarray(labels[start : start + batch_size])),
+            loss_fn,
         )
         total_loss += float(loss)
         correct += int(hits)
-    return {"loss": total_loss / len(xs), "accuracy": correct / len(xs)}
+    metrics = {"loss": total_loss / len(xs)}
+    if loss_fn is cross_entropy_loss:
+        metrics["accuracy"] = correct / len(xs)
+    return metrics
 
 
 @dataclasses.dataclass
@@ -279,15 +303,20 @@ def fit(
             "samples_per_s": len(losses) * batch_size / elapsed,
         }
         if valid is not None:
-            metrics = _evaluate(model, valid[0], valid[1], mesh=mesh)
-            record.update(valid_loss=metrics["loss"], valid_accuracy=metrics["accuracy"])
+            metrics = _evaluate(model, valid[0], valid[1], 512, mesh, loss_fn)
+            record.update({f"valid_{name}": value for name, value in metrics.items()})
         history.append(record)
         bar.set_postfix(
             loss=f"{train_loss:.4f}",
-            **({"valid_acc": f"{record['valid_accuracy']:.3f}"} if valid is not None else {}),
+            **(
+                {"valid_acc": f"{record['valid_accuracy']:.3f}"}
+                if "valid_accuracy" in record
+                else {}
+            ),
             samples_s=f"{record['samples_per_s']:.0f}",
         )
-        score = record["valid_accuracy"] if valid is not None else -train_loss
+        # the validation accuracy, else the validation loss (a custom loss), else the training loss
+        score = record.get("valid_accuracy", -record.get("valid_loss", train_loss))
         improved = best is None or score > best["score"]
         if improved:
             best = {"score": score, **record}
