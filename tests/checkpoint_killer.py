@@ -3,7 +3,7 @@
     python checkpoint_killer.py SOURCE RUNS PAIRS_JSON
 
 SOURCE holds three complete checkpoints, v0, v1 and v2. For the n-th pair `(first, second)` of
-PAIRS_JSON (steps of `dense_armor.checkpoint.SAVE_STEPS`, or "never"), RUNS/n/ckpt starts as a copy
+PAIRS_JSON (steps of `dense_armor.checkpoint.WRITE_STEPS`, or "never"), RUNS/n/ckpt starts as a copy
 of v0; a forked writer saves v1 there and is killed with SIGKILL as the save completes step
 `first`, then another writer saves v2 and is killed at `second`. Prints the writers' exit statuses
 (-9 when killed) as JSON. The writers fork before any JAX computation and only write files.
@@ -19,7 +19,7 @@ import traceback
 
 from safetensors.numpy import load_file
 
-from dense_armor import checkpoint
+from dense_armor import _atomic, checkpoint
 
 
 def write(source: pathlib.Path, target: pathlib.Path, version: int, kill_at: str) -> int:
@@ -31,7 +31,7 @@ def write(source: pathlib.Path, target: pathlib.Path, version: int, kill_at: str
                 if step == kill_at:
                     os.kill(os.getpid(), signal.SIGKILL)
 
-            checkpoint._reached = reached
+            _atomic.reached = reached
             saved = source / f"v{version}"
             weights = load_file(str(saved / "weights.safetensors"))
             config = checkpoint.ModelConfig.from_json(

@@ -22,7 +22,7 @@ import pytest
 
 from dense_armor import checkpoint
 from dense_armor.checkpoint import (
-    SAVE_STEPS,
+    WRITE_STEPS,
     CheckpointError,
     ModelConfig,
     load_checkpoint,
@@ -352,7 +352,7 @@ def test_no_sequence_of_kills_loses_the_last_complete_checkpoint(tmp_path):
     source = tmp_path / "source"
     for i, model in enumerate(versions):
         save_checkpoint(source / f"v{i}", model, CONFIG)
-    steps = [*SAVE_STEPS, "never"]
+    steps = [*WRITE_STEPS, "never"]
     pairs = [(first, second) for first in steps for second in steps]
     ran = subprocess.run(
         [sys.executable, str(KILLER), str(source), str(tmp_path / "runs"), json.dumps(pairs)],

@@ -384,3 +384,19 @@ def test_export_of_a_pre_ln_windowed_decoder(tmp_path):
         y_t, cache, overflow = artifact.step(x[:, t], cache)
         assert not bool(overflow.any())
         np.testing.assert_allclose(y_t, expected[:, t], atol=1e-5)
+
+
+def test_a_replacement_killed_between_its_renames_leaves_the_old_artifact_loadable(
+    artifact_dir, tmp_path, model
+):
+    out = tmp_path / "art"
+    shutil.copytree(artifact_dir, out)
+    out.rename(tmp_path / "art.previous")  # the state a kill after "moved aside" leaves
+    np.testing.assert_allclose(
+        load(out).forward(np.ones((1, 4, 3), np.float32)),
+        jax.vmap(model)(np.ones((1, 4, 3), np.float32)),
+        atol=1e-5,
+    )
+    export_model(model, CONFIG, out, platforms=["cpu"], static_shapes=[], force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # put back, then replaced
+    assert max(check_golden(load(out)).values()) < 1e-5

@@ -20,12 +20,9 @@ It refuses to replace a directory that is not a checkpoint.
 """
 
 import dataclasses
-import hashlib
 import json
 import os
 import pathlib
-import shutil
-import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -36,6 +33,8 @@ from jax.experimental import multihost_utils
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
+from . import _atomic
+from ._atomic import WRITE_STEPS, sha256
 from .distributed import gather_to_host
 from .utility.neural.core import python_scalar
 from .utility.neural.models import transformer_decoder, transformer_encoder
@@ -43,7 +42,7 @@ from .utility.neural.models import transformer_decoder, transformer_encoder
 __all__ = [
     "FORMAT",
     "VERSION",
-    "SAVE_STEPS",
+    "WRITE_STEPS",
     "Checkpoint",
     "CheckpointError",
     "ModelConfig",
@@ -203,14 +202,6 @@ def _write_json(path: pathlib.Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def _fsync_dir(path: pathlib.Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(
     directory: str | os.PathLike[str],
     model: Any,
@@ -245,35 +236,11 @@ def save_checkpoint(
     return _write_checkpoint(target, weights, config, state_arrays, state)
 
 
-def _reached(step: str) -> None:
-    """Called as each step of the save protocol (`SAVE_STEPS`) completes; the kill tests replace
-    it to SIGKILL the writer at a chosen step."""
-
-
-SAVE_STEPS = (
-    "files written",  # the weights and state in the temporary directory, config.json not yet
-    "temporary complete",  # config.json too, everything fsynced
-    "previous restored",  # a checkpoint a killed save left only in <dir>.previous is back
-    "previous cleared",  # <dir>.previous removed (<dir> is complete)
-    "moved aside",  # <dir> renamed to <dir>.previous
-    "renamed",  # the temporary directory renamed to <dir>: the new checkpoint is in place
-    "done",  # <dir>.previous removed
-)
-
-
 def _is_checkpoint(path: pathlib.Path) -> bool:
     try:
         return json.loads((path / "config.json").read_text()).get("format") == FORMAT
     except (OSError, ValueError, AttributeError):
         return False
-
-
-def _sha256(path: pathlib.Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _write_checkpoint(
@@ -283,7 +250,6 @@ def _write_checkpoint(
     state_arrays: Mapping[str, np.ndarray] | None,
     state: Mapping[str, Any] | None,
 ) -> pathlib.Path:
-    previous = target.with_name(target.name + ".previous")
     if target.is_file() or (
         target.is_dir() and any(target.iterdir()) and not _is_checkpoint(target)
     ):
@@ -291,44 +257,18 @@ def _write_checkpoint(
             f"refusing to replace {target}: it exists and is not a dense_armor checkpoint "
             "(no config.json of one). Save to another directory, or remove it first."
         )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    for stale in target.parent.glob(f".{target.name}.*"):  # left by killed saves
-        if stale.is_dir():
-            shutil.rmtree(stale, ignore_errors=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+
+    def fill(tmp: pathlib.Path) -> None:
         save_file(weights, str(tmp / "weights.safetensors"), metadata={"format": FORMAT})
         if state_arrays is not None:
             save_file(dict(state_arrays), str(tmp / "state.safetensors"))
         if state is not None:
             _write_json(tmp / "state.json", dict(state))
-        _reached("files written")
-        files = {f.name: _sha256(f) for f in sorted(tmp.iterdir())}
-        _write_json(tmp / "config.json", {**config.to_json(), "files": files})
-        for file in tmp.iterdir():
-            with open(file, "rb") as handle:
-                os.fsync(handle.fileno())
-        _fsync_dir(tmp)
-        _reached("temporary complete")
-        if previous.is_dir() and not target.exists():  # a killed replacement: put it back
-            os.rename(previous, target)
-            _fsync_dir(target.parent)
-        _reached("previous restored")
-        if previous.exists():  # <dir> exists and is complete: the older copy can go
-            shutil.rmtree(previous)
-        _reached("previous cleared")
-        if target.exists():
-            os.rename(target, previous)
-        _reached("moved aside")
-        os.rename(tmp, target)
-        _fsync_dir(target.parent)
-        _reached("renamed")
-        shutil.rmtree(previous, ignore_errors=True)
-        _reached("done")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+        _atomic.reached("files written")
+        files = {f.name: sha256(f) for f in sorted(tmp.iterdir())}
+        _write_json(tmp / "config.json", {**config.to_json(), "files": files})  # written last
+
+    return _atomic.write_directory(target, fill)
 
 
 def _read_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
@@ -359,7 +299,7 @@ def _verify_files(path: pathlib.Path, files: Any) -> None:
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"missing file: {file} (listed in {path / 'config.json'})")
-        if _sha256(file) != digest:
+        if sha256(file) != digest:
             raise CheckpointError(
                 f"{file} is corrupt: its sha256 differs from the one recorded when it was saved."
             )
@@ -368,7 +308,7 @@ def _verify_files(path: pathlib.Path, files: Any) -> None:
 def load_checkpoint(directory: str | os.PathLike[str]) -> Checkpoint:
     """Read a checkpoint written by `save_checkpoint`, checking structure, shapes and dtypes."""
     path = pathlib.Path(directory)
-    previous = path.with_name(path.name + ".previous")
+    previous = _atomic.previous_copy(path)
     if not path.exists() and previous.is_dir():
         path = previous  # a replacement was interrupted between its two renames
     if not path.is_dir():

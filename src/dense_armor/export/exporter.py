@@ -25,8 +25,6 @@ import datetime
 import json
 import os
 import pathlib
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,7 +37,7 @@ import numpy as np
 from jax import export
 from safetensors.numpy import save_file
 
-from .. import __version__
+from .. import __version__, _atomic
 from ..checkpoint import ModelConfig, fill_tree, load_checkpoint, tree_arrays
 from ..distributed import gather_to_host
 from ..utility.neural.cache import Counter
@@ -317,9 +315,9 @@ def export_model(
     functions = lowering.functions()
     weight_avals = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in lowering.weights]
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+    summary: dict[str, Any] = {}
+
+    def fill(tmp: pathlib.Path) -> None:
         exported = {}
         for name, function in functions.items():
             dims = export.symbolic_shape(function.symbols, constraints=function.constraints)
@@ -383,14 +381,13 @@ def export_model(
             if path.is_file()
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        if target.exists():
-            shutil.rmtree(target)
-        os.rename(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        summary["manifest"] = manifest
+
+    if target.exists() and not target.is_dir():
+        raise ArtifactError(f"{target} exists and is not a directory.")
+    _atomic.write_directory(target, fill)
     files = {str(p.relative_to(target)): p.stat().st_size for p in target.rglob("*") if p.is_file()}
-    return ExportSummary(target, files, time.perf_counter() - started, manifest)
+    return ExportSummary(target, files, time.perf_counter() - started, summary["manifest"])
 
 
 def _static_sizes(shape: Sequence[int], max_len: int, kind: str) -> dict[str, int]:

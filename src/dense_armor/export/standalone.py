@@ -100,6 +100,9 @@ class Artifact:
 
     def __init__(self, directory: str | pathlib.Path, verify: bool = True):
         self.directory = pathlib.Path(directory)
+        previous = self.directory.with_name(self.directory.name + ".previous")
+        if not self.directory.exists() and previous.is_dir():
+            self.directory = previous  # a replacement was interrupted between its two renames
         self.manifest = read_manifest(self.directory)
         self.kind = self.manifest.get("kind", "encoder")
         if verify:
