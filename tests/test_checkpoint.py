@@ -1,5 +1,6 @@
 import json
 import os
+import stat
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ from dense_armor.checkpoint import (
     save_checkpoint,
     tree_arrays,
 )
+from dense_armor.export import export_model
 
 CONFIG = ModelConfig(
     "transformer_encoder",
@@ -143,3 +145,18 @@ def test_tree_arrays_keys_are_pytree_paths(getkey):
     assert ".layers[2].attention.W_Q.value" in arrays
     assert all(isinstance(v, np.ndarray) for v in arrays.values())
     assert not any(jnp.issubdtype(v.dtype, jnp.integer) for v in arrays.values())
+
+
+def test_checkpoints_and_artifacts_get_the_usual_permissions(tmp_path):
+    model = CONFIG.build(jax.random.PRNGKey(0))
+    umask = os.umask(0o022)
+    try:
+        ckpt = save_checkpoint(tmp_path / "ckpt", model, CONFIG)
+        art = export_model(model, CONFIG, tmp_path / "art", platforms=["cpu"], static_shapes=[])
+    finally:
+        os.umask(umask)
+    for directory in (ckpt, art.directory, art.directory / "static"):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o755, directory
+    for file in [*ckpt.iterdir(), *art.directory.iterdir()]:
+        if file.is_file():
+            assert stat.S_IMODE(file.stat().st_mode) == 0o644, file

@@ -64,9 +64,14 @@ def write_directory(target: pathlib.Path, fill: Callable[[pathlib.Path], None]) 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         fill(tmp)
-        for path in sorted(tmp.rglob("*"), reverse=True):  # files first, then their folders
+        # mkdtemp makes a private (0700) directory and some writers private files; the result
+        # gets the usual permissions (the umask's), so a service running as another user can
+        # read a checkpoint or an artifact.
+        umask = os.umask(0)
+        os.umask(umask)
+        for path in [*sorted(tmp.rglob("*"), reverse=True), tmp]:  # files before their folders
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
             _fsync(path)
-        _fsync(tmp)
         reached("temporary complete")
         if previous.is_dir() and not target.exists():  # a killed replacement: put it back
             os.rename(previous, target)
