@@ -3,20 +3,25 @@
 Every process of the suite (the pytest workers, and the interpreters started for documentation
 pages, examples and distributed runs) shares one persistent JAX compilation cache, so a function
 compiled once (an eager primitive at a shape, a model's step) is read back from disk by the next
-process instead of compiled again. The cache changes no result: its key is the computation, the
-compile options and the jax/jaxlib versions. It lives in `.jax_cache/` at the repository's root
-(ignored by git; delete it at will), or where `DENSE_ARMOR_TEST_JAX_CACHE` says.
+process instead of compiled again, in this run and in the next one, like the virtual environment
+nox keeps. The cache changes no result: its key is the computation, the compile options and the
+jax/jaxlib versions. It lives in the user's cache directory (`$XDG_CACHE_HOME`, default
+`~/.cache`, then `dense_armor/jax-tests`), capped at 1 GiB (least recently used entries go
+first), or where `DENSE_ARMOR_TEST_JAX_CACHE` says; delete it at will.
 """
 
 import os
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-CACHE_DIR = pathlib.Path(os.environ.get("DENSE_ARMOR_TEST_JAX_CACHE", ROOT / ".jax_cache"))
+USER_CACHE = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
+CACHE_DIR = pathlib.Path(
+    os.environ.get("DENSE_ARMOR_TEST_JAX_CACHE") or USER_CACHE / "dense_armor" / "jax-tests"
+)
 CACHE_SETTINGS = {
     "JAX_COMPILATION_CACHE_DIR": str(CACHE_DIR),
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    "JAX_COMPILATION_CACHE_MAX_SIZE": str(2**30),
 }
 
 

@@ -34,6 +34,7 @@ from dense_armor.distributed import initialize
 from dense_armor.export import ArtifactError, export_model, load
 from dense_armor.training import evaluate, fit
 from dense_armor.utility.neural import (
+    CannotStream,
     Dense,
     Dropout,
     LayerNorm,
@@ -42,6 +43,7 @@ from dense_armor.utility.neural import (
     TransformerBlock,
     TransformerDecoderBlock,
     blocked_attention,
+    reset,
     scaled_dot_product_attention,
     transformer_encoder,
 )
@@ -199,6 +201,13 @@ BAD = [
     ("encoder-step-cache-none", lambda: MODEL.step(jnp.ones(3), None), ValueError, r"tuple of \d+ layer caches from `init_cache`.*NoneType"),
     ("sequence-longer-than-max-len", lambda: MODEL(jnp.ones((7, 3))), ShapeError, r"`T=7` steps.*at most `max_len=6`"),
     ("sdpa-mask-integers", lambda: scaled_dot_product_attention(jnp.ones((3, 4)), jnp.ones((3, 4)), jnp.ones((3, 4)), jnp.ones((3, 3), int)), ShapeError, r"`mask`: expected Bool\['\.\.\.'\] \| None, received shape \(3, 3\) dtype int32"),
+    ("prefill-width", lambda: attention(causal=True).prefill(jnp.ones((3, 7)), attention(causal=True).init_cache(4)), ShapeError, r"x\.shape=\(3, 7\)`; expected `\(K, d_model=8\)"),
+    ("prefill-one-step-without-its-axis", lambda: attention(causal=True).prefill(jnp.ones(8), attention(causal=True).init_cache(4)), ShapeError, r"x\.shape=\(8,\)"),
+    ("prefill-non-causal", lambda: attention().prefill(jnp.ones((2, 8)), attention(causal=True).init_cache(4)), CannotStream, r"causal=False.*cannot stream"),
+    ("reset-growing-cache", lambda: reset(MODEL.init_cache(), jnp.array([True])), ValueError, r"a growing cache .* holds one stream"),
+    ("reset-integer-streams", lambda: reset(MODEL.init_streams(2, 6), jnp.array([1, 0])), ShapeError, r"`streams` must be a boolean vector.*int32"),
+    ("reset-wrong-batch", lambda: reset(MODEL.init_streams(2, 6), jnp.array([True])), ShapeError, r"leading axis of 1 streams"),
+    ("init-streams-zero", lambda: MODEL.init_streams(0, 6), ValueError, r"`batch` must be a positive integer"),
     ("step-scalar", lambda: attention(causal=True).step(jnp.array(1.0), attention(causal=True).init_cache(2)), ShapeError, r"x_t\.shape=\(\)"),
     # configs and checkpoints
     ("load-missing-directory", lambda tmp, _: load_checkpoint(tmp / "none"), CheckpointError, r"no checkpoint directory at .*none"),

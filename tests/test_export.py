@@ -369,7 +369,7 @@ def test_decoder_with_cross_attention_exports_forward_init_and_step(tmp_path):
 
 def test_export_of_a_pre_ln_windowed_decoder(tmp_path):
     config = ModelConfig(
-        "transformer_decoder", {**DECODER.arguments, "norm_first": True, "window": 3}
+        "transformer_decoder", {**DECODER.arguments, "depth": 1, "norm_first": True, "window": 3}
     )
     model = config.build(jax.random.PRNGKey(4))
     export_model(model, config, tmp_path / "art", platforms=["cpu"], static_shapes=[])

@@ -25,13 +25,14 @@ KEY = jax.random.PRNGKey(3)
 STEPS = 16
 
 
-def encoder(**options):
-    return transformer_encoder(3, 16, 2, 32, 2, 4, KEY, STEPS, causal=True, **options)
+def encoder(depth=1, **options):
+    """One block: threading caches through several is tested in tests/test_streaming.py."""
+    return transformer_encoder(3, 16, 2, 32, depth, 4, KEY, STEPS, causal=True, **options)
 
 
 FAMILIES = {
     # name: (model, capacity, cache kind, tolerance)
-    "encoder, fixed": (encoder(), STEPS, FixedKVCache, 2e-5),
+    "encoder, fixed": (encoder(depth=2), STEPS, FixedKVCache, 2e-5),
     "encoder, growing": (encoder(), None, KVCache, 2e-5),
     "encoder, windowed": (encoder(window=5), None, RingKVCache, 2e-5),
     "pre-LN, learned positions": (
@@ -95,7 +96,7 @@ def test_a_ring_prefill_longer_than_the_window_keeps_the_last_steps():
 
 
 def test_decoder_prefill_equals_its_steps_and_forward():
-    model = transformer_decoder(3, 8, 2, 16, 2, 4, KEY, STEPS, d_context=5)
+    model = transformer_decoder(3, 8, 2, 16, 1, 4, KEY, STEPS, d_context=5)
     xs = jax.random.normal(KEY, (STEPS, 3))
     context = jax.random.normal(jax.random.fold_in(KEY, 9), (6, 5))
     mask = jnp.arange(6) < 4
@@ -200,7 +201,7 @@ def test_pre_ln_decoder_block_by_its_equations():
 @pytest.mark.parametrize("norm_first, window", [(True, None), (False, 3), (True, 3)])
 def test_pre_ln_and_windowed_decoders_stream_and_prefill(norm_first, window):
     model = transformer_decoder(
-        3, 8, 2, 16, 2, 4, KEY, 8, d_context=5, norm_first=norm_first, window=window
+        3, 8, 2, 16, 1, 4, KEY, 8, d_context=5, norm_first=norm_first, window=window
     )
     assert (model.final_norm is not None) == norm_first
     xs = jax.random.normal(KEY, (12 if window else 8, 3))  # a windowed one runs past max_len
