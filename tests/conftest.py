@@ -4,10 +4,15 @@ JAX compilation cache shared by every process of the suite (tests/environment.py
 import jax
 import pytest
 
-from environment import enable_compilation_cache
+from environment import enable_compilation_cache, trim_compilation_cache
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 enable_compilation_cache()
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):  # once, in the controlling process
+        trim_compilation_cache()
 
 
 class KeyStream:
