@@ -47,6 +47,7 @@ __all__ = [
     "CheckpointError",
     "ModelConfig",
     "check_arrays",
+    "check_fits",
     "fill_tree",
     "load_checkpoint",
     "save_checkpoint",
@@ -175,6 +176,12 @@ def check_arrays(
             )
 
 
+def check_fits(config: ModelConfig, arrays: Mapping[str, Any], what: str = "weights") -> None:
+    """Raise `CheckpointError` unless `arrays` (by PyTree path) fit the model `config` builds,
+    checked against its abstract skeleton (nothing is computed)."""
+    check_arrays(_slots(skeleton(config)), arrays, what)
+
+
 def fill_tree(skeleton: Any, arrays: Mapping[str, np.ndarray], what: str = "weights") -> Any:
     """`skeleton` (a tree of arrays, or of `jax.ShapeDtypeStruct`s from `skeleton(config)`) with
     each array leaf replaced by `arrays[path]`; structure, shape and dtype are checked, and every
@@ -227,7 +234,7 @@ def save_checkpoint(
         )
     target = pathlib.Path(directory)
     weights = tree_arrays(model)
-    check_arrays(_slots(skeleton(config)), weights, what=f"arrays of the model saved to {target}")
+    check_fits(config, weights, what=f"arrays of the model saved to {target}")
     if jax.process_count() > 1:
         if jax.process_index() == 0:
             _write_checkpoint(target, weights, config, state_arrays, state)

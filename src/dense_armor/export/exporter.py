@@ -38,7 +38,14 @@ from jax import export
 from safetensors.numpy import save_file
 
 from .. import __version__, _atomic
-from ..checkpoint import ModelConfig, fill_tree, load_checkpoint, tree_arrays
+from ..checkpoint import (
+    ModelConfig,
+    check_fits,
+    fill_tree,
+    load_checkpoint,
+    skeleton,
+    tree_arrays,
+)
 from ..distributed import gather_to_host
 from ..utility.neural.cache import Counter
 from . import standalone
@@ -263,7 +270,7 @@ def _causal_form(model: Any, config: ModelConfig) -> tuple[Any, ModelConfig]:
     if KINDS[config.factory] == "decoder" or config.arguments.get("causal", False):
         return model, config
     causal = ModelConfig(config.factory, {**config.arguments, "causal": True})
-    return fill_tree(causal.build(), tree_arrays(model)), causal
+    return fill_tree(skeleton(causal), tree_arrays(model)), causal
 
 
 def export_model(
@@ -308,7 +315,7 @@ def export_model(
         _static_sizes(s, max_len, KINDS[config.factory])
         for s in static_shapes or [(1, max_len), (8, max_len)]
     ]
-    fill_tree(config.build(), tree_arrays(model))  # the config and the weights must agree
+    check_fits(config, tree_arrays(model))  # the config and the weights must agree
 
     causal_model, causal_config = _causal_form(model, config)
     lowering = _Lowering(model, causal_model, config, capacity)
