@@ -207,6 +207,8 @@ BAD = [
     ("reset-growing-cache", lambda: reset(MODEL.init_cache(), jnp.array([True])), ValueError, r"a growing cache .* holds one stream"),
     ("reset-integer-streams", lambda: reset(MODEL.init_streams(2, 6), jnp.array([1, 0])), ShapeError, r"`streams` must be a boolean vector.*int32"),
     ("reset-wrong-batch", lambda: reset(MODEL.init_streams(2, 6), jnp.array([True])), ShapeError, r"leading axis of 1 streams"),
+    ("reset-fresh-of-another-model", lambda: reset(MODEL.init_streams(2, 6), jnp.array([True, False]), fresh=attention(causal=True).init_cache(6)), ShapeError, r"`fresh` must be a cache of the same model"),
+    ("reset-fresh-of-another-capacity", lambda: reset(MODEL.init_streams(2, 6), jnp.array([True, False]), fresh=MODEL.init_cache(5)), ShapeError, r"`fresh` holds an array of shape \(2, 5, 4\) where the cache holds \(2, 2, 6, 4\)"),
     ("init-streams-zero", lambda: MODEL.init_streams(0, 6), ValueError, r"`batch` must be a positive integer"),
     ("step-scalar", lambda: attention(causal=True).step(jnp.array(1.0), attention(causal=True).init_cache(2)), ShapeError, r"x_t\.shape=\(\)"),
     # configs and checkpoints
@@ -279,6 +281,23 @@ def test_numpy_integer_sizes_are_welcome():
         m(jnp.ones((3, 7)))
     config = ModelConfig("transformer_encoder", {**CONFIG.arguments, "d_model": np.int64(8)})
     assert config == CONFIG and type(config.arguments["d_model"]) is int
+
+
+def test_an_empty_prefill_changes_nothing():
+    for cache in (MODEL.init_cache(6), MODEL.init_cache()):
+        ys, after = MODEL.prefill(jnp.zeros((0, 3)), cache)
+        assert ys.shape == (0, 2)
+        for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(cache), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_reset_takes_one_fresh_cache_for_every_chosen_stream():
+    caches = MODEL.init_streams(3, 6)
+    for _ in range(2):
+        _, caches = jax.vmap(MODEL.step)(jnp.ones((3, 3)), caches)
+    single = MODEL.step(jnp.ones(3), MODEL.init_cache(6))[1]  # one stream after one step
+    out = reset(caches, jnp.array([True, False, True]), fresh=single)
+    np.testing.assert_array_equal(out[2].index, [1, 2, 1])
 
 
 def test_empty_sequences_on_both_paths():

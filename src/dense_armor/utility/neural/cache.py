@@ -346,8 +346,8 @@ def batch_streams(cache: Any, batch: int) -> Any:
 def reset(cache: Any, streams: Bool[Array, " B"], fresh: Any = None) -> Any:
     """A batch of streams' `cache` with the streams where `streams (B,)` is true returned to
     `fresh` (default: the empty state, all zeros: counters at 0, flags false), and the others
-    untouched. A decoder's new stream needs its context: pass
-    `fresh=jax.vmap(model.init_cache ...)(new_contexts)`."""
+    untouched. `fresh` is one stream's cache (for every chosen stream) or a batch of them; a
+    decoder's new stream needs its context: pass `fresh=model.init_cache(new_context, ...)`."""
     _refuse_growing(cache, "reset")
     streams = jnp.asarray(streams)
     leaves = jax.tree.leaves(cache)
@@ -364,9 +364,19 @@ def reset(cache: Any, streams: Bool[Array, " B"], fresh: Any = None) -> Any:
                 f"{jnp.shape(leaf)}."
             )
     fresh = jax.tree.map(jnp.zeros_like, cache) if fresh is None else fresh
+    if jax.tree.structure(fresh) != jax.tree.structure(cache):
+        raise ShapeError(
+            "reset: `fresh` must be a cache of the same model (from its `init_cache`); its "
+            "structure differs from the cache's."
+        )
 
     def pick(old: Array, new: Array) -> Array:
+        if jnp.shape(new) not in (jnp.shape(old), jnp.shape(old)[1:]):
+            raise ShapeError(
+                f"reset: `fresh` holds an array of shape {jnp.shape(new)} where the cache holds "
+                f"{jnp.shape(old)}: pass one stream's cache or a batch of {jnp.shape(old)[0]}."
+            )
         chosen = streams.reshape(streams.shape + (1,) * (jnp.ndim(old) - 1))
-        return jnp.where(chosen, new, old)
+        return jnp.where(chosen, jnp.broadcast_to(new, jnp.shape(old)), old)
 
     return jax.tree.map(pick, cache, fresh)

@@ -242,7 +242,9 @@ class MeanOverTime(Layer):
     def prefill(
         self, x: Float[Array, "K features"], cache: MeanCache
     ) -> tuple[Float[Array, "K features"], MeanCache]:
-        """The running mean after each of `K` more steps."""
+        """The running mean after each of `K` more steps (none for an empty chunk)."""
+        if x.shape[0] == 0:
+            return x, cache
         totals = cache.total[None, :] + jnp.cumsum(x.astype(cache.total.dtype), axis=0)
         counts = cache.count + jnp.arange(1, x.shape[0] + 1, dtype=cache.count.dtype)
         means = totals / counts.astype(totals.dtype)[:, None]
