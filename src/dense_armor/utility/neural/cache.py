@@ -364,7 +364,8 @@ def reset(cache: Any, streams: Bool[Array, " B"], fresh: Any = None) -> Any:
                 f"{jnp.shape(leaf)}."
             )
     fresh = jax.tree.map(jnp.zeros_like, cache) if fresh is None else fresh
-    if jax.tree.structure(fresh) != jax.tree.structure(cache):
+    fresh_structure: Any = jax.tree.structure(fresh)  # PyTreeDef compares, though untyped
+    if fresh_structure != jax.tree.structure(cache):
         raise ShapeError(
             "reset: `fresh` must be a cache of the same model (from its `init_cache`); its "
             "structure differs from the cache's."
