@@ -23,7 +23,7 @@ import dataclasses
 import json
 import os
 import pathlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import equinox as eqx
@@ -36,8 +36,8 @@ from safetensors.numpy import load_file, save_file
 from . import _atomic
 from ._atomic import WRITE_STEPS, sha256
 from .distributed import gather_to_host
+from .families import FAMILIES
 from .utility.neural.core import python_scalar
-from .utility.neural.models import transformer_decoder, transformer_encoder
 
 __all__ = [
     "FORMAT",
@@ -57,10 +57,6 @@ __all__ = [
 
 FORMAT = "dense_armor.checkpoint"
 VERSION = 1
-FACTORIES: dict[str, Callable[..., Any]] = {
-    "transformer_encoder": transformer_encoder,
-    "transformer_decoder": transformer_decoder,
-}
 
 
 class CheckpointError(ValueError):
@@ -76,9 +72,9 @@ class ModelConfig:
     arguments: Mapping[str, Any]
 
     def __post_init__(self) -> None:
-        if not isinstance(self.factory, str) or self.factory not in FACTORIES:
+        if not isinstance(self.factory, str) or self.factory not in FAMILIES:
             raise CheckpointError(
-                f"unknown model factory {self.factory!r}; known: {sorted(FACTORIES)}."
+                f"unknown model factory {self.factory!r}; known: {sorted(FAMILIES)}."
             )
         if not isinstance(self.arguments, Mapping):
             raise CheckpointError(
@@ -92,7 +88,11 @@ class ModelConfig:
     def build(self, key: jax.Array | None = None) -> Any:
         """The model, with fresh weights from `key` (default `PRNGKey(0)`)."""
         key = jax.random.PRNGKey(0) if key is None else key
-        return FACTORIES[self.factory](**dict(self.arguments), key=key)
+        return FAMILIES[self.factory].factory(**dict(self.arguments), key=key)
+
+    def causal(self) -> "ModelConfig":
+        """The config of this model's causal form (the model whose step streams and exports)."""
+        return ModelConfig(self.factory, FAMILIES[self.factory].causal(self.arguments))
 
     def to_json(self) -> dict[str, Any]:
         return {

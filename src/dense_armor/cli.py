@@ -50,8 +50,11 @@ def _inspect(directory: pathlib.Path) -> str:
         lines.append(f"    -> ({outputs})")
         if spec.get("donated"):
             lines.append(f"    donated: the {len(spec['donated'])} cache arrays")
-        if "capacity" in spec:
-            lines.append(f"    cache capacity {spec['capacity']}; overflow: {spec['overflow']}")
+    streaming = manifest["streaming"]
+    lines.append(
+        f"  cache: {len(streaming['layout'])} arrays, capacity {streaming['capacity']}; "
+        f"overflow: {streaming['overflow']}"
+    )
     lines.append(f"  static modules: {len(manifest['static'])} (text and bytecode) in static/")
     total = sum(f["bytes"] for f in manifest["files"].values())
     lines.append(f"  files: {len(manifest['files'])}, {total / 1024:.1f} KiB, all sha256 verified")

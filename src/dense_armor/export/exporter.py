@@ -1,18 +1,23 @@
-"""Lower a model and its cached step to StableHLO artifacts with `jax.export`.
+"""Lower a model and its streaming functions to StableHLO artifacts with `jax.export`.
 
-Two model families export: `transformer_encoder` (`kind: encoder`) and `transformer_decoder`
-(`kind: decoder`, which attends to a context). An artifact directory holds:
+Every family in `dense_armor.families` exports (`transformer_encoder`, `kind: encoder`, and
+`transformer_decoder`, `kind: decoder`, which attends to a context). An artifact directory holds:
 
 - `forward.jax_exported`: the batched forward, symbolic in the batch `B` and the time `T`
   (`1 <= T <= max_len`), and for a decoder in the context length `S`:
   encoder `(weights..., x (B, T, n_in)) -> y (B, n_out)`;
   decoder `(weights..., x (B, T, n_in), context (B, S, d_context), context_mask (B, S)) ->
   y (B, T, n_out)`;
-- `step.jax_exported`: the cached step of the model's causal form,
-  `(weights..., x_t (B, n_in), cache...) -> (y_t (B, n_out), cache..., overflow (B,))`, with a
-  fixed capacity; the cache is donated (aliased to the new cache in the module);
-- for a decoder, `init_cache.jax_exported`: `(weights..., context, context_mask) -> cache...`
-  (an encoder's cache starts as zeros);
+- the streaming functions of the model's causal form, with a fixed cache capacity; the cache is
+  a list of arrays, batch first, described in the manifest's `cache.layout`, and donated (aliased
+  to the new cache in the module) wherever it is an input:
+  `init_cache.jax_exported`: `(weights..., streams (B,)) -> cache...` (a decoder:
+  `(weights..., context, context_mask) -> cache...`, the context projected once);
+  `step.jax_exported`: `(weights..., x_t (B, n_in), cache...) -> (y_t, cache..., overflow (B,))`;
+  `prefill.jax_exported`: `(weights..., x (B, T, n_in), cache...) -> (y (B, T, ...), cache...,
+  overflow (B,))`, any chunk length `T`: what `T` steps return;
+  `reset.jax_exported`: `(weights..., streams (B,), [context, context_mask,] cache...) ->
+  cache...`: the streams where `streams` is true start again (with their new context);
 - `static/`: single-platform StableHLO with no symbolic dimension, for the shapes asked for, as
   text (`.mlir`) and bytecode (`.mlirbc`), for runtimes other than JAX;
 - `weights.safetensors` (the weights are arguments of every function, never constants),
@@ -26,12 +31,10 @@ import json
 import os
 import pathlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import equinox as eqx
 import jax
-import jax.numpy as jnp
 import jaxlib
 import numpy as np
 from jax import export
@@ -46,19 +49,19 @@ from ..checkpoint import (
     skeleton,
     tree_arrays,
 )
-from ..distributed import gather_to_host
-from ..utility.neural.cache import Counter
+from ..families import FAMILIES
 from . import standalone
+from .golden import golden
+from .lowering import Function, Lowering, spec
 from .standalone import FORMAT, FORMAT_VERSION, MANIFEST, ArtifactError
 
 __all__ = ["PLATFORMS", "ExportSummary", "export_checkpoint", "export_model"]
 
 PLATFORMS = ("cpu", "cuda", "tpu")
-KINDS = {"transformer_encoder": "encoder", "transformer_decoder": "decoder"}
 OVERFLOW = (
-    "a stream that steps past the cache capacity (or past max_len) gets NaN in its row of y_t "
-    "and true in `overflow`; its cache rows are never overwritten, and the flag stays true. "
-    "No host callbacks."
+    "a stream that steps (or prefills) past the cache capacity (or past max_len) gets NaN in "
+    "those rows of its output and true in `overflow`; its cache rows are never overwritten, and "
+    "the flag stays true until the stream is reset. No host callbacks."
 )
 PLATFORM_INDEX = (
     "Exported.call selects the platform itself. In the StableHLO of a multi-platform module the "
@@ -82,195 +85,6 @@ class ExportSummary:
             lines.append(f"  {name:<44} {size / 1024:>10.1f} KiB")
         lines.append(f"  {'total':<44} {sum(self.files.values()) / 1024:>10.1f} KiB")
         return "\n".join(lines)
-
-
-Spec = dict[str, Any]  # {"name", "role", "dtype", "shape"}; shape entries are ints or dim names
-
-
-def _spec(name: str, role: str, dtype: Any, shape: Sequence[Any]) -> Spec:
-    return {
-        "name": name,
-        "role": role,
-        "dtype": str(np.dtype(dtype)),
-        "shape": [d if isinstance(d, int) else str(d) for d in shape],
-    }
-
-
-def _avals(specs: Sequence[Spec], sizes: dict[str, Any]) -> list[jax.ShapeDtypeStruct]:
-    return [
-        jax.ShapeDtypeStruct(
-            tuple(sizes[d] if isinstance(d, str) else d for d in s["shape"]), s["dtype"]
-        )
-        for s in specs
-    ]
-
-
-@dataclasses.dataclass
-class _Function:
-    """One exported function: `fn(weights, *inputs)`, its non-weight inputs and its outputs."""
-
-    fn: Callable[..., Any]
-    inputs: list[Spec]
-    outputs: list[Spec]
-    symbols: str
-    constraints: tuple[str, ...] = ()
-    donate_cache: bool = False
-
-    def jitted(self) -> Any:  # a jax.stages.Wrapped
-        if not self.donate_cache:
-            return jax.jit(self.fn)
-        n_plain = len([i for i in self.inputs if i["role"] != "cache"])
-        return jax.jit(self.fn, donate_argnums=1 + n_plain)
-
-    def arguments(self, weights: list[Any], sizes: dict[str, Any]) -> list[Any]:
-        """`(weight avals, *input avals)`, the cache inputs gathered into one list."""
-        plain = [i for i in self.inputs if i["role"] != "cache"]
-        cache = [i for i in self.inputs if i["role"] == "cache"]
-        args: list[Any] = [weights, *_avals(plain, sizes)]
-        return [*args, _avals(cache, sizes)] if cache else args
-
-
-class _Lowering:
-    """The plain-array functions of one model; Equinox classes never reach a signature."""
-
-    def __init__(self, model: Any, causal_model: Any, config: ModelConfig, capacity: int):
-        self.kind = KINDS[config.factory]
-        args = config.arguments
-        self.max_len, self.n_in, self.n_out = (
-            int(args["max_len"]),
-            int(args["n_in"]),
-            int(args["n_out"]),
-        )
-        self.d_context = int(args.get("d_context") or args["d_model"])
-        # Inputs are float32; outputs come in the compute dtype (see `Cast`).
-        self.out_dtype = jnp.dtype(args.get("compute_dtype") or "float32")
-        self.capacity = capacity
-        params, self.static = eqx.partition(model, eqx.is_array)
-        paths_and_leaves = jax.tree_util.tree_leaves_with_path(params)
-        self.names = [jax.tree_util.keystr(path) for path, _ in paths_and_leaves]
-        # Host copies: a model trained sharded exports exactly as its single-device twin.
-        self.weights = [jnp.asarray(gather_to_host(leaf)) for _, leaf in paths_and_leaves]
-        self.treedef = jax.tree_util.tree_structure(params)
-        causal_params, self.causal_static = eqx.partition(causal_model, eqx.is_array)
-        self.causal_treedef = jax.tree_util.tree_structure(causal_params)
-
-        # The cache's structure and shapes, with a symbolic context length for a decoder.
-        (s_dim,) = export.symbolic_shape("S")
-        context_avals = (
-            (
-                jax.ShapeDtypeStruct((s_dim, self.d_context), jnp.float32),
-                jax.ShapeDtypeStruct((s_dim,), bool),
-            )
-            if self.kind == "decoder"
-            else ()
-        )
-        cache_shape = jax.eval_shape(self._init_one, *context_avals)
-        cache_paths = jax.tree_util.tree_leaves_with_path(cache_shape)
-        self.cache_treedef = jax.tree_util.tree_structure(cache_shape)
-        self.cache = [
-            _spec("cache" + jax.tree_util.keystr(path), "cache", leaf.dtype, ["B", *leaf.shape])
-            for path, leaf in cache_paths
-        ]
-        # The overflow flags are those of the cache's counters, found by type.
-        flag_paths = {
-            jax.tree_util.keystr((*path, jax.tree_util.GetAttrKey("overflow")))
-            for path, node in jax.tree_util.tree_flatten_with_path(
-                cache_shape, is_leaf=lambda n: isinstance(n, Counter)
-            )[0]
-            if isinstance(node, Counter)
-        }
-        self.overflow_flags = [
-            i for i, (path, _) in enumerate(cache_paths) if jax.tree_util.keystr(path) in flag_paths
-        ]
-
-    # -- the model's pieces, for one sample -------------------------------------------------
-
-    def _model(self, weights: list[jax.Array], causal: bool) -> Any:
-        treedef, static = (
-            (self.causal_treedef, self.causal_static) if causal else (self.treedef, self.static)
-        )
-        return eqx.combine(jax.tree_util.tree_unflatten(treedef, weights), static)
-
-    def _init_one(self, *context: Any) -> Any:
-        model = self._model(self.weights, causal=True)
-        if self.kind == "decoder":
-            ctx, mask = context
-            return model.init_cache(ctx, self.capacity, context_mask=mask, on_overflow="nan")
-        return model.init_cache(self.capacity, on_overflow="nan")
-
-    # -- the exported functions ---------------------------------------------------------------
-
-    def forward(self, weights: list[jax.Array], *inputs: jax.Array) -> jax.Array:
-        model = self._model(weights, causal=False)
-        if self.kind == "decoder":
-            return jax.vmap(lambda x, c, m: model(x, c, context_mask=m))(*inputs)
-        return jax.vmap(model)(*inputs)
-
-    def init_cache(
-        self, weights: list[jax.Array], context: jax.Array, context_mask: jax.Array
-    ) -> list[jax.Array]:
-        model = self._model(weights, causal=True)
-
-        def one(c: jax.Array, m: jax.Array) -> Any:
-            return model.init_cache(c, self.capacity, context_mask=m, on_overflow="nan")
-
-        return jax.tree_util.tree_leaves(jax.vmap(one)(context, context_mask))
-
-    def step(
-        self, weights: list[jax.Array], x_t: jax.Array, cache: list[jax.Array]
-    ) -> tuple[jax.Array, list[jax.Array], jax.Array]:
-        model = self._model(weights, causal=True)
-        tree = jax.tree_util.tree_unflatten(self.cache_treedef, cache)
-        y_t, tree = jax.vmap(model.step)(x_t, tree)
-        leaves = jax.tree_util.tree_leaves(tree)
-        flags = [leaves[i] for i in self.overflow_flags]
-        overflow = jnp.stack(flags).any(axis=0) if flags else jnp.zeros(x_t.shape[0], bool)
-        return y_t, leaves, overflow
-
-    def functions(self) -> dict[str, _Function]:
-        f32 = jnp.float32
-        overflow = _spec("overflow", "output", bool, ["B"])
-        step = _Function(
-            self.step,
-            [_spec("x_t", "input", f32, ["B", self.n_in]), *self.cache],
-            [_spec("y_t", "output", self.out_dtype, ["B", self.n_out]), *self.cache, overflow],
-            "B, S" if self.kind == "decoder" else "B",
-            donate_cache=True,
-        )
-        bound = (f"T <= {self.max_len}",)
-        if self.kind == "encoder":
-            return {
-                "forward": _Function(
-                    self.forward,
-                    [_spec("x", "input", f32, ["B", "T", self.n_in])],
-                    [_spec("y", "output", self.out_dtype, ["B", self.n_out])],
-                    "B, T",
-                    bound,
-                ),
-                "step": step,
-            }
-        context = [
-            _spec("context", "context", f32, ["B", "S", self.d_context]),
-            _spec("context_mask", "context", bool, ["B", "S"]),
-        ]
-        return {
-            "forward": _Function(
-                self.forward,
-                [_spec("x", "input", f32, ["B", "T", self.n_in]), *context],
-                [_spec("y", "output", self.out_dtype, ["B", "T", self.n_out])],
-                "B, T, S",
-                bound,
-            ),
-            "init_cache": _Function(self.init_cache, context, self.cache, "B, S"),
-            "step": step,
-        }
-
-
-def _causal_form(model: Any, config: ModelConfig) -> tuple[Any, ModelConfig]:
-    if KINDS[config.factory] == "decoder" or config.arguments.get("causal", False):
-        return model, config
-    causal = ModelConfig(config.factory, {**config.arguments, "causal": True})
-    return fill_tree(skeleton(causal), tree_arrays(model)), causal
 
 
 def export_model(
@@ -305,20 +119,22 @@ def export_model(
         raise ArtifactError(
             f"platforms must be a non-empty subset of {PLATFORMS}; got {platforms}."
         )
-    if config.factory not in KINDS:
-        raise ArtifactError(f"export knows {sorted(KINDS)} models; got {config.factory!r}.")
     max_len = int(config.arguments["max_len"])
     capacity = max_len if capacity is None else capacity
-    if capacity < 1:
-        raise ArtifactError(f"capacity must be positive; got {capacity}.")
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise ArtifactError(f"capacity must be a positive integer; got {capacity!r}.")
+    with_context = FAMILIES[config.factory].context_width(config.arguments) is not None
     shapes = [
-        _static_sizes(s, max_len, KINDS[config.factory])
+        _static_sizes(s, max_len, with_context)
         for s in static_shapes or [(1, max_len), (8, max_len)]
     ]
     check_fits(config, tree_arrays(model))  # the config and the weights must agree
 
-    causal_model, causal_config = _causal_form(model, config)
-    lowering = _Lowering(model, causal_model, config, capacity)
+    causal_config = config.causal()
+    causal_model = (
+        model if causal_config == config else fill_tree(skeleton(causal_config), tree_arrays(model))
+    )
+    lowering = Lowering(model, causal_model, config, capacity)
     functions = lowering.functions()
     weight_avals = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in lowering.weights]
 
@@ -327,10 +143,8 @@ def export_model(
     def fill(tmp: pathlib.Path) -> None:
         exported = {}
         for name, function in functions.items():
-            dims = export.symbolic_shape(function.symbols, constraints=function.constraints)
-            sizes = dict(zip([d.strip() for d in function.symbols.split(",")], dims, strict=True))
             exported[name] = export.export(function.jitted(), platforms=tuple(platforms))(
-                *function.arguments(weight_avals, sizes)
+                *function.arguments(weight_avals, function.symbolic_sizes())
             )
             (tmp / f"{name}.jax_exported").write_bytes(exported[name].serialize())
 
@@ -338,10 +152,9 @@ def export_model(
         (tmp / "static").mkdir()
         for platform in platforms:
             for name, function in functions.items():
-                symbols = [d.strip() for d in function.symbols.split(",")]
                 seen = set()
                 for shape in shapes:
-                    sizes = {d: shape[d] for d in symbols}
+                    sizes = {d: shape[d] for d in function.symbols}
                     if tuple(sizes.items()) in seen:
                         continue
                     seen.add(tuple(sizes.items()))
@@ -365,20 +178,14 @@ def export_model(
             dict(zip(lowering.names, map(np.asarray, lowering.weights), strict=True)),
             str(tmp / "weights.safetensors"),
         )
-        golden, golden_manifest = _golden(lowering, seed)
-        save_file(golden, str(tmp / "golden.safetensors"))
+        golden_arrays, golden_plan = golden(lowering, seed)
+        save_file(golden_arrays, str(tmp / "golden.safetensors"))
         (tmp / "run.py").write_text(pathlib.Path(standalone.__file__).read_text())
 
         manifest = _manifest(
-            lowering,
-            functions,
-            exported,
-            config,
-            causal_config,
-            platforms,
-            static_entries,
-            golden_manifest,
+            lowering, functions, exported, config, causal_config, platforms, static_entries
         )
+        manifest["golden"] = golden_plan
         manifest["files"] = {
             str(path.relative_to(tmp)): {
                 "sha256": standalone.sha256(path),
@@ -397,10 +204,10 @@ def export_model(
     return ExportSummary(target, files, time.perf_counter() - started, summary["manifest"])
 
 
-def _static_sizes(shape: Sequence[int], max_len: int, kind: str) -> dict[str, int]:
-    if len(shape) not in (2, 3) or (len(shape) == 3 and kind == "encoder"):
+def _static_sizes(shape: Sequence[int], max_len: int, with_context: bool) -> dict[str, int]:
+    if len(shape) not in (2, 3) or (len(shape) == 3 and not with_context):
         raise ArtifactError(
-            f"a static shape is B,T{' or B,T,S' if kind == 'decoder' else ''}; got {tuple(shape)}."
+            f"a static shape is B,T{' or B,T,S' if with_context else ''}; got {tuple(shape)}."
         )
     b, t, *rest = shape
     s = rest[0] if rest else max_len
@@ -411,117 +218,35 @@ def _static_sizes(shape: Sequence[int], max_len: int, kind: str) -> dict[str, in
     return {"B": b, "T": t, "S": s}
 
 
-def _golden(lowering: _Lowering, seed: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Inputs and the Python model's outputs: three forward shapes, and `capacity` steps."""
-    key = jax.random.PRNGKey(seed)
-    n_in, max_len, d_context = lowering.n_in, lowering.max_len, lowering.d_context
-    decoder = lowering.kind == "decoder"
-    golden: dict[str, np.ndarray] = {}
-
-    def context(i: int, b: int, s: int, padded: bool) -> list[str]:
-        golden[f"context{i}"] = np.asarray(
-            jax.random.normal(jax.random.fold_in(key, 1000 + i), (b, s, d_context))
-        )
-        mask = np.ones((b, s), bool)
-        if padded and s > 1:
-            mask[0, -1] = False  # one padded context step in the first sequence
-        golden[f"context_mask{i}"] = mask
-        return [f"context{i}", f"context_mask{i}"]
-
-    forward_cases = []
-    for i, (b, t, s) in enumerate([(2, max_len, 5), (3, min(5, max_len), 3), (1, 1, 1)]):
-        golden[f"forward.x{i}"] = np.asarray(
-            jax.random.normal(jax.random.fold_in(key, i), (b, t, n_in))
-        )
-        inputs = [f"forward.x{i}", *(context(i, b, s, padded=True) if decoder else [])]
-        golden[f"forward.y{i}"] = np.asarray(  # outputs are stored as float32
-            jax.jit(lowering.forward)(lowering.weights, *(golden[k] for k in inputs)), np.float32
-        )
-        forward_cases.append({"inputs": inputs, "output": f"forward.y{i}", "B": b, "T": t})
-
-    steps, b = lowering.capacity, 2
-    xs = jax.random.normal(jax.random.fold_in(key, 100), (b, steps, n_in))
-    if decoder:
-        context_keys = context(9, b, 4, padded=False)
-        cache = jax.jit(lowering.init_cache)(lowering.weights, *(golden[k] for k in context_keys))
-    else:
-        context_keys = []
-        cache = [jnp.zeros(_shape(s, {"B": b}), s["dtype"]) for s in lowering.cache]
-    step = jax.jit(lowering.step)
-    ys = []
-    for t in range(steps):
-        y_t, cache, _ = step(lowering.weights, xs[:, t], cache)
-        ys.append(np.asarray(y_t, np.float32))
-    golden["step.x"] = np.asarray(xs)
-    golden["step.y"] = np.stack(ys, axis=1)
-    return golden, {
-        "file": "golden.safetensors",
-        "forward": forward_cases,
-        "step": {"context": context_keys, "x": "step.x", "y": "step.y", "B": b, "steps": steps},
-    }
-
-
-def _shape(spec: Spec, sizes: dict[str, int]) -> tuple[int, ...]:
-    return tuple(sizes[d] if isinstance(d, str) else d for d in spec["shape"])
-
-
 def _manifest(
-    lowering: _Lowering,
-    functions: dict[str, _Function],
+    lowering: Lowering,
+    functions: dict[str, Function],
     exported: dict[str, export.Exported],
     config: ModelConfig,
     causal_config: ModelConfig,
     platforms: Sequence[str],
     static_entries: list[dict[str, Any]],
-    golden: dict[str, Any],
 ) -> dict[str, Any]:
     weights = [
-        _spec(n, "weight", w.dtype, w.shape)
+        spec(n, "weight", w.dtype, w.shape)
         for n, w in zip(lowering.names, lowering.weights, strict=True)
     ]
     described = {}
     for name, function in functions.items():
-        entry: dict[str, Any] = {
+        described[name] = {
             "file": f"{name}.jax_exported",
             "platforms": list(platforms),
             "platform_index": PLATFORM_INDEX,
             "inputs": [*weights, *function.inputs],
             "outputs": function.outputs,
-            "bounds": {
-                d.strip(): [1, lowering.max_len if d.strip() == "T" else 2**31 - 1]
-                for d in function.symbols.split(",")
-            },
-            "constraints": list(function.constraints),
-            "donated": [i["name"] for i in function.inputs if i["role"] == "cache"]
-            if function.donate_cache
-            else [],
+            "bounds": {d: [1, function.bounds.get(d, 2**31 - 1)] for d in function.symbols},
+            "donated": [i["name"] for i in function.cache],
             "calling_convention_version": exported[name].calling_convention_version,
         }
-        if name == "step":
-            entry.update(
-                model=causal_config.to_json(),
-                note="the step of the model's causal form; it equals forward on every prefix "
-                "when the model itself is causal",
-                capacity=lowering.capacity,
-                overflow=OVERFLOW,
-                cache={
-                    "init": (
-                        "the outputs of init_cache(context, context_mask)"
-                        if lowering.kind == "decoder"
-                        else "every cache array zero (counters 0, flags false), batch B first"
-                    ),
-                    "layout": "one entry per cache array, named by its path in the model's "
-                    "cache tree: positions (counter.index, counter.overflow); each attention's "
-                    "keys and values (B, n_heads, capacity, d_head) and counter; a decoder's "
-                    "projected context (B, S, d_model) and its mask; the mean over time (total, "
-                    "count)",
-                },
-            )
-        described[name] = entry
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "kind": lowering.kind,
+        "kind": lowering.family.kind,
         "created": datetime.date.today().isoformat(),
         "versions": {
             "dense_armor": __version__,
@@ -531,8 +256,17 @@ def _manifest(
         "model": config.to_json(),
         "weights": {"file": "weights.safetensors", "names": lowering.names},
         "functions": described,
+        "streaming": {
+            "model": causal_config.to_json(),
+            "note": "init_cache, step, prefill and reset belong to the model's causal form; its "
+            "step equals forward on every prefix when the model itself is causal",
+            "capacity": lowering.capacity,
+            "overflow": OVERFLOW,
+            "start": "a stream's cache starts as init_cache returns it; reset returns the chosen "
+            "streams to that state",
+            "layout": lowering.cache_layout,
+        },
         "static": static_entries,
-        "golden": golden,
     }
 
 

@@ -5,9 +5,10 @@ directory as `run.py`, so a deployment can run
 
     python run.py ARTIFACT_DIR [--steps N]
 
-to verify every file's sha256, run the golden inputs through the exported forward and through
-`N` steps of the exported step function, and print the largest error against the outputs of the
-Python model. `load(ARTIFACT_DIR)` returns an `Artifact` with `forward`, `step` and `init_cache`.
+to verify every file's sha256, run the golden inputs through the exported forward and a stream
+through the exported `init_cache`, `prefill`, `step` and `reset` (the first `N` steps), and print
+the largest error against the outputs of the Python model. `load(ARTIFACT_DIR)` returns an
+`Artifact` with `forward`, `init_cache`, `step`, `prefill` and `reset`.
 """
 
 import argparse
@@ -24,7 +25,7 @@ from jax import export
 from safetensors.numpy import load_file
 
 FORMAT = "dense_armor.export"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 
 
@@ -53,7 +54,8 @@ def read_manifest(directory: pathlib.Path) -> dict[str, Any]:
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ArtifactError(
             f"{path} has format version {manifest.get('format_version')!r}; this loader reads "
-            f"version {FORMAT_VERSION}."
+            f"version {FORMAT_VERSION}: export the model again with this dense_armor (version 1 "
+            "artifacts had no exported init_cache, prefill or reset)."
         )
     return manifest
 
@@ -81,21 +83,25 @@ def _load_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
         raise ArtifactError(f"unreadable safetensors file {path}: {error}") from None
 
 
-def _concrete(shape: Sequence[int | str], sizes: dict[str, int]) -> tuple[int, ...]:
-    return tuple(sizes[d] if isinstance(d, str) else d for d in shape)
-
-
 class Artifact:
     """The exported functions of one artifact directory, with the weights bound.
 
     - `forward(*inputs)`: an encoder's `forward(x)` maps `x (B, T, n_in) -> y (B, n_out)`; a
       decoder's `forward(x, context, context_mask)` maps to `y (B, T, n_out)`. Any `B`,
       `1 <= T <= max_len`.
-    - `init_cache(batch)` for an encoder (all zeros), `init_cache(context, context_mask=None)` for
-      a decoder (the context projected once): the step function's cache, a list of arrays.
+    - `init_cache(streams)` (an encoder: `streams` is `B` or a boolean vector of `B` entries),
+      `init_cache(context, context_mask=None)` (a decoder: the context projected once): the
+      cache of `B` new streams, a list of arrays (the manifest's `streaming.layout`).
     - `step(x_t, cache) -> (y_t, cache, overflow)`: `x_t (B, n_in)`; `overflow (B,)` is true where
       a stream has outrun the cache's capacity, and its `y_t` row is NaN.
+    - `prefill(x, cache) -> (y, cache, overflow)`: `x (B, T, n_in)`, any `T`: what `T` calls of
+      `step` return, stacked on axis 1, in one call.
+    - `reset(cache, streams, *context) -> cache`: the streams where `streams (B,)` is true start
+      again (a decoder's with their rows of the new `context, context_mask`); the others are
+      untouched.
     - `call(name, *inputs)`: any exported function by its manifest name, inputs checked.
+
+    The cache passed to `step`, `prefill` and `reset` is donated: use the one they return.
     """
 
     def __init__(self, directory: str | pathlib.Path, verify: bool = True):
@@ -104,7 +110,7 @@ class Artifact:
         if not self.directory.exists() and previous.is_dir():
             self.directory = previous  # a replacement was interrupted between its two renames
         self.manifest = read_manifest(self.directory)
-        self.kind = self.manifest.get("kind", "encoder")
+        self.kind = self.manifest.get("kind")
         if verify:
             verify_files(self.directory, self.manifest)
         weights = _load_safetensors(self.directory / self.manifest["weights"]["file"])
@@ -184,30 +190,43 @@ class Artifact:
     def forward(self, *inputs: Any) -> jax.Array:
         return self.call("forward", *inputs)
 
-    def init_cache(self, batch_or_context: Any, context_mask: Any = None) -> list[jax.Array]:
-        if self.kind == "decoder":
-            context = batch_or_context
+    def init_cache(self, *inputs: Any, context_mask: Any = None) -> list[jax.Array]:
+        specs = self.inputs("init_cache")
+        if [i["role"] for i in specs] == ["streams"] and len(inputs) == 1:
+            (streams,) = inputs
+            if isinstance(streams, int) and not isinstance(streams, bool):
+                if streams < 1:
+                    raise ArtifactError(
+                        f"init_cache: the number of streams must be positive; received {streams}."
+                    )
+                streams = np.ones(streams, bool)
+            inputs = (streams,)
+        elif [i["name"] for i in specs] == ["context", "context_mask"] and len(inputs) == 1:
+            (context,) = inputs
             if context_mask is None:
                 context_mask = np.ones(np.shape(context)[:2], bool)
-            return list(self.call("init_cache", context, context_mask))
-        batch = batch_or_context
-        if not isinstance(batch, int) or batch < 1:
-            raise ArtifactError(
-                f"init_cache: batch must be a positive integer; received {batch!r}."
-            )
-        return [
-            jax.numpy.zeros(_concrete(spec["shape"], {"B": batch}), spec["dtype"])
-            for spec in self.inputs("step", "cache")
-        ]
+            inputs = (context, context_mask)
+        return list(self.call("init_cache", *inputs))
 
     def step(self, x_t: Any, cache: Sequence[Any]) -> tuple[jax.Array, list[jax.Array], jax.Array]:
-        if isinstance(cache, str | bytes) or not isinstance(cache, Sequence):
-            raise ArtifactError(
-                f"step: `cache` must be the list of arrays that `init_cache` (or the previous "
-                f"step) returned; received {type(cache).__name__}."
-            )
-        y_t, new_cache, overflow = self.call("step", x_t, *cache)
+        y_t, new_cache, overflow = self.call("step", x_t, *_cache_list("step", cache))
         return y_t, list(new_cache), overflow
+
+    def prefill(self, x: Any, cache: Sequence[Any]) -> tuple[jax.Array, list[jax.Array], jax.Array]:
+        y, new_cache, overflow = self.call("prefill", x, *_cache_list("prefill", cache))
+        return y, list(new_cache), overflow
+
+    def reset(self, cache: Sequence[Any], streams: Any, *context: Any) -> list[jax.Array]:
+        return list(self.call("reset", streams, *context, *_cache_list("reset", cache)))
+
+
+def _cache_list(function: str, cache: Any) -> Sequence[Any]:
+    if isinstance(cache, str | bytes) or not isinstance(cache, Sequence):
+        raise ArtifactError(
+            f"{function}: `cache` must be the list of arrays that `init_cache` (or the previous "
+            f"call) returned; received {type(cache).__name__}."
+        )
+    return cache
 
 
 def load(directory: str | pathlib.Path, verify: bool = True) -> Artifact:
@@ -215,28 +234,48 @@ def load(directory: str | pathlib.Path, verify: bool = True) -> Artifact:
     return Artifact(directory, verify=verify)
 
 
+def _error(a: Any, b: Any) -> float:
+    return float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max(initial=0.0))
+
+
 def check_golden(artifact: Artifact, steps: int | None = None) -> dict[str, float]:
-    """Run the golden inputs through forward and step; return the largest absolute errors."""
+    """Run the golden inputs through every exported function; return the largest absolute errors.
+
+    The stream: `init_cache`, `prefill` over its first steps, then `step` over the rest (the first
+    `steps` in all), with stream 1 reset part-way; the golden outputs were computed one stream at
+    a time from its own empty cache."""
     golden = _load_safetensors(artifact.directory / artifact.manifest["golden"]["file"])
     errors = {}
     for case in artifact.manifest["golden"]["forward"]:
-        y = np.asarray(artifact.forward(*(golden[k] for k in case["inputs"])), np.float32)
-        label = f"forward B={case['B']} T={case['T']}"
-        errors[label] = float(np.abs(y - golden[case["output"]]).max())
-    plan = artifact.manifest["golden"]["step"]
+        y = artifact.forward(*(golden[k] for k in case["inputs"]))
+        errors[f"forward B={case['B']} T={case['T']}"] = _error(y, golden[case["output"]])
+    plan = artifact.manifest["golden"]["stream"]
     xs, ys = golden[plan["x"]], golden[plan["y"]]
-    n = xs.shape[1] if steps is None else min(steps, xs.shape[1])
-    if artifact.kind == "decoder":
-        cache = artifact.init_cache(*(golden[k] for k in plan["context"]))
-    else:
-        cache = artifact.init_cache(xs.shape[0])
-    worst = 0.0
-    for t in range(n):
-        y_t, cache, overflow = artifact.step(xs[:, t], cache)
+    n = xs.shape[1] if steps is None else max(1, min(steps, xs.shape[1]))
+    cache = artifact.call("init_cache", *(golden[k] for k in plan["init_cache"]["inputs"]))
+    errors["init_cache"] = max(
+        (_error(a, golden[k]) for a, k in zip(cache, plan["init_cache"]["outputs"], strict=True)),
+        default=0.0,
+    )
+    k = min(plan["prefill"], n)
+    y, cache, overflow = artifact.prefill(xs[:, :k], list(cache))
+    worst = {"prefill": _error(y, ys[:, :k]), "step": 0.0, "reset": 0.0}
+    for t in range(k, n):
         if bool(np.any(overflow)):
             raise ArtifactError(f"step {t}: the cache overflowed within its capacity.")
-        worst = max(worst, float(np.abs(np.asarray(y_t, np.float32) - ys[:, t]).max()))
-    errors[f"step B={xs.shape[0]}, {n} steps"] = worst
+        if t == plan["reset_at"]:
+            cache = artifact.reset(cache, *(golden[key] for key in plan["reset"]["inputs"]))
+        y_t, cache, overflow = artifact.step(xs[:, t], cache)
+        worst["step"] = max(worst["step"], _error(y_t[0], ys[0, t]))
+        after = "reset" if t >= plan["reset_at"] else "step"
+        worst[after] = max(worst[after], _error(y_t[1], ys[1, t]))
+    if bool(np.any(overflow)):
+        raise ArtifactError("the cache overflowed within its capacity.")
+    b = xs.shape[0]
+    errors[f"prefill B={b} T={k}"] = worst["prefill"]
+    errors[f"step B={b}, {n - k} steps"] = worst["step"]
+    if k <= plan["reset_at"] < n:
+        errors[f"reset at step {plan['reset_at']}"] = worst["reset"]
     return errors
 
 

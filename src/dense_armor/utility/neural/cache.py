@@ -36,6 +36,7 @@ A fixed cache that is full never overwrites a row. What happens instead is the c
   This mode uses no host callback, so it is the one an exported step uses.
 """
 
+from functools import partial
 from typing import Any, ClassVar, NamedTuple
 
 import equinox as eqx
@@ -141,18 +142,28 @@ def _check_buffers(buffer: Array, new: Array, rows: str) -> None:
 
 def _write_rows(buffer: Array, rows: Array, slots: Array, keep: Array | None = None) -> Array:
     """`buffer (n_heads, N, d_head)` with `rows (n_heads, K, d_head)` written at rows `slots (K,)`
-    (distinct); where `keep` is true a row is not written. One row is a dynamic-update-slice, the
-    cheapest write; more rows are one scatter."""
+    (distinct among the written); where `keep` is true a row is not written.
+
+    The write is a one-hot selection, not a scatter or a dynamic-update-slice: a select for one
+    row, a one-hot product (exact: every sum has one nonzero term) for several. Under `jax.vmap`
+    (a batch of streams) a dynamic-update-slice becomes a scatter with batching dimensions, which
+    some StableHLO compilers (IREE) reject; a selection lowers to elementwise ops and a dot
+    product everywhere, and works for a symbolic `K` (an exported prefill).
+    """
     rows = rows.astype(buffer.dtype)
+    hits = slots[:, None] == jnp.arange(buffer.shape[1], dtype=slots.dtype)[None, :]  # (K, N)
+    if keep is not None:
+        hits = hits & ~keep[:, None]
+    written = hits.any(axis=0)[None, :, None]
     if rows.shape[1] == 1:
-        slot = jnp.minimum(slots[0], buffer.shape[1] - 1)
-        if keep is not None:
-            old = jax.lax.dynamic_slice_in_dim(buffer, slot, 1, axis=1)
-            rows = jnp.where(keep[0], old, rows)
-        return jax.lax.dynamic_update_slice_in_dim(buffer, rows, slot, axis=1)
-    if keep is not None:  # an index past the end is dropped
-        slots = jnp.where(keep, buffer.shape[1], slots)
-    return buffer.at[:, slots].set(rows, mode="drop")
+        return jnp.where(written, rows, buffer)
+    # 0 * inf is NaN: the product takes finite rows, and a non-finite one is written as NaN.
+    finite = jnp.isfinite(rows)
+    onehot = hits.astype(buffer.dtype)
+    spread = partial(jnp.einsum, "kn,hkd->hnd", precision=jax.lax.Precision.HIGHEST)
+    new = spread(onehot, jnp.where(finite, rows, jnp.zeros((), rows.dtype)))
+    bad = spread(onehot, (~finite).astype(buffer.dtype)) > 0
+    return jnp.where(written, jnp.where(bad, jnp.asarray(jnp.nan, buffer.dtype), new), buffer)
 
 
 class KVCache(NamedTuple):
@@ -290,11 +301,12 @@ class RingKVCache(eqx.Module):
         later = positions[None, :]
         visible = written[None, :] & (later <= query) & (later > query - window)
         # The softmax does not care about the order of the keys, so the ring needs no rotation.
-        # Only the last `window` new steps stay in the ring, each in its own row.
-        last = min(steps, window)
-        slots = jnp.mod(new[steps - last :], window)
-        ring_keys = _write_rows(self.keys, keys[:, steps - last :], slots)
-        ring_values = _write_rows(self.values, values[:, steps - last :], slots)
+        # Only the last `window` new steps stay in the ring, each in its own row; the earlier
+        # ones of a long chunk are not written (a comparison, so `steps` may be symbolic).
+        overwritten = jnp.arange(steps) < steps - window
+        slots = jnp.mod(new, window)
+        ring_keys = _write_rows(self.keys, keys, slots, keep=overwritten)
+        ring_values = _write_rows(self.values, values, slots, keep=overwritten)
         index = n + steps
         index = jnp.where(index >= 2 * window, window + jnp.mod(index - window, window), index)
         return KVUpdate(

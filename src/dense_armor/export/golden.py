@@ -1,0 +1,106 @@
+"""Golden data: inputs, and the Python model's outputs for them, stored with every artifact.
+
+The streaming outputs are computed one stream at a time with the model's own `step` from its own
+empty cache, never through the batched, prefilled or reset paths they check: the artifact's
+checker runs `init_cache`, then `prefill` over the first steps, `step` over the rest, and `reset`
+of stream 1 part-way, and must reproduce them.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+
+from .lowering import Lowering
+
+__all__ = ["golden"]
+
+
+def _run(lowering: Lowering, xs: np.ndarray, context: Sequence[np.ndarray]) -> np.ndarray:
+    """One stream, from its empty cache, one `step` at a time: `xs (L, n_in) -> (L, n_out)`."""
+    model = lowering.causal_model
+    cache = lowering.family.start(model, lowering.capacity, tuple(context), "nan")
+    step = eqx.filter_jit(lambda m, x, c: m.step(x, c))
+    ys = []
+    for x in xs:
+        y, cache = step(model, x, cache)
+        ys.append(np.asarray(y, np.float32))
+    return np.stack(ys)
+
+
+def golden(lowering: Lowering, seed: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The golden arrays and their plan for the manifest: three forward shapes, and a stream of
+    two: `init_cache`, `prefill` of the first steps, `step` over the rest with stream 1 reset
+    part-way (to a new context, for a family with one)."""
+    key = jax.random.PRNGKey(seed)
+    arrays: dict[str, np.ndarray] = {}
+
+    def normal(i: int, shape: tuple[int, ...]) -> np.ndarray:
+        return np.asarray(jax.random.normal(jax.random.fold_in(key, i), shape), np.float32)
+
+    def context(name: str, i: int, b: int, s: int, padded: bool) -> list[str]:
+        if lowering.width is None:
+            return []
+        arrays[f"{name}.context"] = normal(1000 + i, (b, s, lowering.width))
+        mask = np.ones((b, s), bool)
+        if padded and s > 1:
+            mask[0, -1] = False  # one padded context step in the first sequence
+        arrays[f"{name}.context_mask"] = mask
+        return [f"{name}.context", f"{name}.context_mask"]
+
+    forward = jax.jit(lowering.forward)
+    forward_cases = []
+    for i, (b, t, s) in enumerate(
+        [(2, lowering.max_len, 5), (3, min(5, lowering.max_len), 3), (1, 1, 1)]
+    ):
+        arrays[f"forward{i}.x"] = normal(i, (b, t, lowering.n_in))
+        inputs = [f"forward{i}.x", *context(f"forward{i}", i, b, s, padded=True)]
+        arrays[f"forward{i}.y"] = np.asarray(  # outputs are stored as float32
+            forward(lowering.weights, *(arrays[k] for k in inputs)), np.float32
+        )
+        forward_cases.append({"inputs": inputs, "output": f"forward{i}.y", "B": b, "T": t})
+
+    b, n = 2, lowering.capacity
+    prefilled, reset_at = max(1, n // 3), max(1, n // 3, (2 * n) // 3)
+    xs = normal(100, (b, n, lowering.n_in))
+    arrays["stream.x"] = xs
+    arrays["stream.streams"] = np.ones(b, bool)
+    init = context("stream", 9, b, 4, padded=True) or ["stream.streams"]
+    arrays["reset.streams"] = np.array([False, True])
+    reset = ["reset.streams", *context("reset", 10, b, 4, padded=False)]
+
+    def row(keys: Sequence[str], i: int) -> list[np.ndarray]:
+        return [arrays[k][i] for k in keys if k != "stream.streams"]
+
+    # The empty cache of each stream, stacked: what init_cache must return.
+    model = lowering.causal_model
+    starts = [
+        lowering.family.start(model, lowering.capacity, tuple(row(init, i)), "nan")
+        for i in range(b)
+    ]
+    leaves = [np.stack(a) for a in zip(*map(jax.tree_util.tree_leaves, starts), strict=True)]
+    cache_keys = [f"init_cache.{i}" for i in range(len(leaves))]
+    arrays.update(zip(cache_keys, leaves, strict=True))
+
+    # Stream 0 runs uninterrupted; stream 1 starts again at `reset_at`, from its new context.
+    again = [_run(lowering, xs[1, reset_at:], row(reset[1:], 1))] if reset_at < n else []
+    first = _run(lowering, xs[0], row(init, 0))
+    arrays["stream.y"] = np.stack(
+        [first, np.concatenate([_run(lowering, xs[1, :reset_at], row(init, 1)), *again])]
+    )
+    return arrays, {
+        "file": "golden.safetensors",
+        "forward": forward_cases,
+        "stream": {
+            "B": b,
+            "steps": n,
+            "prefill": prefilled,
+            "reset_at": reset_at,
+            "init_cache": {"inputs": init, "outputs": cache_keys},
+            "reset": {"inputs": reset},
+            "x": "stream.x",
+            "y": "stream.y",
+        },
+    }

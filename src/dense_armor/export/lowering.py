@@ -1,0 +1,271 @@
+"""The plain-array functions an artifact exports, built for any model family.
+
+Every exported function takes the weights (a list of arrays, in the order of the manifest's
+`weights.names`) first, then its plain inputs, then, for the streaming functions, the cache (a list
+of arrays, batch `B` first, in the order of the manifest's `cache.layout`):
+
+- `forward(weights, x, *context) -> y`;
+- `init_cache(weights, streams | *context) -> cache`: the empty cache of `B` streams (`streams
+  (B,)` only carries `B` for a family without a context; a decoder's comes from its context);
+- `step(weights, x_t, cache) -> (y_t, cache, overflow)`;
+- `prefill(weights, x, cache) -> (y, cache, overflow)`: `T` steps in one call;
+- `reset(weights, streams, *context, cache) -> cache`: the streams where `streams` is true back to
+  their empty state (with their new context), the others untouched.
+
+Shapes, dtypes and names of every input and output are read from the model (`jax.eval_shape` on
+symbolic shapes), never written by hand; Equinox classes never reach a signature.
+"""
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import export
+
+from ..checkpoint import ModelConfig
+from ..distributed import gather_to_host
+from ..families import FAMILIES
+from ..utility.neural.cache import Counter
+from ..utility.neural.cache import reset as reset_streams
+
+__all__ = ["DIMS", "Function", "Lowering", "Spec"]
+
+Spec = dict[str, Any]  # {"name", "role", "dtype", "shape"}; shape entries are ints or dim names
+DIMS = ("B", "T", "S")  # batch, time (or chunk length), context length
+
+
+def spec(name: str, role: str, dtype: Any, shape: Sequence[Any]) -> Spec:
+    return {
+        "name": name,
+        "role": role,
+        "dtype": str(np.dtype(dtype)),
+        "shape": [d if isinstance(d, int) else str(d) for d in shape],
+    }
+
+
+def concrete(shape: Sequence[Any], sizes: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(sizes[d] if isinstance(d, str) else d for d in shape)
+
+
+def avals(specs: Sequence[Spec], sizes: dict[str, Any]) -> list[jax.ShapeDtypeStruct]:
+    return [jax.ShapeDtypeStruct(concrete(s["shape"], sizes), s["dtype"]) for s in specs]
+
+
+@dataclasses.dataclass
+class Function:
+    """One exported function: `fn(weights, *plain, [cache])`, its non-weight inputs (the cache
+    ones last), its outputs, and upper bounds on its dimensions (`{"T": max_len}`)."""
+
+    fn: Callable[..., Any]
+    inputs: list[Spec]
+    outputs: list[Spec]
+    bounds: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def plain(self) -> list[Spec]:
+        return [i for i in self.inputs if i["role"] != "cache"]
+
+    @property
+    def cache(self) -> list[Spec]:
+        return [i for i in self.inputs if i["role"] == "cache"]
+
+    @property
+    def symbols(self) -> list[str]:
+        """The dimension names of its inputs, in the order of `DIMS`."""
+        used = {d for i in self.inputs for d in i["shape"] if isinstance(d, str)}
+        return [d for d in DIMS if d in used]
+
+    def jitted(self) -> Any:  # a jax.stages.Wrapped
+        if not self.cache:
+            return jax.jit(self.fn)
+        # The cache is donated: an exported step updates it in place.
+        return jax.jit(self.fn, donate_argnums=1 + len(self.plain))
+
+    def arguments(self, weights: list[Any], sizes: dict[str, Any]) -> list[Any]:
+        """`(weight avals, *plain avals, [cache avals])` at `sizes`."""
+        args: list[Any] = [weights, *avals(self.plain, sizes)]
+        return [*args, avals(self.cache, sizes)] if self.cache else args
+
+    def symbolic_sizes(self) -> dict[str, Any]:
+        names = self.symbols
+        constraints = [f"{d} <= {self.bounds[d]}" for d in names if d in self.bounds]
+        dims = export.symbolic_shape(", ".join(names), constraints=constraints) if names else ()
+        return dict(zip(names, dims, strict=True))
+
+
+def _is_counter(node: Any) -> bool:
+    return isinstance(node, Counter)
+
+
+def describe_cache(tree: Any) -> list[dict[str, Any]]:
+    """One entry per array of a cache tree: its path, the cache classes that hold it (outermost
+    first) and the innermost one's description (its docstring's first sentence)."""
+    entries = []
+    for path, _ in jax.tree_util.tree_leaves_with_path(tree):
+        node, holders = tree, []
+        for key in path:
+            if isinstance(node, eqx.Module) or hasattr(node, "_fields"):
+                holders.append(node)
+            node = (
+                getattr(node, key.name)
+                if isinstance(key, jax.tree_util.GetAttrKey)
+                else node[getattr(key, "idx", getattr(key, "key", None))]
+            )
+        doc = " ".join((type(holders[-1]).__doc__ or "").split()) if holders else ""
+        entries.append(
+            {
+                "path": "cache" + jax.tree_util.keystr(path),
+                "holders": [type(h).__name__ for h in holders],
+                "about": doc.split(". ")[0].rstrip("."),
+            }
+        )
+    return entries
+
+
+class Lowering:
+    """The exported functions of one model (and its causal form, which streams)."""
+
+    def __init__(self, model: Any, causal_model: Any, config: ModelConfig, capacity: int):
+        self.family = FAMILIES[config.factory]
+        arguments = config.arguments
+        self.max_len, self.n_in = int(arguments["max_len"]), int(arguments["n_in"])
+        self.width = self.family.context_width(arguments)
+        self.capacity = capacity
+        self.causal_model = causal_model
+        params, self.static = eqx.partition(model, eqx.is_array)
+        paths_and_leaves = jax.tree_util.tree_leaves_with_path(params)
+        self.names = [jax.tree_util.keystr(path) for path, _ in paths_and_leaves]
+        # Host copies: a model trained sharded exports exactly as its single-device twin.
+        self.weights = [jnp.asarray(gather_to_host(leaf)) for _, leaf in paths_and_leaves]
+        self.treedef = jax.tree_util.tree_structure(params)
+        causal_params, self.causal_static = eqx.partition(causal_model, eqx.is_array)
+        self.causal_treedef = jax.tree_util.tree_structure(causal_params)
+
+        f32 = jnp.float32
+        self.x = spec("x", "input", f32, ["B", "T", self.n_in])
+        self.x_t = spec("x_t", "input", f32, ["B", self.n_in])
+        self.streams = spec("streams", "streams", bool, ["B"])
+        self.context = (
+            []
+            if self.width is None
+            else [
+                spec("context", "context", f32, ["B", "S", self.width]),
+                spec("context_mask", "context", bool, ["B", "S"]),
+            ]
+        )
+        # The cache's structure and shapes (symbolic in S for a context), read from the model.
+        (s_dim,) = export.symbolic_shape("S")
+        one_context = [
+            jax.ShapeDtypeStruct(concrete(s["shape"][1:], {"S": s_dim}), s["dtype"])
+            for s in self.context
+        ]
+        cache_shape = jax.eval_shape(lambda *c: self._start(self.causal_model, c), *one_context)
+        self.cache_treedef = jax.tree_util.tree_structure(cache_shape)
+        self.cache_layout = describe_cache(cache_shape)
+        self.cache = [
+            spec(entry["path"], "cache", leaf.dtype, ["B", *leaf.shape])
+            for entry, leaf in zip(
+                self.cache_layout, jax.tree_util.tree_leaves(cache_shape), strict=True
+            )
+        ]
+        for entry, s in zip(self.cache_layout, self.cache, strict=True):
+            entry.update(dtype=s["dtype"], shape=s["shape"])
+        # The overflow flags are those of the cache's counters, found by type.
+        counters = jax.tree_util.tree_flatten_with_path(cache_shape, is_leaf=_is_counter)[0]
+        flags = {
+            "cache" + jax.tree_util.keystr((*path, jax.tree_util.GetAttrKey("overflow")))
+            for path, node in counters
+            if _is_counter(node)
+        }
+        self.overflow_flags = [i for i, s in enumerate(self.cache) if s["name"] in flags]
+
+    # -- the model's pieces -----------------------------------------------------------------
+
+    def _model(self, weights: list[jax.Array], causal: bool) -> Any:
+        treedef, static = (
+            (self.causal_treedef, self.causal_static) if causal else (self.treedef, self.static)
+        )
+        return eqx.combine(jax.tree_util.tree_unflatten(treedef, weights), static)
+
+    def _start(self, model: Any, context: Sequence[Any]) -> Any:
+        """One stream's empty cache; an exported stream marks overflow, it never calls back."""
+        return self.family.start(model, self.capacity, context, "nan")
+
+    def _fresh(self, model: Any, streams: jax.Array, context: Sequence[jax.Array]) -> Any:
+        """The empty caches of `B` streams (`streams (B,)` carries `B`), batch first."""
+        return jax.vmap(lambda _, *c: self._start(model, c))(streams, *context)
+
+    def _cache_tree(self, cache: list[jax.Array]) -> Any:
+        return jax.tree_util.tree_unflatten(self.cache_treedef, cache)
+
+    def _overflow(self, leaves: list[jax.Array], batch: int) -> jax.Array:
+        flags = [leaves[i] for i in self.overflow_flags]
+        return jnp.stack(flags).any(axis=0) if flags else jnp.zeros(batch, bool)
+
+    # -- the exported functions ---------------------------------------------------------------
+
+    def forward(self, weights: list[jax.Array], x: jax.Array, *context: jax.Array) -> jax.Array:
+        model = self._model(weights, causal=False)
+        return jax.vmap(lambda x, *c: self.family.apply(model, x, c))(x, *context)
+
+    def init_cache(self, weights: list[jax.Array], *inputs: jax.Array) -> list[jax.Array]:
+        context = inputs if self.context else ()
+        streams = jnp.ones(inputs[0].shape[0], bool)
+        return jax.tree_util.tree_leaves(
+            self._fresh(self._model(weights, causal=True), streams, context)
+        )
+
+    def prefill(
+        self, weights: list[jax.Array], x: jax.Array, cache: list[jax.Array]
+    ) -> tuple[jax.Array, list[jax.Array], jax.Array]:
+        model = self._model(weights, causal=True)
+        y, tree = jax.vmap(model.prefill)(x, self._cache_tree(cache))
+        leaves = jax.tree_util.tree_leaves(tree)
+        return y, leaves, self._overflow(leaves, x.shape[0])
+
+    def step(
+        self, weights: list[jax.Array], x_t: jax.Array, cache: list[jax.Array]
+    ) -> tuple[jax.Array, list[jax.Array], jax.Array]:
+        y, leaves, overflow = self.prefill(weights, x_t[:, None], cache)
+        return y[:, 0], leaves, overflow
+
+    def reset(self, weights: list[jax.Array], streams: jax.Array, *rest: Any) -> list[jax.Array]:
+        *context, cache = rest
+        fresh = self._fresh(self._model(weights, causal=True), streams, context)
+        return jax.tree_util.tree_leaves(reset_streams(self._cache_tree(cache), streams, fresh))
+
+    def functions(self) -> dict[str, Function]:
+        """Every exported function, its outputs read from the model on symbolic shapes."""
+        # name: (function, inputs, outputs before the cache, whether the cache and overflow
+        # follow them, bounds)
+        plans: dict[str, tuple[Callable[..., Any], list[Spec], list[str], bool, dict[str, int]]]
+        plans = {
+            "forward": (self.forward, [self.x, *self.context], ["y"], False, {"T": self.max_len}),
+            "init_cache": (self.init_cache, self.context or [self.streams], [], True, {}),
+            "step": (self.step, [self.x_t, *self.cache], ["y_t"], True, {}),
+            "prefill": (self.prefill, [self.x, *self.cache], ["y"], True, {}),
+            "reset": (self.reset, [self.streams, *self.context, *self.cache], [], True, {}),
+        }
+        functions = {}
+        weight_avals = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in self.weights]
+        for name, (fn, inputs, leading, streaming, bounds) in plans.items():
+            function = Function(fn, inputs, [], bounds)
+            sizes = function.symbolic_sizes()
+            shapes = jax.tree_util.tree_leaves(
+                jax.eval_shape(fn, *function.arguments(weight_avals, sizes))
+            )
+            names, roles = list(leading), ["output"] * len(leading)
+            if streaming:
+                names += [s["name"] for s in self.cache]
+                roles += ["cache"] * len(self.cache)
+            if len(shapes) > len(names):  # step and prefill also return the overflow flags
+                names, roles = [*names, "overflow"], [*roles, "output"]
+            function.outputs = [
+                spec(n, r, s.dtype, s.shape) for n, r, s in zip(names, roles, shapes, strict=True)
+            ]
+            functions[name] = function
+        return functions

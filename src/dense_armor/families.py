@@ -1,0 +1,85 @@
+"""The model families that checkpoints and the export stage know, in one registry.
+
+A `Family` says everything the rest of dense_armor needs about a kind of model: the factory
+that builds it from a config's arguments, the arguments of its causal form (the model whose
+step is exported), whether it attends to a context and how wide that is, how its forward is
+called, and how its streaming cache starts. `checkpoint.ModelConfig` looks factories up here and
+the export stage builds every exported function from these entries: adding a family is adding
+one entry to `FAMILIES`.
+"""
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from .utility.neural.models import transformer_decoder, transformer_encoder
+
+__all__ = ["FAMILIES", "Family", "family"]
+
+Arguments = Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One model family.
+
+    - `name`: the factory's name, as configs store it;
+    - `factory`: `factory(**arguments, key=key)` builds the model;
+    - `kind`: what the artifact calls it (`"encoder"`: one output per sequence; `"decoder"`: one
+      per step, attending to a context);
+    - `causal`: the arguments of the model's causal form, which streams;
+    - `context_width`: the width of the context it attends to, or `None`;
+    - `apply(model, x, context)`: the forward of one sample, `context` a tuple `(context,
+      context_mask)` or `()`;
+    - `start(model, capacity, context, on_overflow)`: one stream's empty cache.
+    """
+
+    name: str
+    factory: Callable[..., Any]
+    kind: str
+    causal: Callable[[Arguments], dict[str, Any]]
+    context_width: Callable[[Arguments], int | None]
+    apply: Callable[[Any, Any, Sequence[Any]], Any]
+    start: Callable[[Any, int, Sequence[Any], str], Any]
+
+
+def _encoder_start(model: Any, capacity: int, context: Sequence[Any], on_overflow: str) -> Any:
+    return model.init_cache(capacity, on_overflow=on_overflow)
+
+
+def _decoder_start(model: Any, capacity: int, context: Sequence[Any], on_overflow: str) -> Any:
+    states, mask = context
+    return model.init_cache(states, capacity, context_mask=mask, on_overflow=on_overflow)
+
+
+FAMILIES: dict[str, Family] = {
+    family.name: family
+    for family in (
+        Family(
+            name="transformer_encoder",
+            factory=transformer_encoder,
+            kind="encoder",
+            causal=lambda arguments: {**arguments, "causal": True},
+            context_width=lambda arguments: None,
+            apply=lambda model, x, context: model(x),
+            start=_encoder_start,
+        ),
+        Family(
+            name="transformer_decoder",
+            factory=transformer_decoder,
+            kind="decoder",
+            causal=dict,  # a decoder is causal already
+            context_width=lambda arguments: int(arguments.get("d_context") or arguments["d_model"]),
+            apply=lambda model, x, context: model(x, context[0], context_mask=context[1]),
+            start=_decoder_start,
+        ),
+    )
+}
+
+
+def family(name: str) -> Family:
+    """The family of factory `name`; `KeyError` naming the known ones otherwise."""
+    try:
+        return FAMILIES[name]
+    except (KeyError, TypeError):
+        raise KeyError(f"unknown model factory {name!r}; known: {sorted(FAMILIES)}.") from None
