@@ -15,6 +15,7 @@ from dense_armor.utility.neural import (
     RingKVCache,
     TransformerBlock,
     TransformerDecoderBlock,
+    blocked,
     reset,
     transformer_decoder,
     transformer_encoder,
@@ -107,6 +108,37 @@ def test_decoder_prefill_equals_its_steps_and_forward():
         for sizes in CHUNKS.values():
             ys, _ = chunked(model, xs, cache, sizes, prefill=prefill)
             np.testing.assert_allclose(ys, full, atol=2e-5)
+
+
+@pytest.mark.parametrize("window, capacity", [(None, STEPS), (5, None), (None, None)])
+def test_a_long_chunk_goes_through_in_pieces_with_the_same_result(monkeypatch, window, capacity):
+    """With the scores bound lowered to 8 ** 2 entries per head, a chunk of 13 rows against 13
+    or more keys goes through in pieces (a scan for fixed and ring caches, a loop for the growing
+    one, and a remainder); outputs and cache are those of the whole chunk at once."""
+    m = MultiHeadSelfAttention(8, 2, KEY, causal=True, window=window)
+    xs = jax.random.normal(jax.random.fold_in(KEY, 7), (13, 8))
+    stepped, _ = stream(m, xs, m.init_cache(capacity))
+    whole, whole_cache = m.prefill(xs, m.init_cache(capacity))
+    assert m._piece_rows(xs, m.init_cache(capacity)) is None
+    monkeypatch.setattr(blocked, "BLOCKED_MIN_LENGTH", 8)
+    rows = m._piece_rows(xs, m.init_cache(capacity))
+    assert rows is not None and 1 < rows < 13 and 13 % rows  # pieces and a remainder
+    pieces, pieces_cache = eqx.filter_jit(m.prefill)(xs, m.init_cache(capacity))
+    np.testing.assert_allclose(pieces, whole, atol=1e-5)
+    np.testing.assert_allclose(pieces, stepped, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(pieces_cache), jax.tree.leaves(whole_cache), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_a_whole_model_prefills_in_pieces_and_keeps_the_overflow_rules(monkeypatch):
+    model = encoder()
+    xs = jax.random.normal(jax.random.fold_in(KEY, 8), (STEPS + 2, 3))
+    expected, _ = model.prefill(xs, model.init_cache(STEPS, on_overflow="nan"))
+    monkeypatch.setattr(blocked, "BLOCKED_MIN_LENGTH", 8)
+    ys, cache = eqx.filter_jit(model.prefill)(xs, model.init_cache(STEPS, on_overflow="nan"))
+    np.testing.assert_allclose(ys[:STEPS], expected[:STEPS], atol=2e-5)
+    assert bool(jnp.isnan(ys[STEPS:]).all()) and bool(jnp.isfinite(ys[:STEPS]).all())
+    assert bool(cache[2].overflow) and int(cache[2].index) == STEPS
 
 
 @pytest.mark.parametrize("layer", ["attention", "block"])

@@ -135,7 +135,6 @@ class Lowering:
         self.max_len, self.n_in = int(arguments["max_len"]), int(arguments["n_in"])
         self.width = self.family.context_width(arguments)
         self.capacity = capacity
-        self.causal_model = causal_model
         params, self.static = eqx.partition(model, eqx.is_array)
         paths_and_leaves = jax.tree_util.tree_leaves_with_path(params)
         self.names = [jax.tree_util.keystr(path) for path, _ in paths_and_leaves]
@@ -144,6 +143,8 @@ class Lowering:
         self.treedef = jax.tree_util.tree_structure(params)
         causal_params, self.causal_static = eqx.partition(causal_model, eqx.is_array)
         self.causal_treedef = jax.tree_util.tree_structure(causal_params)
+        # The Python model the golden data runs, on the host copies too.
+        self.causal_model = self._model(self.weights, causal=True)
 
         f32 = jnp.float32
         self.x = spec("x", "input", f32, ["B", "T", self.n_in])

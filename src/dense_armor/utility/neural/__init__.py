@@ -1,8 +1,5 @@
 """The layers of dense_armor. Every public name is re-exported here."""
 
-from .attention import ContextCache as ContextCache
-from .attention import MultiHeadCrossAttention as MultiHeadCrossAttention
-from .attention import MultiHeadSelfAttention as MultiHeadSelfAttention
 from .attention import attention_weights as attention_weights
 from .attention import scaled_dot_product_attention as scaled_dot_product_attention
 from .blocked import BLOCKED_MIN_LENGTH as BLOCKED_MIN_LENGTH
@@ -25,6 +22,8 @@ from .core import Layer as Layer
 from .core import Param as Param
 from .core import Pointwise as Pointwise
 from .core import ShapeError as ShapeError
+from .cross_attention import ContextCache as ContextCache
+from .cross_attention import MultiHeadCrossAttention as MultiHeadCrossAttention
 from .layers import Cast as Cast
 from .layers import Dense as Dense
 from .layers import Dropout as Dropout
@@ -42,3 +41,4 @@ from .positions import LearnedPositions as LearnedPositions
 from .positions import PositionalEncoding as PositionalEncoding
 from .positions import sinusoidal_encoding as sinusoidal_encoding
 from .positions import sinusoidal_positions as sinusoidal_positions
+from .self_attention import MultiHeadSelfAttention as MultiHeadSelfAttention

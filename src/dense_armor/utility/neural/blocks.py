@@ -15,13 +15,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
-from .attention import (
-    ContextCache,
-    MultiHeadCrossAttention,
-    MultiHeadSelfAttention,
-    _check_heads,
-    _project,
-)
+from .attention import _check_heads, _project
 from .cache import FixedKVCache, KVCache, RingKVCache
 from .core import (
     Layer,
@@ -32,7 +26,9 @@ from .core import (
     require_positive,
     shape_checked,
 )
+from .cross_attention import ContextCache, MultiHeadCrossAttention
 from .layers import Dropout, FeedForward, LayerNorm
+from .self_attention import MultiHeadSelfAttention
 
 __all__ = ["DecoderCache", "Gate", "TransformerBlock", "TransformerDecoderBlock"]
 
@@ -62,7 +58,7 @@ class TransformerBlock(Layer):
     `window=None` (sliding-window attention) and `memory_efficient=None` (blocked attention; see
     `MultiHeadSelfAttention`).
 
-    `forward(x, mask=None)`: `mask (T,)` marks the valid steps of a padded sequence.
+    `forward(x, mask=None)`, `mask` the padding mask of `Layer`.
 
     `params()` is, in order, the attention's `[W_Q, W_K, W_V, W_O]`, the first LayerNorm's
     `[gain, bias]`, the feed-forward's `[W_1, b_1, W_2, b_2]` and the second LayerNorm's

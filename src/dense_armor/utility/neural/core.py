@@ -239,6 +239,15 @@ class Layer(eqx.Module):
     Layers that can run in a causal model also stream: `init_cache(capacity)`,
     `step(x_t, cache) -> (y_t, cache)` and `prefill(x_chunk, cache) -> (y_chunk, cache)` (what
     `K` calls of `step` return, stacked); the others raise `CannotStream`.
+
+    Masks mean the same in every layer: `forward(x, mask=None)` takes a boolean vector `mask (T,)`
+    over the steps of `x`, `True` on the valid steps of a sequence padded at the end. A padded
+    step is hidden from every other step (its key is never attended to, it is left out of a
+    mean), and its own output row is whatever the layer computes for it, to be ignored. A
+    cross-attention's `context_mask (S,)` is the same over its context. A layer with
+    `accepts_mask = True` takes one; `Sequential` passes it to those layers. (Only the functions
+    `scaled_dot_product_attention` and `attention_weights` take a mask over the scores,
+    `(..., T, S)`, as the attention page defines it.)
     """
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -202,8 +202,8 @@ class MeanOverTime(Layer):
     running sum); `transformer_encoder` sets it. Stepping keeps a running sum and count, so the
     output after `t` steps is the mean of those `t` samples. No parameters.
 
-    `forward(x, mask=None)`: with `mask (T,)`, the mean over the valid steps only; a sequence with
-    no valid step gives zeros.
+    `forward(x, mask=None)`: with the padding mask of `Layer`, the mean over the valid steps only;
+    a sequence with no valid step gives zeros.
     """
 
     features: int | None = eqx.field(static=True, converter=python_scalar, default=None)

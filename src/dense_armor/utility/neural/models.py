@@ -53,8 +53,8 @@ class Sequential(Layer):
     def forward(
         self, x: Array, *, mask: Array | None = None, key: PRNGKeyArray | None = None
     ) -> Array:
-        """`x` through every layer; `mask (T,)` (valid steps) goes to the layers that take one
-        (attention, blocks, `MeanOverTime`)."""
+        """`x` through every layer; the padding `mask` (`Layer`) goes to the layers that take
+        one (attention, blocks, `MeanOverTime`)."""
         keys = [None] * len(self.layers) if key is None else list(jr.split(key, len(self.layers)))
         for layer, layer_key in zip(self.layers, keys, strict=True):
             x = _apply(layer, x, mask, layer_key)
@@ -143,7 +143,7 @@ def transformer_encoder(
     that dtype, parameters stay float32) and `memory_efficient=None` (blocked attention in every
     block: `True`, `False`, or `None` for sequences of `BLOCKED_MIN_LENGTH` steps or more).
 
-    `forward(x, mask=None)`: `mask (T,)` marks the valid steps of a sequence padded at the end.
+    `forward(x, mask=None)`, `mask` the padding mask of `Layer`.
     """
     require_key(key)
     require_positive(

@@ -1,0 +1,229 @@
+"""Multi-head self-attention (Vaswani et al. 2017, page 5), which streams through a key/value
+cache that owns its writes (`cache.update`)."""
+
+import math
+from typing import Any, ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
+
+from . import blocked
+from .attention import (
+    _attend_heads,
+    _attend_sequence,
+    _check_heads,
+    _check_memory_efficient,
+    _check_window,
+    _heads,
+    _project,
+    _require_causal,
+    _sequence_mask,
+    attention_weights,
+)
+from .blocked import use_blocked
+from .cache import Counter, FixedKVCache, KVCache, RingKVCache, validate_overflow_mode
+from .core import (
+    Layer,
+    Param,
+    python_scalar,
+    require_bool,
+    require_key,
+    require_positive,
+    shape_checked,
+)
+
+__all__ = ["MultiHeadSelfAttention"]
+
+
+class MultiHeadSelfAttention(Layer):
+    """Multi-head self-attention with the four projections `W_Q`, `W_K`, `W_V`, `W_O` and no biases
+    (Vaswani et al. 2017, page 5).
+
+    **Arguments:** `d_model` (the width, divisible by `n_heads`), `n_heads`, `key`,
+    `causal=False` (step t looks only at steps up to t; masked scores are `-inf`), `window=None`
+    (with `causal=True`: step t looks only at the last `window` steps, `t - window < s <= t`),
+    `memory_efficient=None` (`True`: `forward` attends with `blocked_attention`, in memory linear
+    in T; `False`: with the `(T, T)` scores materialised; `None`: blocked from
+    `BLOCKED_MIN_LENGTH` steps on). Both give the same result up to float32 round-off.
+
+    `forward(x, mask=None)` maps `(T, d_model) -> (T, d_model)`, `mask` the padding mask of
+    `Layer`.
+    `params()` is `[W_Q, W_K, W_V, W_O]`, each `(d_model, d_model)`, initialised uniform in
+    `[-1/sqrt(d_model), 1/sqrt(d_model)]`. `attention_weights(x)` returns the weights
+    `(n_heads, T, T)`.
+
+    A causal layer streams: `cache = m.init_cache()` (growing, two `(0, d_model)` arrays) or
+    `m.init_cache(capacity)` (fixed), then `y_t, cache = m.step(x_t, cache)`. A windowed layer's
+    cache is a ring of `window` rows whatever the capacity: it never overflows.
+    """
+
+    W_Q: Param
+    W_K: Param
+    W_V: Param
+    W_O: Param
+    d_model: int = eqx.field(static=True, converter=python_scalar)
+    n_heads: int = eqx.field(static=True, converter=python_scalar)
+    causal: bool = eqx.field(static=True, converter=python_scalar)
+    window: int | None = eqx.field(static=True, converter=python_scalar)
+    memory_efficient: bool | None = eqx.field(static=True, converter=python_scalar)
+    accepts_mask: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        key: PRNGKeyArray,
+        causal: bool = False,
+        window: int | None = None,
+        memory_efficient: bool | None = None,
+    ):
+        require_key(key)
+        _check_heads(d_model, n_heads)
+        require_bool(causal=causal)
+        _check_window(window, causal)
+        _check_memory_efficient(memory_efficient)
+        bound = 1.0 / math.sqrt(d_model)
+        qkey, kkey, vkey, okey = jr.split(key, 4)
+
+        def init(k: PRNGKeyArray) -> Param:
+            return Param(jr.uniform(k, (d_model, d_model), minval=-bound, maxval=bound))
+
+        self.W_Q, self.W_K, self.W_V, self.W_O = init(qkey), init(kkey), init(vkey), init(okey)
+        self.d_model = d_model
+        self.n_heads = n_heads
+        self.causal = causal
+        self.window = window
+        self.memory_efficient = memory_efficient
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_heads
+
+    def _cache_shape(self, rows: int) -> tuple[int, int, int]:
+        """A fixed or ring cache's buffers: per head, `(n_heads, rows, d_head)`, so a step reads
+        each head's keys contiguously with no transpose."""
+        return (self.n_heads, rows, self.d_head)
+
+    def _keys_values(self, x: Array) -> tuple[Array, Array]:
+        return _project(x, self.W_K), _project(x, self.W_V)
+
+    @shape_checked
+    def forward(
+        self,
+        x: Float[Array, "T d_model"],
+        *,
+        mask: Bool[Array, " T"] | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "T d_model"]:
+        keys, values = self._keys_values(x)
+        return _attend_sequence(self, x, keys, values, mask, self.causal, self.window)
+
+    @shape_checked
+    def attention_weights(
+        self, x: Float[Array, "T d_model"], *, mask: Bool[Array, " T"] | None = None
+    ) -> Float[Array, "n_heads T T"]:
+        """The attention weights of `forward(x, mask=mask)`, `(n_heads, T, T)`, in float32."""
+        q = _heads(_project(x, self.W_Q), self.n_heads)
+        k = _heads(_project(x, self.W_K), self.n_heads)
+        length = x.shape[0]
+        return attention_weights(
+            q, k, _sequence_mask(length, length, self.causal, self.window, mask)
+        )
+
+    def init_cache(
+        self, capacity: int | None = None, *, on_overflow: str = "raise"
+    ) -> KVCache | FixedKVCache | RingKVCache:
+        """An empty cache: growing (`capacity=None`, two `(0, d_model)` arrays) or fixed.
+
+        A fixed cache holds `capacity` steps; `on_overflow` (`"raise"` or `"nan"`) says what a
+        step past that does (see `dense_armor.utility.neural.cache`). A windowed layer ignores
+        `capacity`: its cache is a ring of `window` rows that never overflows.
+        """
+        _require_causal(self)
+        validate_overflow_mode(on_overflow)
+        # Keys and values get buffers of their own, so that both can be donated.
+        if self.window is not None:
+            zeros = self._cache_shape(self.window)
+            return RingKVCache(jnp.zeros(zeros), jnp.zeros(zeros), jnp.zeros((), jnp.int32))
+        if capacity is None:
+            return KVCache(jnp.zeros((0, self.d_model)), jnp.zeros((0, self.d_model)))
+        require_positive(capacity=capacity)
+        zeros = self._cache_shape(capacity)
+        return FixedKVCache(
+            keys=jnp.zeros(zeros), values=jnp.zeros(zeros), counter=Counter.start(on_overflow)
+        )
+
+    @shape_checked
+    def prefill(
+        self, x: Float[Array, "K d_model"], cache: KVCache | FixedKVCache | RingKVCache
+    ) -> tuple[Float[Array, "K d_model"], KVCache | FixedKVCache | RingKVCache]:
+        """`K` causal steps at once: the chunk's keys and values go into `cache` (the cache owns
+        the write: `cache.update`), and each row attends to what its step may see.
+
+        A long chunk (scores of `K` rows against the cache's keys past `BLOCKED_MIN_LENGTH ** 2`
+        per head, or any chunk with `memory_efficient=True`) goes through in pieces of as many
+        rows as stay under that bound, one after the other (a `jax.lax.scan` for a fixed or
+        ring cache): each piece is a prefill of its own, so the result is the same and the
+        scores never exceed the bound.
+
+        **Returns:** `(y, cache)`, `y (K, d_model)`: what `K` calls of `step` return, stacked, to
+        float32 round-off. A fixed cache with too little room applies its overflow rule to the
+        rows past its capacity, as `step` would.
+        """
+        _require_causal(self)
+        rows = self._piece_rows(x, cache)
+        if rows is None:
+            return self._prefill(x, cache)
+        full, extra = divmod(x.shape[0], rows)
+        pieces = x[: full * rows].reshape(full, rows, x.shape[1])
+        if getattr(cache, "fixed_shape", True):
+
+            def piece(cache: Any, x: Array) -> tuple[Any, Array]:
+                y, cache = self._prefill(x, cache)
+                return cache, y
+
+            cache, ys = jax.lax.scan(piece, cache, pieces)
+            outputs = [ys.reshape(full * rows, x.shape[1])]
+        else:  # a growing cache changes shape with every piece
+            outputs = []
+            for chunk in pieces:
+                y, cache = self._prefill(chunk, cache)
+                outputs.append(y)
+        if extra:
+            y, cache = self._prefill(x[full * rows :], cache)
+            outputs.append(y)
+        return jnp.concatenate(outputs), cache
+
+    def _piece_rows(self, x: Array, cache: Any) -> int | None:
+        """The rows of `x` to attend at once, or `None` for all of them."""
+        steps = x.shape[0]
+        if not isinstance(steps, int) or steps == 0:
+            return None  # a symbolic chunk length (export) is attended whole
+        new = jax.ShapeDtypeStruct((self.n_heads, steps, self.d_head), x.dtype)
+        # The keys the chunk attends over, as the cache's own update would give them.
+        key_rows = jax.eval_shape(lambda k: cache.update(k, k, self.window).keys, new).shape[1]
+        if not use_blocked(self.memory_efficient, steps, key_rows):
+            return None
+        rows = max(1, blocked.BLOCKED_MIN_LENGTH**2 // key_rows)
+        return rows if rows < steps else None
+
+    def _prefill(self, x: Array, cache: Any) -> tuple[Array, Any]:
+        keys, values = (_heads(_project(x, w), self.n_heads) for w in (self.W_K, self.W_V))
+        update = cache.update(keys, values, self.window)
+        y = _attend_heads(self, x, update.keys, update.values, update.visible)
+        return update.cache.guard(y, update.fits), update.cache
+
+    @shape_checked
+    def step(
+        self, x_t: Float[Array, " d_model"], cache: KVCache | FixedKVCache | RingKVCache
+    ) -> tuple[Float[Array, " d_model"], KVCache | FixedKVCache | RingKVCache]:
+        """One causal step: append `x_t`'s key and value to `cache`, attend over the cache.
+
+        **Returns:** `(y_t, cache)`, `y_t` of shape `(d_model,)`: after `t+1` steps, row `t` of
+        `forward` on those steps.
+        """
+        y, cache = self.prefill(x_t[None], cache)
+        return y[0], cache
