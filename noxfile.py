@@ -15,7 +15,7 @@ COVERAGE_FLOOR = 93
 def tests(session: nox.Session) -> None:
     """The test suite (without the benchmarks), on every core, with line and branch coverage of
     src/ (at least COVERAGE_FLOOR percent)."""
-    session.install("-e", ".[test,examples]")
+    session.install("-e", ".[test,examples,iree]")
     session.run(
         "pytest",
         "tests",
@@ -65,7 +65,7 @@ def bench(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def export(session: nox.Session) -> None:
     """The main job: train the digits example, export it to export/artifacts/, verify it."""
-    session.install("-e", ".[examples]")
+    session.install("-e", ".[examples,iree]")
     session.run("python", "export/pipeline.py", *session.posargs)
 
 

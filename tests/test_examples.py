@@ -49,8 +49,17 @@ def test_digits_quick_run_and_export_pipeline(tmp_path, capsys):
     for plot in report["plots"]:
         assert pathlib.Path(plot).read_bytes().startswith(b"\x89PNG")
     assert (runs / "best" / "weights.safetensors").exists()
-    assert max(result["errors"].values()) < 1e-4
-    assert (out / "manifest.json").exists() and (out / "report.json").exists()
+    assert max(result["errors"]["jax"].values()) < 1e-4
+    assert max(result["errors"]["iree"].values()) < 1e-4
+    assert {name.split()[1] for name in result["errors"]["iree"]} == {
+        "forward",
+        "init_cache",
+        "step",
+        "prefill",
+        "reset",
+    }
+    assert (out / "manifest.json").exists() and (tmp_path / "artifacts-report.json").exists()
+    assert not (out / "report.json").exists()
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["functions"]["forward"]["platforms"] == ["cpu"]
     # a second run reuses the finished checkpoint instead of training again

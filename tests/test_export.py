@@ -1,4 +1,6 @@
+import datetime
 import json
+import pathlib
 import re
 import shutil
 import subprocess
@@ -7,11 +9,12 @@ import sys
 import jax
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 from dense_armor.checkpoint import CheckpointError, ModelConfig, save_checkpoint
 from dense_armor.cli import main as cli
 from dense_armor.export import ArtifactError, check_golden, export_model, load
+from dense_armor.export.standalone import sha256
 from streams import prefix_outputs
 
 MAX_LEN, CAPACITY = 8, 6
@@ -264,7 +267,7 @@ def test_every_platform_lowers_from_this_machine(every_platform, model):
     assert statics == {(f, p) for f in functions for p in ("cpu", "cuda", "tpu")}
     texts = {**module_texts(every_platform)}
     texts.update({name: f.mlir_module() for name, f in artifact.functions.items()})
-    assert len(texts) == 5 * 3 + 5
+    assert len(texts) == 5 + 5  # the static modules of the three platforms are identical
     assert_portable_modules(texts)
     assert max(check_golden(artifact).values()) < 1e-5  # the cpu lowering of the 3, run here
 
@@ -487,3 +490,122 @@ def test_a_replacement_killed_between_its_renames_leaves_the_old_artifact_loadab
     export_model(model, CONFIG, out, platforms=["cpu"], static_shapes=[], force=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # put back, then replaced
     assert max(check_golden(load(out)).values()) < 1e-5
+
+
+def test_cli_and_api_export_the_same_bytes_and_no_paths(tmp_path, model):
+    """Debug locations are stripped: the bytes depend on the model only, not on the calling
+    script or where the sources lie."""
+    save_checkpoint(tmp_path / "ckpt", model, CONFIG)
+    options = {"capacity": CAPACITY, "platforms": ["cpu", "cuda"], "static_shapes": [(1, 4)]}
+    api = export_model(model, CONFIG, tmp_path / "api", **options)
+    args = ["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "cli"), "--static", "1,4"]
+    assert cli([*args, "--capacity", str(CAPACITY), "--platforms", "cpu,cuda"]) == 0
+    assert api.manifest["debug_locations"] == "stripped"
+    for file in (tmp_path / "api").rglob("*"):
+        if file.is_file():
+            other = tmp_path / "cli" / file.relative_to(tmp_path / "api")
+            assert file.read_bytes() == other.read_bytes(), file.name
+    for name, function in load(tmp_path / "api").functions.items():
+        assert ".py" not in function.mlir_module(), name
+    assert not any(".py" in t for t in module_texts(tmp_path / "api").values())
+    # the cuda lowering of each static module is the cpu one: written once, referenced twice
+    entries = api.manifest["static"]
+    assert len(entries) == 2 * 5 and len({e["bytecode"] for e in entries}) == 5
+
+
+def test_a_manifest_that_lies_is_refused(copy, capsys):
+    manifest = json.loads((copy / "manifest.json").read_text())
+    edited = json.loads(json.dumps(manifest))
+    cache_input = next(
+        i for i in edited["functions"]["step"]["inputs"] if i["name"].endswith("keys")
+    )
+    cache_input["shape"][-1] += 1
+    (copy / "manifest.json").write_text(json.dumps(edited))
+    with pytest.raises(ArtifactError, match=r"step: the manifest says input 'cache\[2\]\.keys'"):
+        load(copy)
+    assert cli(["inspect", str(copy)]) == 2
+    assert "the manifest says input" in capsys.readouterr().err
+    edited = json.loads(json.dumps(manifest))
+    weight = edited["functions"]["forward"]["inputs"][0]
+    weight["dtype"] = "float16"
+    (copy / "manifest.json").write_text(json.dumps(edited))
+    with pytest.raises(ArtifactError, match="forward: the manifest says input"):
+        load(copy)
+    for key in ("files", "weights", "functions", "golden", "streaming", "compatibility"):
+        edited = {k: v for k, v in manifest.items() if k != key}
+        (copy / "manifest.json").write_text(json.dumps(edited))
+        with pytest.raises(ArtifactError, match=f"lacks the key `{key}`"):
+            load(copy)
+    edited = json.loads(json.dumps(manifest))
+    del edited["functions"]["prefill"]["outputs"]
+    (copy / "manifest.json").write_text(json.dumps(edited))
+    with pytest.raises(ArtifactError, match=r"lacks the key `functions\.prefill\.outputs`"):
+        load(copy)
+    # a weights file replaced by one of another shape, its manifest entry updated to match
+    weights = load_file(str(copy / "weights.safetensors"))
+    name = manifest["weights"]["names"][0]
+    save_file({**weights, name: np.zeros((1, 1), np.float32)}, str(copy / "weights.safetensors"))
+    edited = json.loads(json.dumps(manifest))
+    edited["files"]["weights.safetensors"] = {
+        "sha256": sha256(copy / "weights.safetensors"),
+        "bytes": (copy / "weights.safetensors").stat().st_size,
+    }
+    (copy / "manifest.json").write_text(json.dumps(edited))
+    with pytest.raises(ArtifactError, match=f"the weights file holds {re.escape(repr(name))}"):
+        load(copy)
+
+
+def test_export_refuses_a_capacity_past_max_len_unless_windowed(tmp_path, model):
+    with pytest.raises(ArtifactError, match=r"capacity 9 > max_len 8.*positional encoding"):
+        export_model(model, CONFIG, tmp_path / "x", capacity=MAX_LEN + 1)
+    assert not (tmp_path / "x").exists()
+    windowed = ModelConfig("transformer_encoder", {**CONFIG.arguments, "depth": 1, "window": 3})
+    export_model(
+        windowed.build(jax.random.PRNGKey(0)),
+        windowed,
+        tmp_path / "w",
+        capacity=MAX_LEN + 4,
+        platforms=["cpu"],
+        static_shapes=[],
+    )
+    artifact = load(tmp_path / "w")
+    assert max(check_golden(artifact).values()) < 1e-5  # 12 steps: past max_len, no overflow
+
+
+def test_compatibility_is_recorded_and_inspect_warns_once_it_has_passed(copy, capsys):
+    manifest = json.loads((copy / "manifest.json").read_text())
+    compatibility = manifest["compatibility"]
+    exported = datetime.date.fromisoformat(compatibility["exported_on"])
+    until = datetime.date.fromisoformat(compatibility["newer_jax_guaranteed_until"])
+    assert (until - exported).days == 180 and compatibility["exported_with_jax"] == jax.__version__
+    assert cli(["inspect", str(copy)]) == 0
+    text = capsys.readouterr().out
+    assert f"guaranteed to load it until {until}" in text and "warning" not in text
+    compatibility["newer_jax_guaranteed_until"] = "2020-01-01"
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    assert cli(["inspect", str(copy)]) == 0
+    assert "warning: 2020-01-01 has passed" in capsys.readouterr().out
+
+
+def test_t_past_max_len_through_bare_jax_export_and_through_load(artifact_dir):
+    """What the docs say a consumer sees: jax.export's own error, and load()'s clear one."""
+    artifact = load(artifact_dir)
+    x = np.ones((1, MAX_LEN + 1, 3), np.float32)
+    with pytest.raises(ValueError, match="Error refining shapes"):
+        artifact.functions["forward"].call(artifact.weights, x)
+    with pytest.raises(ArtifactError, match=r"T=9 is outside the exported range \[1, 8\]"):
+        artifact.forward(x)
+
+
+COMMITTED = pathlib.Path(__file__).parent / "data" / "artifact-v2"
+
+
+def test_an_artifact_exported_by_an_earlier_release_still_loads_and_runs():
+    """tests/data/artifact-v2 was exported by dense_armor 0.1.0 (format version 2) and is never
+    regenerated: a change of format or of jax that breaks deployed artifacts fails here."""
+    artifact = load(COMMITTED)
+    assert artifact.manifest["format_version"] == 2
+    assert max(check_golden(artifact).values()) < 1e-5
+    cache = artifact.init_cache(3)
+    y, cache, overflow = artifact.prefill(np.ones((3, 4, 3), np.float32), cache)
+    assert y.shape == (3, 4, 4) and not bool(overflow.any())

@@ -99,7 +99,7 @@ class ModelConfig:
             "format": FORMAT,
             "version": VERSION,
             "factory": self.factory,
-            "arguments": dict(self.arguments),
+            "arguments": dict(sorted(self.arguments.items())),  # one order, whatever the source
         }
 
     @classmethod

@@ -2,10 +2,12 @@
 
 dense-armor export CHECKPOINT_DIR --out DIR [--static B,T[,S] ...] [--capacity N]
                    [--platforms cpu,cuda,tpu] [--force]
+dense-armor compile DIR [--target llvm-cpu[,cuda,vulkan-spirv]] [--cpu host] [--cuda-arch sm_80]
 dense-armor inspect DIR
 """
 
 import argparse
+import datetime
 import json
 import pathlib
 import sys
@@ -27,10 +29,9 @@ def _platforms(text: str) -> list[str]:
 
 
 def _inspect(directory: pathlib.Path) -> str:
-    from .export.standalone import read_manifest, verify_files
+    from .export.standalone import load
 
-    manifest = read_manifest(directory)
-    verify_files(directory, manifest)
+    manifest = load(directory).manifest  # the sha256 of every file, and the manifest's claims
     model = manifest["model"]
     lines = [
         f"{directory}: dense_armor artifact, format version {manifest['format_version']}",
@@ -56,6 +57,22 @@ def _inspect(directory: pathlib.Path) -> str:
         f"overflow: {streaming['overflow']}"
     )
     lines.append(f"  static modules: {len(manifest['static'])} (text and bytecode) in static/")
+    compiled = manifest.get("compiled", [])
+    if compiled:
+        targets = sorted({c["target"] for c in compiled})
+        lines.append(f"  IREE modules: {len(compiled)} (.vmfb) for {', '.join(targets)}")
+    compatibility = manifest["compatibility"]
+    until = compatibility["newer_jax_guaranteed_until"]
+    lines.append(
+        f"  compatibility: serialization version {compatibility['serialization_version']}, "
+        f"exported with jax {compatibility['exported_with_jax']} on "
+        f"{compatibility['exported_on']}; a newer jax is guaranteed to load it until {until}"
+    )
+    if datetime.date.fromisoformat(until) < datetime.date.today():
+        lines.append(
+            f"  warning: {until} has passed: a jax newer than "
+            f"{compatibility['exported_with_jax']} may refuse these files; export again"
+        )
     total = sum(f["bytes"] for f in manifest["files"].values())
     lines.append(f"  files: {len(manifest['files'])}, {total / 1024:.1f} KiB, all sha256 verified")
     return "\n".join(lines)
@@ -80,6 +97,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ex.add_argument("--platforms", type=_platforms, default=["cpu", "cuda", "tpu"])
     ex.add_argument("--force", action="store_true", help="replace --out if it exists")
 
+    co = commands.add_parser(
+        "compile", help="compile an artifact's static modules with IREE and check them"
+    )
+    co.add_argument("directory", type=pathlib.Path)
+    co.add_argument("--target", type=_platforms, default=["llvm-cpu"], metavar="T[,T...]")
+    co.add_argument("--cpu", default="host", help="llvm-cpu: the CPU to tune for (host, generic)")
+    co.add_argument("--cuda-arch", default="sm_80", help="cuda: the GPU architecture")
+
     ins = commands.add_parser("inspect", help="print an artifact's manifest and verify its files")
     ins.add_argument("directory", type=pathlib.Path)
 
@@ -98,6 +123,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 force=args.force,
             )
             print(summary)
+        elif args.command == "compile":
+            from .export.iree import compile_artifact
+            from .export.standalone import check_iree
+
+            print(
+                compile_artifact(
+                    args.directory, args.target, cpu=args.cpu, cuda_arch=args.cuda_arch
+                )
+            )
+            if "llvm-cpu" in args.target:
+                print("checked with iree-run-module against the golden outputs:")
+                for name, error in check_iree(args.directory).items():
+                    print(f"  {name:<40} max |error| = {error:.3e}")
         else:
             print(_inspect(args.directory))
     except (ArtifactError, CheckpointError, OSError) as error:  # OSError: an unusable --out

@@ -52,7 +52,7 @@ from ..checkpoint import (
 from ..families import FAMILIES
 from . import standalone
 from .golden import golden
-from .lowering import Function, Lowering, spec
+from .lowering import Function, Lowering, spec, strip_locations
 from .standalone import FORMAT, FORMAT_VERSION, MANIFEST, ArtifactError
 
 __all__ = ["PLATFORMS", "ExportSummary", "export_checkpoint", "export_model"]
@@ -105,7 +105,10 @@ def export_model(
     - `capacity`: the step function's cache capacity (default `max_len`).
     - `platforms`: any of `cpu`, `cuda`, `tpu`; lowered here whatever machine this is.
     - `static_shapes`: `(B, T)` pairs for the static modules (`(B, T, S)` for a decoder; default
-      `(1, max_len)` and `(8, max_len)`, with `S = max_len`); the step uses each `B` (and `S`).
+      `(1, max_len)` and `(8, max_len)`, with `S = max_len`; `[]`: none); the streaming functions
+      use each `B` (and `S`), `prefill` also each `T`.
+    - `capacity` may not pass `max_len` unless the model has a `window` (its positions stop
+      at `max_len`, so a larger cache could never fill).
     - `force`: replace `out` if it exists (otherwise that is an error).
 
     Nothing is left half-written: the directory is assembled beside `out` and renamed into place.
@@ -123,10 +126,17 @@ def export_model(
     capacity = max_len if capacity is None else capacity
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
         raise ArtifactError(f"capacity must be a positive integer; got {capacity!r}.")
+    if config.arguments.get("window") is None and capacity > max_len:
+        raise ArtifactError(
+            f"capacity {capacity} > max_len {max_len}: the positional encoding of this model "
+            f"stops at step {max_len}, so every stream would overflow there whatever the cache "
+            f"holds. Export with capacity <= {max_len} (or build the model with a larger "
+            "max_len, or with a window, whose ring cache never fills)."
+        )
     with_context = FAMILIES[config.factory].context_width(config.arguments) is not None
     shapes = [
         _static_sizes(s, max_len, with_context)
-        for s in static_shapes or [(1, max_len), (8, max_len)]
+        for s in ([(1, max_len), (8, max_len)] if static_shapes is None else static_shapes)
     ]
     check_fits(config, tree_arrays(model))  # the config and the weights must agree
 
@@ -142,13 +152,18 @@ def export_model(
 
     def fill(tmp: pathlib.Path) -> None:
         exported = {}
+        stripped = []
         for name, function in functions.items():
-            exported[name] = export.export(function.jitted(), platforms=tuple(platforms))(
-                *function.arguments(weight_avals, function.symbolic_sizes())
+            exported[name], done = strip_locations(
+                export.export(function.jitted(), platforms=tuple(platforms))(
+                    *function.arguments(weight_avals, function.symbolic_sizes())
+                )
             )
+            stripped.append(done)
             (tmp / f"{name}.jax_exported").write_bytes(exported[name].serialize())
 
         static_entries = []
+        written: dict[bytes, str] = {}  # a module's bytes -> the stem it was written under
         (tmp / "static").mkdir()
         for platform in platforms:
             for name, function in functions.items():
@@ -158,19 +173,28 @@ def export_model(
                     if tuple(sizes.items()) in seen:
                         continue
                     seen.add(tuple(sizes.items()))
-                    module = export.export(function.jitted(), platforms=(platform,))(
-                        *function.arguments(weight_avals, sizes)
+                    module, done = strip_locations(
+                        export.export(function.jitted(donate=False), platforms=(platform,))(
+                            *function.arguments(weight_avals, sizes)
+                        )
                     )
+                    stripped.append(done)
                     stem = ".".join([name, platform, *(f"{d}{v}" for d, v in sizes.items())])
-                    (tmp / "static" / f"{stem}.mlir").write_text(module.mlir_module())
-                    (tmp / "static" / f"{stem}.mlirbc").write_bytes(module.mlir_module_serialized)
+                    bytecode = module.mlir_module_serialized
+                    if bytecode not in written:  # a platform's identical module is written once
+                        written[bytecode] = stem
+                        (tmp / "static" / f"{stem}.mlir").write_text(module.mlir_module())
+                        (tmp / "static" / f"{stem}.mlirbc").write_bytes(bytecode)
                     static_entries.append(
                         {
                             "function": name,
                             "platform": platform,
                             "shape": sizes,
-                            "text": f"static/{stem}.mlir",
-                            "bytecode": f"static/{stem}.mlirbc",
+                            "text": f"static/{written[bytecode]}.mlir",
+                            "bytecode": f"static/{written[bytecode]}.mlirbc",
+                            # jax.export drops the inputs a function never reads (an encoder's
+                            # init_cache reads none): the module takes these of `inputs`.
+                            "kept_inputs": sorted(module.module_kept_var_idx),
                         }
                     )
 
@@ -178,7 +202,7 @@ def export_model(
             dict(zip(lowering.names, map(np.asarray, lowering.weights), strict=True)),
             str(tmp / "weights.safetensors"),
         )
-        golden_arrays, golden_plan = golden(lowering, seed)
+        golden_arrays, golden_plan = golden(lowering, seed, functions, static_entries)
         save_file(golden_arrays, str(tmp / "golden.safetensors"))
         (tmp / "run.py").write_text(pathlib.Path(standalone.__file__).read_text())
 
@@ -186,14 +210,8 @@ def export_model(
             lowering, functions, exported, config, causal_config, platforms, static_entries
         )
         manifest["golden"] = golden_plan
-        manifest["files"] = {
-            str(path.relative_to(tmp)): {
-                "sha256": standalone.sha256(path),
-                "bytes": path.stat().st_size,
-            }
-            for path in sorted(tmp.rglob("*"))
-            if path.is_file()
-        }
+        manifest["debug_locations"] = "stripped" if all(stripped) else "kept"
+        manifest["files"] = standalone.file_table(tmp)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         summary["manifest"] = manifest
 
@@ -267,6 +285,26 @@ def _manifest(
             "layout": lowering.cache_layout,
         },
         "static": static_entries,
+        "compatibility": _compatibility(exported),
+    }
+
+
+# jax.export's promise: a jax release loads what a jax up to 6 months older serialized.
+BACKWARD_COMPATIBILITY_DAYS = 180
+
+
+def _compatibility(exported: dict[str, export.Exported]) -> dict[str, Any]:
+    today = datetime.date.today()
+    return {
+        "serialization_version": max(e.calling_convention_version for e in exported.values()),
+        "exported_with_jax": jax.__version__,
+        "exported_on": today.isoformat(),
+        "newer_jax_guaranteed_until": (
+            today + datetime.timedelta(days=BACKWARD_COMPATIBILITY_DAYS)
+        ).isoformat(),
+        "note": "jax.export guarantees that a newer jax loads these .jax_exported files for 6 "
+        "months after export; after that date a newer jax may refuse them (export again). The "
+        "static StableHLO modules follow StableHLO's own compatibility window.",
     }
 
 

@@ -11,9 +11,10 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from .lowering import Lowering
+from .lowering import Function, Lowering, concrete
 
 __all__ = ["golden"]
 
@@ -30,10 +31,16 @@ def _run(lowering: Lowering, xs: np.ndarray, context: Sequence[np.ndarray]) -> n
     return np.stack(ys)
 
 
-def golden(lowering: Lowering, seed: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def golden(
+    lowering: Lowering,
+    seed: int,
+    functions: dict[str, Function],
+    static_entries: Sequence[dict[str, Any]],
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """The golden arrays and their plan for the manifest: three forward shapes, and a stream of
     two: `init_cache`, `prefill` of the first steps, `step` over the rest with stream 1 reset
-    part-way (to a new context, for a family with one)."""
+    part-way (to a new context, for a family with one); and a case for every static module's
+    function and shape (`_static_cases`)."""
     key = jax.random.PRNGKey(seed)
     arrays: dict[str, np.ndarray] = {}
 
@@ -90,8 +97,10 @@ def golden(lowering: Lowering, seed: int) -> tuple[dict[str, np.ndarray], dict[s
     arrays["stream.y"] = np.stack(
         [first, np.concatenate([_run(lowering, xs[1, :reset_at], row(init, 1)), *again])]
     )
+    static = _static_cases(lowering, functions, static_entries, key, arrays)
     return arrays, {
         "file": "golden.safetensors",
+        "static": static,
         "forward": forward_cases,
         "stream": {
             "B": b,
@@ -104,3 +113,85 @@ def golden(lowering: Lowering, seed: int) -> tuple[dict[str, np.ndarray], dict[s
             "y": "stream.y",
         },
     }
+
+
+def _static_cases(
+    lowering: Lowering,
+    functions: dict[str, Function],
+    entries: Sequence[dict[str, Any]],
+    key: jax.Array,
+    arrays: dict[str, np.ndarray],
+) -> list[dict[str, Any]]:
+    """For each function and static shape: its inputs (all but the weights, in the manifest's
+    order) and what the function returns for them in Python, for runtimes other than JAX to
+    reproduce with the static module. A step case is a stream of `capacity` steps from an empty
+    cache, the cache fed back; its `x_t` input holds every step's, `(B, steps, n_in)`."""
+    cases = []
+    done = set()
+    for n, entry in enumerate(entries):
+        name, sizes = entry["function"], entry["shape"]
+        if (name, tuple(sizes.items())) in done:
+            continue
+        done.add((name, tuple(sizes.items())))
+        function = functions[name]
+        prefix = "static." + ".".join([name, *(f"{d}{v}" for d, v in sizes.items())])
+        b = sizes["B"]
+
+        def normal(i: int, shape: tuple[int, ...], n: int = n) -> np.ndarray:
+            folded = jax.random.fold_in(jax.random.fold_in(key, 5000 + n), i)
+            return np.asarray(jax.random.normal(folded, shape), np.float32)
+
+        context = []
+        if lowering.width is not None:
+            mask = np.ones((b, sizes["S"]), bool)
+            mask[0, -1] = sizes["S"] == 1  # one padded context step in the first sequence
+            context = [normal(0, (b, sizes["S"], lowering.width)), mask]
+        init_inputs = context or [np.ones(b, bool)]
+        cache = list(jax.jit(lowering.init_cache)(lowering.weights, *init_inputs))
+        steps = None
+        if name == "forward":
+            inputs = [normal(1, concrete(lowering.x["shape"], sizes)), *context]
+            outputs = [jax.jit(lowering.forward)(lowering.weights, *inputs)]
+        elif name == "init_cache":
+            inputs, outputs = init_inputs, cache
+        elif name == "step":
+            steps = lowering.capacity
+            xs = normal(2, (b, steps, lowering.n_in))
+            step, ys, state = jax.jit(lowering.step), [], cache
+            for t in range(steps):
+                y_t, state, overflow = step(lowering.weights, xs[:, t], state)
+                ys.append(y_t)
+            inputs, outputs = [xs, *cache], [jnp.stack(ys, axis=1), *state, overflow]
+        elif name == "prefill":
+            inputs = [normal(3, concrete(lowering.x["shape"], sizes)), *cache]
+            y, state, overflow = jax.jit(lowering.prefill)(lowering.weights, *inputs[:1], cache)
+            outputs = [y, *state, overflow]
+        else:  # reset: a cache part-way through a stream, every other stream reset
+            _, state, _ = jax.jit(lowering.prefill)(
+                lowering.weights,
+                normal(4, (b, max(1, lowering.capacity // 2), lowering.n_in)),
+                cache,
+            )
+            inputs = [np.arange(b) % 2 == 1, *context, *state]
+            outputs = jax.jit(lowering.reset)(lowering.weights, inputs[0], *context, state)
+        names = [f"{prefix}.in{i}" for i in range(len(inputs))]
+        out_names = [f"{prefix}.out{i}" for i in range(len(outputs))]
+        arrays.update(zip(names, map(_stored, inputs), strict=True))
+        arrays.update(zip(out_names, map(_stored, outputs), strict=True))
+        assert len(names) == len(function.inputs) and len(out_names) == len(function.outputs)
+        cases.append(
+            {
+                "function": name,
+                "shape": sizes,
+                "inputs": names,
+                "outputs": out_names,
+                "steps": steps,
+            }
+        )
+    return cases
+
+
+def _stored(a: Any) -> np.ndarray:
+    """An array as stored: floating point as float32 (safetensors.numpy has no bfloat16)."""
+    a = np.asarray(a)
+    return a.astype(np.float32) if np.issubdtype(a.dtype, np.floating) or a.dtype.kind == "V" else a

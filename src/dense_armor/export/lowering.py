@@ -17,6 +17,7 @@ symbolic shapes), never written by hand; Equinox classes never reach a signature
 """
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -79,10 +80,13 @@ class Function:
         used = {d for i in self.inputs for d in i["shape"] if isinstance(d, str)}
         return [d for d in DIMS if d in used]
 
-    def jitted(self) -> Any:  # a jax.stages.Wrapped
-        if not self.cache:
+    def jitted(self, donate: bool = True) -> Any:  # a jax.stages.Wrapped
+        """The function under `jax.jit`, its cache donated (so a step under JAX updates it in
+        place) unless `donate=False`: the static modules for other runtimes are lowered without
+        donation, because IREE (3.x, llvm-cpu) computes wrong results from a module whose
+        inputs alias its outputs; such a runtime reuses buffers itself."""
+        if not self.cache or not donate:
             return jax.jit(self.fn)
-        # The cache is donated: an exported step updates it in place.
         return jax.jit(self.fn, donate_argnums=1 + len(self.plain))
 
     def arguments(self, weights: list[Any], sizes: dict[str, Any]) -> list[Any]:
@@ -95,6 +99,33 @@ class Function:
         constraints = [f"{d} <= {self.bounds[d]}" for d in names if d in self.bounds]
         dims = export.symbolic_shape(", ".join(names), constraints=constraints) if names else ()
         return dict(zip(names, dims, strict=True))
+
+
+def strip_locations(exported: export.Exported) -> tuple[export.Exported, bool]:
+    """`exported` with every debug location removed from its module (JAX records the file and
+    line of every traced call: the absolute paths of the sources and of the calling script, so
+    the same model exported from two places gave two byte strings), and whether that worked.
+
+    This reaches into `jax._src` (jax.export has no public switch for it); with a jax whose
+    internals moved, the module keeps its locations and the export says so."""
+    try:
+        from jax._src.export._export import _module_to_bytecode
+        from jax._src.interpreters import mlir
+        from jax._src.lib import _jax
+        from jax._src.lib.mlir import passmanager
+
+        with mlir.make_ir_context():
+            module = _jax.mlir.deserialize_portable_artifact(exported.mlir_module_serialized)
+            passmanager.PassManager.parse("builtin.module(strip-debuginfo)").run(module.operation)
+            serialized = _module_to_bytecode(module)
+    except (ImportError, AttributeError, TypeError) as error:
+        warnings.warn(
+            f"this jax ({jax.__version__}) did not let the export strip debug locations "
+            f"({error}); the modules keep them, with the paths of the source files.",
+            stacklevel=2,
+        )
+        return exported, False
+    return dataclasses.replace(exported, mlir_module_serialized=serialized), True
 
 
 def _is_counter(node: Any) -> bool:

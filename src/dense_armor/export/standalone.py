@@ -9,20 +9,36 @@ to verify every file's sha256, run the golden inputs through the exported forwar
 through the exported `init_cache`, `prefill`, `step` and `reset` (the first `N` steps), and print
 the largest error against the outputs of the Python model. `load(ARTIFACT_DIR)` returns an
 `Artifact` with `forward`, `init_cache`, `step`, `prefill` and `reset`.
+
+    python run.py ARTIFACT_DIR --iree
+
+runs the IREE-compiled static modules (`dense-armor compile`) on their golden cases with IREE's
+own runner, `iree-run-module`, instead: the forward, `init_cache`, `prefill`, `reset` and a stream
+of steps with the cache fed back. That needs numpy, safetensors and `iree-run-module` (the
+`iree-base-runtime` wheel), not jax.
 """
+
+from __future__ import annotations
 
 import argparse
 import hashlib
 import json
 import pathlib
+import shutil
+import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import numpy as np
-from jax import export
 from safetensors.numpy import load_file
+
+try:
+    import jax
+    from jax import export
+except ImportError:  # `--iree` needs no jax
+    jax = None  # type: ignore[assignment]
 
 FORMAT = "dense_armor.export"
 FORMAT_VERSION = 2
@@ -57,7 +73,47 @@ def read_manifest(directory: pathlib.Path) -> dict[str, Any]:
             f"version {FORMAT_VERSION}: export the model again with this dense_armor (version 1 "
             "artifacts had no exported init_cache, prefill or reset)."
         )
+    _require(manifest, REQUIRED, path, "")
+    _require(manifest["weights"], ("file", "names"), path, "weights.")
+    _require(manifest["golden"], ("file", "forward", "stream", "static"), path, "golden.")
+    _require(manifest["streaming"], ("capacity", "layout"), path, "streaming.")
+    for name, function in manifest["functions"].items():
+        _require(function, ("file", "inputs", "outputs"), path, f"functions.{name}.")
+    for name, entry in manifest["files"].items():
+        _require(entry, ("sha256", "bytes"), path, f"files[{name!r}].")
+    for i, entry in enumerate(manifest["static"]):
+        _require(entry, ("function", "shape", "bytecode", "kept_inputs"), path, f"static[{i}].")
     return manifest
+
+
+# The manifest's keys a loader reads; a manifest without one of them is refused by name.
+REQUIRED = (
+    "weights",
+    "functions",
+    "files",
+    "golden",
+    "streaming",
+    "static",
+    "versions",
+    "compatibility",
+)
+
+
+def _require(mapping: Any, keys: Sequence[str], path: pathlib.Path, where: str) -> None:
+    if not isinstance(mapping, dict):
+        raise ArtifactError(f"{path}: `{where.rstrip('.') or 'manifest'}` is not an object.")
+    for key in keys:
+        if key not in mapping:
+            raise ArtifactError(f"{path} lacks the key `{where}{key}`: edited or truncated.")
+
+
+def file_table(directory: pathlib.Path) -> dict[str, dict[str, Any]]:
+    """`{relative path: {"sha256", "bytes"}}` of every file under `directory` but the manifest."""
+    return {
+        str(path.relative_to(directory)): {"sha256": sha256(path), "bytes": path.stat().st_size}
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and path.name != MANIFEST
+    }
 
 
 def verify_files(directory: pathlib.Path, manifest: dict[str, Any]) -> None:
@@ -118,6 +174,8 @@ class Artifact:
         missing = [n for n in names if n not in weights]
         if missing:
             raise ArtifactError(f"the weights file lacks {missing[:3]}.")
+        if jax is None:
+            raise ArtifactError("loading an artifact's functions needs jax (pip install jax).")
         self.weights = [jax.numpy.asarray(weights[n]) for n in names]
         self.functions = {}
         self._calls = {}
@@ -127,12 +185,46 @@ class Artifact:
                 self.functions[name] = export.deserialize(bytearray(blob))
             except Exception as error:
                 raise ArtifactError(f"cannot deserialize {spec['file']}: {error}") from None
+            self._cross_check(name, self.functions[name], weights)
             n_plain = len([i for i in self.inputs(name) if i["role"] != "cache"])
             # A donated cache (the argument after the plain inputs) is updated in place.
             self._calls[name] = jax.jit(
                 self.functions[name].call,
                 donate_argnums=(1 + n_plain,) if spec.get("donated") else (),
             )
+
+    def _cross_check(self, name: str, exported: Any, weights: dict[str, np.ndarray]) -> None:
+        """The manifest must say what the module and the weights file hold: every input and
+        output of `name` (shape, with symbolic dimensions by name, and dtype), and every weight."""
+        spec = self.manifest["functions"][name]
+        for side, specs, avals in (
+            ("input", spec["inputs"], exported.in_avals),
+            ("output", spec["outputs"], exported.out_avals),
+        ):
+            if len(specs) != len(avals):
+                raise ArtifactError(
+                    f"{name}: the manifest lists {len(specs)} {side}s; the exported module has "
+                    f"{len(avals)}."
+                )
+            for s, aval in zip(specs, avals, strict=True):
+                shape = [d if isinstance(d, int) else str(d) for d in aval.shape]
+                if shape != list(s["shape"]) or str(aval.dtype) != s["dtype"]:
+                    raise ArtifactError(
+                        f"{name}: the manifest says {side} {s['name']!r} has shape "
+                        f"{tuple(s['shape'])} and dtype {s['dtype']}; the exported module has "
+                        f"{tuple(shape)} and {aval.dtype}."
+                    )
+            if side == "input":
+                for s in specs:
+                    if s["role"] != "weight":
+                        continue
+                    array = weights[s["name"]]
+                    if list(array.shape) != list(s["shape"]) or str(array.dtype) != s["dtype"]:
+                        raise ArtifactError(
+                            f"the weights file holds {s['name']!r} with shape {array.shape} and "
+                            f"dtype {array.dtype}; the manifest and the module say "
+                            f"{tuple(s['shape'])} and {s['dtype']}."
+                        )
 
     def inputs(self, function: str, role: str | None = None) -> list[dict[str, Any]]:
         """The manifest's non-weight inputs of `function` (of one `role` if given)."""
@@ -235,7 +327,14 @@ def load(directory: str | pathlib.Path, verify: bool = True) -> Artifact:
 
 
 def _error(a: Any, b: Any) -> float:
-    return float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max(initial=0.0))
+    """The largest absolute difference; NaN where both are NaN counts as equal (a stream past its
+    capacity), NaN on one side only as infinite."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.shape != b.shape:
+        return float("inf")
+    both = np.isnan(a) & np.isnan(b)
+    diff = np.where(both, 0.0, np.abs(a - b))
+    return float(np.where(np.isnan(diff), np.inf, diff).max(initial=0.0))
 
 
 def check_golden(artifact: Artifact, steps: int | None = None) -> dict[str, float]:
@@ -279,27 +378,128 @@ def check_golden(artifact: Artifact, steps: int | None = None) -> dict[str, floa
     return errors
 
 
+def _runner() -> str:
+    beside = pathlib.Path(sys.executable).parent / "iree-run-module"  # a venv not on PATH
+    found = shutil.which("iree-run-module") or str(beside)
+    if not pathlib.Path(found).is_file():
+        raise ArtifactError(
+            "iree-run-module not found: pip install iree-base-runtime (or put IREE's tools on "
+            "PATH)."
+        )
+    return found
+
+
+def run_iree(
+    runner: str,
+    module: pathlib.Path,
+    inputs: Sequence[np.ndarray],
+    n_outputs: int,
+    work: pathlib.Path,
+) -> list[np.ndarray]:
+    """`main` of a compiled module on the local CPU through `iree-run-module`, inputs and outputs
+    passed as .npy files."""
+    args = [runner, "--device=local-task", f"--module={module}", "--function=main"]
+    for i, array in enumerate(inputs):
+        np.save(work / f"in{i}.npy", np.ascontiguousarray(array))
+        args.append(f"--input=@{work / f'in{i}.npy'}")
+    args += [f"--output=@{work / f'out{i}.npy'}" for i in range(n_outputs)]
+    done = subprocess.run(args, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ArtifactError(
+            f"iree-run-module failed on {module.name}: {done.stderr.strip()[-500:]}"
+        )
+    return [np.load(work / f"out{i}.npy") for i in range(n_outputs)]
+
+
+def check_iree(directory: str | pathlib.Path, steps: int | None = None) -> dict[str, float]:
+    """Run every `llvm-cpu` module of the artifact on its golden case with `iree-run-module` and
+    return the largest absolute error of each against the Python model's outputs. A step case is
+    a stream: `steps` (default all) calls, the cache fed back."""
+    directory = pathlib.Path(directory)
+    manifest = read_manifest(directory)
+    verify_files(directory, manifest)
+    compiled = {
+        c["module"]: c["file"] for c in manifest.get("compiled", []) if c["target"] == "llvm-cpu"
+    }
+    if not compiled:
+        raise ArtifactError(
+            f"{directory} has no IREE llvm-cpu modules: compile them first "
+            f"(dense-armor compile {directory} --target llvm-cpu)."
+        )
+    runner = _runner()
+    stored = _load_safetensors(directory / manifest["weights"]["file"])
+    weights = [stored[n] for n in manifest["weights"]["names"]]
+    golden = _load_safetensors(directory / manifest["golden"]["file"])
+    errors = {}
+    with tempfile.TemporaryDirectory() as work:
+        for case in manifest["golden"]["static"]:
+            entry = next(
+                e
+                for e in manifest["static"]
+                if e["function"] == case["function"] and e["shape"] == case["shape"]
+            )
+            if entry["bytecode"] not in compiled:
+                continue
+            module = directory / compiled[entry["bytecode"]]
+            kept = entry["kept_inputs"]
+            inputs = [golden[k] for k in case["inputs"]]
+            expected = [golden[k] for k in case["outputs"]]
+            label = "iree " + " ".join(
+                [case["function"], *(f"{d}={v}" for d, v in case["shape"].items())]
+            )
+            if case["steps"] is None:
+                every = [*weights, *inputs]
+                got = run_iree(
+                    runner, module, [every[i] for i in kept], len(expected), pathlib.Path(work)
+                )
+                errors[label] = max(_error(g, e) for g, e in zip(got, expected, strict=True))
+                continue
+            xs, cache = inputs[0], inputs[1:]
+            n = case["steps"] if steps is None else max(1, min(steps, case["steps"]))
+            worst = 0.0
+            for t in range(n):
+                every = [*weights, xs[:, t], *cache]
+                got = run_iree(
+                    runner, module, [every[i] for i in kept], len(expected), pathlib.Path(work)
+                )
+                cache = got[1:-1]
+                worst = max(worst, _error(got[0], expected[0][:, t]))
+            if n == case["steps"]:  # the whole stream: its final cache and flags too
+                worst = max(
+                    [worst] + [_error(g, e) for g, e in zip(got[1:], expected[1:], strict=True)]
+                )
+            errors[f"{label}, {n} steps"] = worst
+    return errors
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Check a dense_armor artifact directory.")
     parser.add_argument("directory", nargs="?", default=str(pathlib.Path(__file__).parent))
     parser.add_argument("--steps", type=int, default=None, help="golden steps to run (all)")
     parser.add_argument("--tolerance", type=float, default=1e-4)
     parser.add_argument("--report", type=pathlib.Path, help="also write the errors here as JSON")
+    parser.add_argument(
+        "--iree", action="store_true", help="run the IREE-compiled modules with iree-run-module"
+    )
     args = parser.parse_args(argv)
     try:
-        artifact = load(args.directory)
-        errors = check_golden(artifact, args.steps)
+        if args.iree:
+            errors = check_iree(args.directory, args.steps)
+            where = "IREE llvm-cpu modules through iree-run-module"
+        else:
+            errors = check_golden(load(args.directory), args.steps)
+            where = f"{jax.default_backend()} (jax {jax.__version__})"
     except ArtifactError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(f"artifact {args.directory} on {jax.default_backend()} (jax {jax.__version__})")
+    print(f"artifact {args.directory} on {where}")
     for name, value in errors.items():
-        print(f"  {name:<28} max |error| = {value:.3e}")
+        print(f"  {name:<36} max |error| = {value:.3e}")
     worst = max(errors.values())
     if args.report is not None:
         args.report.write_text(json.dumps({"errors": errors, "max": worst}, indent=2) + "\n")
     print(
-        f"  {'all':<28} max |error| = {worst:.3e} ({'ok' if worst <= args.tolerance else 'FAILED'})"
+        f"  {'all':<36} max |error| = {worst:.3e} ({'ok' if worst <= args.tolerance else 'FAILED'})"
     )
     return 0 if worst <= args.tolerance else 1
 

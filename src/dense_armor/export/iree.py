@@ -1,0 +1,146 @@
+"""Compile an artifact's static StableHLO modules with IREE, for deployment without JAX.
+
+`compile_artifact(directory, targets=("llvm-cpu",))` runs IREE's compiler (`iree-compile`, from
+the `iree-base-compiler` wheel: `pip install 'dense-armor[iree]'`) on every static module of an
+artifact directory, for each target, and writes `static/<module>.<target>.vmfb` beside it; the
+manifest lists each one (`compiled`: module, target, flags, compiler version) with its sha256.
+The directory is rewritten atomically, like an export. Targets other than `llvm-cpu` are compiled
+here and run on their own hardware; `llvm-cpu` modules are then checked on this machine with
+IREE's own runner (`iree-run-module`), see `standalone.check_iree`.
+
+A C or C++ deployment then needs IREE's runtime only: load the `.vmfb`, call `main` with the
+module's kept inputs (the manifest's `static[i].kept_inputs` of `functions[f].inputs`: weights
+first, in the order of `weights.names`), and feed the returned cache back into the next step.
+"""
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import pathlib
+import shutil
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .. import _atomic
+from .standalone import MANIFEST, ArtifactError, file_table, read_manifest, verify_files
+
+__all__ = ["TARGETS", "CompileSummary", "compile_artifact", "target_flags"]
+
+TARGETS = ("llvm-cpu", "cuda", "vulkan-spirv")
+
+
+def target_flags(target: str, cpu: str = "host", cuda_arch: str = "sm_80") -> list[str]:
+    """`iree-compile`'s flags for one target. `cpu`: the CPU an `llvm-cpu` module is tuned for
+    (`host`: this machine's, fastest here but may not run on an older CPU; `generic`: any x86-64
+    or AArch64; or a name such as `znver4`). `cuda_arch`: the GPU architecture of a `cuda`
+    module."""
+    if target == "llvm-cpu":
+        return [
+            "--iree-hal-target-device=local",
+            "--iree-hal-local-target-device-backends=llvm-cpu",
+            f"--iree-llvmcpu-target-cpu={cpu}",
+        ]
+    if target == "cuda":
+        return ["--iree-hal-target-device=cuda", f"--iree-cuda-target={cuda_arch}"]
+    if target == "vulkan-spirv":
+        return ["--iree-hal-target-device=vulkan"]
+    raise ArtifactError(f"unknown IREE target {target!r}; known: {', '.join(TARGETS)}.")
+
+
+def _compiler() -> Any:
+    try:
+        from iree.compiler import tools
+    except ImportError:
+        raise ArtifactError(
+            "compiling with IREE needs its compiler: pip install 'dense-armor[iree]' "
+            "(iree-base-compiler and iree-base-runtime)."
+        ) from None
+    return tools
+
+
+@dataclasses.dataclass
+class CompileSummary:
+    """What `compile_artifact` wrote: each `.vmfb` and its size, and the time it took."""
+
+    directory: pathlib.Path
+    files: dict[str, int]
+    seconds: float
+
+    def __str__(self) -> str:
+        lines = [f"compiled {len(self.files)} modules in {self.seconds:.1f} s:"]
+        for name, size in sorted(self.files.items()):
+            lines.append(f"  {name:<52} {size / 1024:>8.1f} KiB")
+        return "\n".join(lines)
+
+
+def compile_artifact(
+    directory: str | os.PathLike[str],
+    targets: Sequence[str] = ("llvm-cpu",),
+    *,
+    cpu: str = "host",
+    cuda_arch: str = "sm_80",
+    jobs: int | None = None,
+) -> CompileSummary:
+    """Compile every static module of the artifact at `directory` for each of `targets` (any of
+    `TARGETS`), `jobs` at a time (default: one per CPU). Compiling again replaces the modules of
+    the targets asked for and keeps the others."""
+    started = time.perf_counter()
+    target = pathlib.Path(directory)
+    if isinstance(targets, str) or not targets:
+        raise ArtifactError(f"targets must be a non-empty list of {TARGETS}; got {targets!r}.")
+    flags = {t: target_flags(t, cpu, cuda_arch) for t in targets}
+    manifest = read_manifest(target)
+    verify_files(target, manifest)
+    tools = _compiler()
+    modules = sorted({entry["bytecode"] for entry in manifest["static"]})
+    if not modules:
+        raise ArtifactError(
+            f"{target} has no static modules to compile: export it with static shapes "
+            "(`static_shapes=[(B, T)]`, `--static B,T`)."
+        )
+    jobs = jobs or os.cpu_count() or 1
+
+    def fill(tmp: pathlib.Path) -> None:
+        shutil.copytree(target, tmp, dirs_exist_ok=True)
+        kept = [c for c in manifest.get("compiled", []) if c["target"] not in flags]
+        for old in manifest.get("compiled", []):
+            if old["target"] in flags:
+                (tmp / old["file"]).unlink(missing_ok=True)
+        work = [(module, t) for module in modules for t in flags]
+
+        def one(item: tuple[str, str]) -> dict[str, Any]:
+            module, t = item
+            out = module.removesuffix(".mlirbc") + f".{t}.vmfb"
+            try:
+                tools.compile_file(
+                    str(tmp / module), output_file=str(tmp / out), extra_args=flags[t]
+                )
+            except tools.CompilerToolError as error:
+                raise ArtifactError(f"iree-compile failed on {module} for {t}: {error}") from None
+            return {"module": module, "target": t, "file": out, "flags": flags[t]}
+
+        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+            compiled = list(pool.map(one, work))
+        version = _compiler_version()
+        new = {**manifest, "compiled": kept + [{**c, "iree": version} for c in compiled]}
+        new.pop("files")
+        new["files"] = file_table(tmp)
+        (tmp / MANIFEST).write_text(json.dumps(new, indent=2) + "\n")
+
+    _atomic.write_directory(target, fill)
+    written = read_manifest(target)["compiled"]
+    files = {
+        c["file"]: (target / c["file"]).stat().st_size for c in written if c["target"] in flags
+    }
+    return CompileSummary(target, files, time.perf_counter() - started)
+
+
+def _compiler_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("iree-base-compiler")
+    except Exception:  # a source build has no distribution metadata
+        return "unknown"

@@ -1,0 +1,508 @@
+"""Load and check a dense_armor artifact directory with jax, numpy and safetensors only.
+
+This file imports nothing from dense_armor: the export stage copies it into every artifact
+directory as `run.py`, so a deployment can run
+
+    python run.py ARTIFACT_DIR [--steps N]
+
+to verify every file's sha256, run the golden inputs through the exported forward and a stream
+through the exported `init_cache`, `prefill`, `step` and `reset` (the first `N` steps), and print
+the largest error against the outputs of the Python model. `load(ARTIFACT_DIR)` returns an
+`Artifact` with `forward`, `init_cache`, `step`, `prefill` and `reset`.
+
+    python run.py ARTIFACT_DIR --iree
+
+runs the IREE-compiled static modules (`dense-armor compile`) on their golden cases with IREE's
+own runner, `iree-run-module`, instead: the forward, `init_cache`, `prefill`, `reset` and a stream
+of steps with the cache fed back. That needs numpy, safetensors and `iree-run-module` (the
+`iree-base-runtime` wheel), not jax.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import load_file
+
+try:
+    import jax
+    from jax import export
+except ImportError:  # `--iree` needs no jax
+    jax = None  # type: ignore[assignment]
+
+FORMAT = "dense_armor.export"
+FORMAT_VERSION = 2
+MANIFEST = "manifest.json"
+
+
+class ArtifactError(ValueError):
+    """A missing, corrupt, tampered or foreign artifact file, or a bad call to a loaded function."""
+
+
+def sha256(path: pathlib.Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_manifest(directory: pathlib.Path) -> dict[str, Any]:
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise ArtifactError(f"{directory} has no {MANIFEST}: not a dense_armor artifact directory.")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ArtifactError(f"corrupt {path}: {error}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ArtifactError(f"{path} is not a dense_armor export manifest.")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ArtifactError(
+            f"{path} has format version {manifest.get('format_version')!r}; this loader reads "
+            f"version {FORMAT_VERSION}: export the model again with this dense_armor (version 1 "
+            "artifacts had no exported init_cache, prefill or reset)."
+        )
+    _require(manifest, REQUIRED, path, "")
+    _require(manifest["weights"], ("file", "names"), path, "weights.")
+    _require(manifest["golden"], ("file", "forward", "stream", "static"), path, "golden.")
+    _require(manifest["streaming"], ("capacity", "layout"), path, "streaming.")
+    for name, function in manifest["functions"].items():
+        _require(function, ("file", "inputs", "outputs"), path, f"functions.{name}.")
+    for name, entry in manifest["files"].items():
+        _require(entry, ("sha256", "bytes"), path, f"files[{name!r}].")
+    for i, entry in enumerate(manifest["static"]):
+        _require(entry, ("function", "shape", "bytecode", "kept_inputs"), path, f"static[{i}].")
+    return manifest
+
+
+# The manifest's keys a loader reads; a manifest without one of them is refused by name.
+REQUIRED = (
+    "weights",
+    "functions",
+    "files",
+    "golden",
+    "streaming",
+    "static",
+    "versions",
+    "compatibility",
+)
+
+
+def _require(mapping: Any, keys: Sequence[str], path: pathlib.Path, where: str) -> None:
+    if not isinstance(mapping, dict):
+        raise ArtifactError(f"{path}: `{where.rstrip('.') or 'manifest'}` is not an object.")
+    for key in keys:
+        if key not in mapping:
+            raise ArtifactError(f"{path} lacks the key `{where}{key}`: edited or truncated.")
+
+
+def file_table(directory: pathlib.Path) -> dict[str, dict[str, Any]]:
+    """`{relative path: {"sha256", "bytes"}}` of every file under `directory` but the manifest."""
+    return {
+        str(path.relative_to(directory)): {"sha256": sha256(path), "bytes": path.stat().st_size}
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and path.name != MANIFEST
+    }
+
+
+def verify_files(directory: pathlib.Path, manifest: dict[str, Any]) -> None:
+    """Check that every file the manifest lists exists with its size and sha256."""
+    for name, entry in manifest["files"].items():
+        path = directory / name
+        if not path.is_file():
+            raise ArtifactError(f"missing artifact file: {path}")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise ArtifactError(
+                f"{path} has {size} bytes; the manifest says {entry['bytes']} "
+                "(truncated or replaced)."
+            )
+        if sha256(path) != entry["sha256"]:
+            raise ArtifactError(f"{path} does not match its sha256 in the manifest (corrupted).")
+
+
+def _load_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
+    try:
+        return load_file(str(path))
+    except Exception as error:  # safetensors raises several types for a bad header
+        raise ArtifactError(f"unreadable safetensors file {path}: {error}") from None
+
+
+class Artifact:
+    """The exported functions of one artifact directory, with the weights bound.
+
+    - `forward(*inputs)`: an encoder's `forward(x)` maps `x (B, T, n_in) -> y (B, n_out)`; a
+      decoder's `forward(x, context, context_mask)` maps to `y (B, T, n_out)`. Any `B`,
+      `1 <= T <= max_len`.
+    - `init_cache(streams)` (an encoder: `streams` is `B` or a boolean vector of `B` entries),
+      `init_cache(context, context_mask=None)` (a decoder: the context projected once): the
+      cache of `B` new streams, a list of arrays (the manifest's `streaming.layout`).
+    - `step(x_t, cache) -> (y_t, cache, overflow)`: `x_t (B, n_in)`; `overflow (B,)` is true where
+      a stream has outrun the cache's capacity, and its `y_t` row is NaN.
+    - `prefill(x, cache) -> (y, cache, overflow)`: `x (B, T, n_in)`, any `T`: what `T` calls of
+      `step` return, stacked on axis 1, in one call.
+    - `reset(cache, streams, *context) -> cache`: the streams where `streams (B,)` is true start
+      again (a decoder's with their rows of the new `context, context_mask`); the others are
+      untouched.
+    - `call(name, *inputs)`: any exported function by its manifest name, inputs checked.
+
+    The cache passed to `step`, `prefill` and `reset` is donated: use the one they return.
+    """
+
+    def __init__(self, directory: str | pathlib.Path, verify: bool = True):
+        self.directory = pathlib.Path(directory)
+        previous = self.directory.with_name(self.directory.name + ".previous")
+        if not self.directory.exists() and previous.is_dir():
+            self.directory = previous  # a replacement was interrupted between its two renames
+        self.manifest = read_manifest(self.directory)
+        self.kind = self.manifest.get("kind")
+        if verify:
+            verify_files(self.directory, self.manifest)
+        weights = _load_safetensors(self.directory / self.manifest["weights"]["file"])
+        names = self.manifest["weights"]["names"]
+        missing = [n for n in names if n not in weights]
+        if missing:
+            raise ArtifactError(f"the weights file lacks {missing[:3]}.")
+        if jax is None:
+            raise ArtifactError("loading an artifact's functions needs jax (pip install jax).")
+        self.weights = [jax.numpy.asarray(weights[n]) for n in names]
+        self.functions = {}
+        self._calls = {}
+        for name, spec in self.manifest["functions"].items():
+            blob = (self.directory / spec["file"]).read_bytes()
+            try:
+                self.functions[name] = export.deserialize(bytearray(blob))
+            except Exception as error:
+                raise ArtifactError(f"cannot deserialize {spec['file']}: {error}") from None
+            self._cross_check(name, self.functions[name], weights)
+            n_plain = len([i for i in self.inputs(name) if i["role"] != "cache"])
+            # A donated cache (the argument after the plain inputs) is updated in place.
+            self._calls[name] = jax.jit(
+                self.functions[name].call,
+                donate_argnums=(1 + n_plain,) if spec.get("donated") else (),
+            )
+
+    def _cross_check(self, name: str, exported: Any, weights: dict[str, np.ndarray]) -> None:
+        """The manifest must say what the module and the weights file hold: every input and
+        output of `name` (shape, with symbolic dimensions by name, and dtype), and every weight."""
+        spec = self.manifest["functions"][name]
+        for side, specs, avals in (
+            ("input", spec["inputs"], exported.in_avals),
+            ("output", spec["outputs"], exported.out_avals),
+        ):
+            if len(specs) != len(avals):
+                raise ArtifactError(
+                    f"{name}: the manifest lists {len(specs)} {side}s; the exported module has "
+                    f"{len(avals)}."
+                )
+            for s, aval in zip(specs, avals, strict=True):
+                shape = [d if isinstance(d, int) else str(d) for d in aval.shape]
+                if shape != list(s["shape"]) or str(aval.dtype) != s["dtype"]:
+                    raise ArtifactError(
+                        f"{name}: the manifest says {side} {s['name']!r} has shape "
+                        f"{tuple(s['shape'])} and dtype {s['dtype']}; the exported module has "
+                        f"{tuple(shape)} and {aval.dtype}."
+                    )
+            if side == "input":
+                for s in specs:
+                    if s["role"] != "weight":
+                        continue
+                    array = weights[s["name"]]
+                    if list(array.shape) != list(s["shape"]) or str(array.dtype) != s["dtype"]:
+                        raise ArtifactError(
+                            f"the weights file holds {s['name']!r} with shape {array.shape} and "
+                            f"dtype {array.dtype}; the manifest and the module say "
+                            f"{tuple(s['shape'])} and {s['dtype']}."
+                        )
+
+    def inputs(self, function: str, role: str | None = None) -> list[dict[str, Any]]:
+        """The manifest's non-weight inputs of `function` (of one `role` if given)."""
+        return [
+            i
+            for i in self.manifest["functions"][function]["inputs"]
+            if i["role"] != "weight" and (role is None or i["role"] == role)
+        ]
+
+    def _check(self, function: str, arrays: Sequence[Any]) -> dict[str, int]:
+        """Check `arrays` against the manifest's inputs of `function`; return the dim sizes."""
+        specs = self.inputs(function)
+        if len(arrays) != len(specs):
+            names = [s["name"] for s in specs]
+            raise ArtifactError(
+                f"{function}: expected {len(specs)} inputs ({', '.join(names[:4])}"
+                f"{', ...' if len(names) > 4 else ''}); received {len(arrays)}."
+            )
+        sizes: dict[str, int] = {}
+        for spec, array in zip(specs, arrays, strict=True):
+            shape = tuple(np.shape(array))
+            dtype = array.dtype if hasattr(array, "dtype") else np.asarray(array).dtype
+            ok = len(shape) == len(spec["shape"]) and str(dtype) == spec["dtype"]
+            for dim, size in zip(spec["shape"], shape, strict=False):
+                if isinstance(dim, str):
+                    if sizes.setdefault(dim, size) != size:
+                        raise ArtifactError(
+                            f"{function}: input {spec['name']!r} has {dim}={size}, but an earlier "
+                            f"input has {dim}={sizes[dim]}."
+                        )
+                else:
+                    ok = ok and dim == size
+            if not ok:
+                raise ArtifactError(
+                    f"{function}: input {spec['name']!r} must have shape "
+                    f"{tuple(spec['shape'])} and dtype {spec['dtype']}; received shape {shape} "
+                    f"and dtype {dtype}."
+                )
+        for dim, (low, high) in self.manifest["functions"][function].get("bounds", {}).items():
+            if dim in sizes and not low <= sizes[dim] <= high:
+                raise ArtifactError(
+                    f"{function}: {dim}={sizes[dim]} is outside the exported range [{low}, {high}]."
+                )
+        return sizes
+
+    def call(self, function: str, *inputs: Any) -> Any:
+        if function not in self._calls:
+            raise ArtifactError(f"this artifact has no function {function!r}.")
+        self._check(function, inputs)
+        specs = self.inputs(function)
+        plain = [x for x, s in zip(inputs, specs, strict=True) if s["role"] != "cache"]
+        cache = [x for x, s in zip(inputs, specs, strict=True) if s["role"] == "cache"]
+        return self._calls[function](self.weights, *plain, *([list(cache)] if cache else []))
+
+    def forward(self, *inputs: Any) -> jax.Array:
+        return self.call("forward", *inputs)
+
+    def init_cache(self, *inputs: Any, context_mask: Any = None) -> list[jax.Array]:
+        specs = self.inputs("init_cache")
+        if [i["role"] for i in specs] == ["streams"] and len(inputs) == 1:
+            (streams,) = inputs
+            if isinstance(streams, int) and not isinstance(streams, bool):
+                if streams < 1:
+                    raise ArtifactError(
+                        f"init_cache: the number of streams must be positive; received {streams}."
+                    )
+                streams = np.ones(streams, bool)
+            inputs = (streams,)
+        elif [i["name"] for i in specs] == ["context", "context_mask"] and len(inputs) == 1:
+            (context,) = inputs
+            if context_mask is None:
+                context_mask = np.ones(np.shape(context)[:2], bool)
+            inputs = (context, context_mask)
+        return list(self.call("init_cache", *inputs))
+
+    def step(self, x_t: Any, cache: Sequence[Any]) -> tuple[jax.Array, list[jax.Array], jax.Array]:
+        y_t, new_cache, overflow = self.call("step", x_t, *_cache_list("step", cache))
+        return y_t, list(new_cache), overflow
+
+    def prefill(self, x: Any, cache: Sequence[Any]) -> tuple[jax.Array, list[jax.Array], jax.Array]:
+        y, new_cache, overflow = self.call("prefill", x, *_cache_list("prefill", cache))
+        return y, list(new_cache), overflow
+
+    def reset(self, cache: Sequence[Any], streams: Any, *context: Any) -> list[jax.Array]:
+        return list(self.call("reset", streams, *context, *_cache_list("reset", cache)))
+
+
+def _cache_list(function: str, cache: Any) -> Sequence[Any]:
+    if isinstance(cache, str | bytes) or not isinstance(cache, Sequence):
+        raise ArtifactError(
+            f"{function}: `cache` must be the list of arrays that `init_cache` (or the previous "
+            f"call) returned; received {type(cache).__name__}."
+        )
+    return cache
+
+
+def load(directory: str | pathlib.Path, verify: bool = True) -> Artifact:
+    """Load an artifact directory, verifying the sha256 of every file unless `verify=False`."""
+    return Artifact(directory, verify=verify)
+
+
+def _error(a: Any, b: Any) -> float:
+    """The largest absolute difference; NaN where both are NaN counts as equal (a stream past its
+    capacity), NaN on one side only as infinite."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.shape != b.shape:
+        return float("inf")
+    both = np.isnan(a) & np.isnan(b)
+    diff = np.where(both, 0.0, np.abs(a - b))
+    return float(np.where(np.isnan(diff), np.inf, diff).max(initial=0.0))
+
+
+def check_golden(artifact: Artifact, steps: int | None = None) -> dict[str, float]:
+    """Run the golden inputs through every exported function; return the largest absolute errors.
+
+    The stream: `init_cache`, `prefill` over its first steps, then `step` over the rest (the first
+    `steps` in all), with stream 1 reset part-way; the golden outputs were computed one stream at
+    a time from its own empty cache."""
+    golden = _load_safetensors(artifact.directory / artifact.manifest["golden"]["file"])
+    errors = {}
+    for case in artifact.manifest["golden"]["forward"]:
+        y = artifact.forward(*(golden[k] for k in case["inputs"]))
+        errors[f"forward B={case['B']} T={case['T']}"] = _error(y, golden[case["output"]])
+    plan = artifact.manifest["golden"]["stream"]
+    xs, ys = golden[plan["x"]], golden[plan["y"]]
+    n = xs.shape[1] if steps is None else max(1, min(steps, xs.shape[1]))
+    cache = artifact.call("init_cache", *(golden[k] for k in plan["init_cache"]["inputs"]))
+    errors["init_cache"] = max(
+        (_error(a, golden[k]) for a, k in zip(cache, plan["init_cache"]["outputs"], strict=True)),
+        default=0.0,
+    )
+    k = min(plan["prefill"], n)
+    y, cache, overflow = artifact.prefill(xs[:, :k], list(cache))
+    worst = {"prefill": _error(y, ys[:, :k]), "step": 0.0, "reset": 0.0}
+    for t in range(k, n):
+        if bool(np.any(overflow)):
+            raise ArtifactError(f"step {t}: the cache overflowed within its capacity.")
+        if t == plan["reset_at"]:
+            cache = artifact.reset(cache, *(golden[key] for key in plan["reset"]["inputs"]))
+        y_t, cache, overflow = artifact.step(xs[:, t], cache)
+        worst["step"] = max(worst["step"], _error(y_t[0], ys[0, t]))
+        after = "reset" if t >= plan["reset_at"] else "step"
+        worst[after] = max(worst[after], _error(y_t[1], ys[1, t]))
+    if bool(np.any(overflow)):
+        raise ArtifactError("the cache overflowed within its capacity.")
+    b = xs.shape[0]
+    errors[f"prefill B={b} T={k}"] = worst["prefill"]
+    errors[f"step B={b}, {n - k} steps"] = worst["step"]
+    if k <= plan["reset_at"] < n:
+        errors[f"reset at step {plan['reset_at']}"] = worst["reset"]
+    return errors
+
+
+def _runner() -> str:
+    beside = pathlib.Path(sys.executable).parent / "iree-run-module"  # a venv not on PATH
+    found = shutil.which("iree-run-module") or str(beside)
+    if not pathlib.Path(found).is_file():
+        raise ArtifactError(
+            "iree-run-module not found: pip install iree-base-runtime (or put IREE's tools on "
+            "PATH)."
+        )
+    return found
+
+
+def run_iree(
+    runner: str,
+    module: pathlib.Path,
+    inputs: Sequence[np.ndarray],
+    n_outputs: int,
+    work: pathlib.Path,
+) -> list[np.ndarray]:
+    """`main` of a compiled module on the local CPU through `iree-run-module`, inputs and outputs
+    passed as .npy files."""
+    args = [runner, "--device=local-task", f"--module={module}", "--function=main"]
+    for i, array in enumerate(inputs):
+        np.save(work / f"in{i}.npy", np.ascontiguousarray(array))
+        args.append(f"--input=@{work / f'in{i}.npy'}")
+    args += [f"--output=@{work / f'out{i}.npy'}" for i in range(n_outputs)]
+    done = subprocess.run(args, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ArtifactError(
+            f"iree-run-module failed on {module.name}: {done.stderr.strip()[-500:]}"
+        )
+    return [np.load(work / f"out{i}.npy") for i in range(n_outputs)]
+
+
+def check_iree(directory: str | pathlib.Path, steps: int | None = None) -> dict[str, float]:
+    """Run every `llvm-cpu` module of the artifact on its golden case with `iree-run-module` and
+    return the largest absolute error of each against the Python model's outputs. A step case is
+    a stream: `steps` (default all) calls, the cache fed back."""
+    directory = pathlib.Path(directory)
+    manifest = read_manifest(directory)
+    verify_files(directory, manifest)
+    compiled = {
+        c["module"]: c["file"] for c in manifest.get("compiled", []) if c["target"] == "llvm-cpu"
+    }
+    if not compiled:
+        raise ArtifactError(
+            f"{directory} has no IREE llvm-cpu modules: compile them first "
+            f"(dense-armor compile {directory} --target llvm-cpu)."
+        )
+    runner = _runner()
+    stored = _load_safetensors(directory / manifest["weights"]["file"])
+    weights = [stored[n] for n in manifest["weights"]["names"]]
+    golden = _load_safetensors(directory / manifest["golden"]["file"])
+    errors = {}
+    with tempfile.TemporaryDirectory() as work:
+        for case in manifest["golden"]["static"]:
+            entry = next(
+                e
+                for e in manifest["static"]
+                if e["function"] == case["function"] and e["shape"] == case["shape"]
+            )
+            if entry["bytecode"] not in compiled:
+                continue
+            module = directory / compiled[entry["bytecode"]]
+            kept = entry["kept_inputs"]
+            inputs = [golden[k] for k in case["inputs"]]
+            expected = [golden[k] for k in case["outputs"]]
+            label = "iree " + " ".join(
+                [case["function"], *(f"{d}={v}" for d, v in case["shape"].items())]
+            )
+            if case["steps"] is None:
+                every = [*weights, *inputs]
+                got = run_iree(
+                    runner, module, [every[i] for i in kept], len(expected), pathlib.Path(work)
+                )
+                errors[label] = max(_error(g, e) for g, e in zip(got, expected, strict=True))
+                continue
+            xs, cache = inputs[0], inputs[1:]
+            n = case["steps"] if steps is None else max(1, min(steps, case["steps"]))
+            worst = 0.0
+            for t in range(n):
+                every = [*weights, xs[:, t], *cache]
+                got = run_iree(
+                    runner, module, [every[i] for i in kept], len(expected), pathlib.Path(work)
+                )
+                cache = got[1:-1]
+                worst = max(worst, _error(got[0], expected[0][:, t]))
+            if n == case["steps"]:  # the whole stream: its final cache and flags too
+                worst = max(
+                    [worst] + [_error(g, e) for g, e in zip(got[1:], expected[1:], strict=True)]
+                )
+            errors[f"{label}, {n} steps"] = worst
+    return errors
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Check a dense_armor artifact directory.")
+    parser.add_argument("directory", nargs="?", default=str(pathlib.Path(__file__).parent))
+    parser.add_argument("--steps", type=int, default=None, help="golden steps to run (all)")
+    parser.add_argument("--tolerance", type=float, default=1e-4)
+    parser.add_argument("--report", type=pathlib.Path, help="also write the errors here as JSON")
+    parser.add_argument(
+        "--iree", action="store_true", help="run the IREE-compiled modules with iree-run-module"
+    )
+    args = parser.parse_args(argv)
+    try:
+        if args.iree:
+            errors = check_iree(args.directory, args.steps)
+            where = "IREE llvm-cpu modules through iree-run-module"
+        else:
+            errors = check_golden(load(args.directory), args.steps)
+            where = f"{jax.default_backend()} (jax {jax.__version__})"
+    except ArtifactError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"artifact {args.directory} on {where}")
+    for name, value in errors.items():
+        print(f"  {name:<36} max |error| = {value:.3e}")
+    worst = max(errors.values())
+    if args.report is not None:
+        args.report.write_text(json.dumps({"errors": errors, "max": worst}, indent=2) + "\n")
+    print(
+        f"  {'all':<36} max |error| = {worst:.3e} ({'ok' if worst <= args.tolerance else 'FAILED'})"
+    )
+    return 0 if worst <= args.tolerance else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Deployment without JAX: the static modules compile with IREE for llvm-cpu (and cuda, compiled
+only), and IREE's own runner reproduces the Python model's golden outputs, a stream of steps
+with the cache fed back included."""
+
+import json
+import re
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from dense_armor.checkpoint import ModelConfig
+from dense_armor.cli import main as cli
+from dense_armor.export import ArtifactError, export_model, load
+from dense_armor.export.iree import compile_artifact, target_flags
+from dense_armor.export.standalone import check_iree, sha256
+
+ENCODER = ModelConfig(
+    "transformer_encoder",
+    {"n_in": 3, "d_model": 8, "n_heads": 2, "d_ff": 16, "depth": 2, "n_out": 4, "max_len": 8,
+     "causal": True},
+)  # fmt: skip
+DECODER = ModelConfig(
+    "transformer_decoder",
+    {"n_in": 3, "d_model": 8, "n_heads": 2, "d_ff": 16, "depth": 1, "n_out": 4, "max_len": 8,
+     "d_context": 5, "window": 3, "norm_first": True},
+)  # fmt: skip
+FUNCTIONS = {"forward", "init_cache", "step", "prefill", "reset"}
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """The encoder, exported for cpu and cuda, compiled for llvm-cpu and (compile only) cuda."""
+    out = tmp_path_factory.mktemp("iree") / "encoder"
+    model = ENCODER.build(jax.random.PRNGKey(0))
+    export_model(model, ENCODER, out, capacity=6, platforms=["cpu", "cuda"], static_shapes=[(2, 5)])
+    summary = compile_artifact(out, ["llvm-cpu", "cuda"], jobs=2)
+    return out, summary
+
+
+def test_every_static_module_compiles_and_is_listed_with_its_sha256(compiled):
+    out, summary = compiled
+    manifest = load(out).manifest
+    modules = {e["bytecode"] for e in manifest["static"]}
+    assert len(modules) == 5  # the cuda lowering is the cpu one, written once
+    pairs = {(c["module"], c["target"]) for c in manifest["compiled"]}
+    assert pairs == {(m, t) for m in modules for t in ("llvm-cpu", "cuda")}
+    for c in manifest["compiled"]:
+        assert manifest["files"][c["file"]]["sha256"] == sha256(out / c["file"])
+        assert c["flags"] == target_flags(c["target"])
+    assert set(summary.files) == {c["file"] for c in manifest["compiled"]}
+    # static modules carry no donation: IREE computes wrong results when inputs alias outputs
+    for module in modules:
+        text = (out / module.replace(".mlirbc", ".mlir")).read_text()
+        assert "aliasing_output" not in text and "buffer_donor" not in text
+
+
+def test_iree_runner_reproduces_the_golden_outputs(compiled):
+    out, _ = compiled
+    errors = check_iree(out)
+    assert {name.split()[1] for name in errors} == FUNCTIONS
+    assert "iree step B=2, 6 steps" in errors  # the stream, the cache fed back by IREE
+    assert max(errors.values()) < 1e-5, errors
+
+
+def test_run_py_checks_with_iree_without_jax_or_dense_armor(compiled):
+    out, _ = compiled
+    blocker = (
+        "import sys, runpy\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('dense_armor', 'jax', 'jaxlib'):\n"
+        "            raise ImportError(name + ' is not available here')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "sys.argv = ['run.py', sys.argv[1], '--iree']\n"
+        "runpy.run_path(sys.argv[1] + '/run.py', run_name='__main__')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", blocker, str(out)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert "iree-run-module" in result.stdout and "(ok)" in result.stdout
+    assert re.search(r"iree step B=2, 6 steps +max \|error\| = \d", result.stdout)
+
+
+def test_a_windowed_pre_ln_decoder_runs_in_iree(tmp_path):
+    model = DECODER.build(jax.random.PRNGKey(1))
+    export_model(model, DECODER, tmp_path / "art", platforms=["cpu"], static_shapes=[(2, 5, 3)])
+    compile_artifact(tmp_path / "art", ["llvm-cpu"], jobs=2)
+    errors = check_iree(tmp_path / "art", steps=8)  # past the window of 3: the ring wraps
+    assert max(errors.values()) < 1e-5, errors
+    assert "iree step B=2 S=3, 8 steps" in errors
+
+
+def test_cli_compile_and_refusals(tmp_path, compiled, capsys):
+    out, _ = compiled
+    model = ENCODER.build(jax.random.PRNGKey(0))
+    export_model(model, ENCODER, tmp_path / "art", platforms=["cpu"], static_shapes=[(1, 4)])
+    assert cli(["compile", str(tmp_path / "art"), "--target", "llvm-cpu"]) == 0
+    printed = capsys.readouterr().out
+    assert "checked with iree-run-module" in printed and "iree step B=1" in printed
+    assert cli(["inspect", str(tmp_path / "art")]) == 0
+    assert "IREE modules: 5 (.vmfb) for llvm-cpu" in capsys.readouterr().out
+    with pytest.raises(ArtifactError, match="unknown IREE target 'metal'"):
+        compile_artifact(tmp_path / "art", ["metal"])
+    with pytest.raises(ArtifactError, match="non-empty list"):
+        compile_artifact(tmp_path / "art", "llvm-cpu")
+    export_model(model, ENCODER, tmp_path / "bare", platforms=["cpu"], static_shapes=[])
+    with pytest.raises(ArtifactError, match="no static modules"):
+        compile_artifact(tmp_path / "bare", ["llvm-cpu"])
+    with pytest.raises(ArtifactError, match="no IREE llvm-cpu modules"):
+        check_iree(tmp_path / "bare")
+    # an edited .vmfb is caught before IREE runs it
+    vmfb = next((tmp_path / "art" / "static").glob("*.vmfb"))
+    vmfb.write_bytes(vmfb.read_bytes()[:-1])
+    with pytest.raises(ArtifactError, match="truncated"):
+        check_iree(tmp_path / "art")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["compatibility"]["serialization_version"] >= 9
