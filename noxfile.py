@@ -58,7 +58,7 @@ def typecheck(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """Benchmarks against peer libraries (installed here only); prints tables, asserts nothing."""
-    session.install("-e", ".[examples]", "flax>=0.10")
+    session.install("-e", ".[examples,iree]", "flax>=0.10")
     session.run("python", "-m", "tests.benchmarks.run", *session.posargs)
 
 

@@ -20,6 +20,7 @@ from dense_armor.utility.neural import (
     transformer_decoder,
     transformer_encoder,
 )
+from dense_armor.utility.neural import cache as cache_module
 from streams import prefix_outputs, stream
 
 KEY = jax.random.PRNGKey(3)
@@ -127,6 +128,29 @@ def test_a_long_chunk_goes_through_in_pieces_with_the_same_result(monkeypatch, w
     np.testing.assert_allclose(pieces, whole, atol=1e-5)
     np.testing.assert_allclose(pieces, stepped, atol=1e-5)
     for a, b in zip(jax.tree.leaves(pieces_cache), jax.tree.leaves(whole_cache), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("window, capacity", [(None, 8), (3, None)])
+def test_portable_writes_give_the_same_streams(window, capacity):
+    """The one-hot row writes of the static modules (`portable_writes`) against the in-place
+    ones: a batch of streams (vmapped), chunks longer than the ring, a step past the capacity."""
+    m = MultiHeadSelfAttention(8, 2, KEY, causal=True, window=window)
+    xs = jax.random.normal(jax.random.fold_in(KEY, 11), (2, 10, 8))
+    xs = xs.at[1, 4].set(jnp.nan)  # a non-finite key is written as NaN both ways
+
+    def run():
+        cache = jax.vmap(lambda _: m.init_cache(capacity, on_overflow="nan"))(jnp.zeros(2))
+        prefill = jax.vmap(m.prefill)
+        ys, cache = prefill(xs[:, :7], cache)
+        more, cache = prefill(xs[:, 7:], cache)
+        return jnp.concatenate([ys, more], axis=1), cache
+
+    plain, plain_cache = run()
+    with cache_module.portable_writes():
+        portable, portable_cache = run()
+    np.testing.assert_allclose(portable, plain, atol=1e-6)  # NaN where plain has NaN
+    for a, b in zip(jax.tree.leaves(portable_cache), jax.tree.leaves(plain_cache), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 

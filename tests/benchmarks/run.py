@@ -3,10 +3,15 @@
 import datetime
 import sys
 
-from . import bench_encoder, bench_long, bench_streaming
+from . import bench_deploy, bench_encoder, bench_long, bench_streaming
 from .harness import machine
 
-BENCHMARKS = {"encoder": bench_encoder, "streaming": bench_streaming, "long": bench_long}
+BENCHMARKS = {
+    "encoder": bench_encoder,
+    "streaming": bench_streaming,
+    "long": bench_long,
+    "deploy": bench_deploy,
+}
 
 
 def main() -> None:

@@ -50,6 +50,7 @@ from ..checkpoint import (
     tree_arrays,
 )
 from ..families import FAMILIES
+from ..utility.neural.cache import portable_writes
 from . import standalone
 from .golden import golden
 from .lowering import Function, Lowering, spec, strip_locations
@@ -173,11 +174,12 @@ def export_model(
                     if tuple(sizes.items()) in seen:
                         continue
                     seen.add(tuple(sizes.items()))
-                    module, done = strip_locations(
-                        export.export(function.jitted(donate=False), platforms=(platform,))(
-                            *function.arguments(weight_avals, sizes)
+                    with portable_writes():  # no scatter: IREE rejects batched ones
+                        module, done = strip_locations(
+                            export.export(function.jitted(donate=False), platforms=(platform,))(
+                                *function.arguments(weight_avals, sizes)
+                            )
                         )
-                    )
                     stripped.append(done)
                     stem = ".".join([name, platform, *(f"{d}{v}" for d, v in sizes.items())])
                     bytecode = module.mlir_module_serialized

@@ -36,6 +36,9 @@ A fixed cache that is full never overwrites a row. What happens instead is the c
   This mode uses no host callback, so it is the one an exported step uses.
 """
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from functools import partial
 from typing import Any, ClassVar, NamedTuple
 
@@ -56,6 +59,7 @@ __all__ = [
     "PositionCache",
     "RingKVCache",
     "batch_streams",
+    "portable_writes",
     "reset",
     "validate_overflow_mode",
 ]
@@ -140,17 +144,50 @@ def _check_buffers(buffer: Array, new: Array, rows: str) -> None:
         )
 
 
+_PORTABLE_WRITES: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "portable_writes", default=False
+)
+
+
+@contextlib.contextmanager
+def portable_writes() -> Iterator[None]:
+    """Within it, caches write their rows by a one-hot selection instead of a
+    dynamic-update-slice or a scatter.
+
+    Under `jax.vmap` (a batch of streams) a dynamic-update-slice becomes a scatter with batching
+    dimensions, which some StableHLO compilers (IREE) reject; a selection lowers to elementwise
+    ops and a dot product that every consumer compiles. It touches every row of the cache, so
+    JAX itself keeps the in-place update: the export stage lowers its static modules (the ones
+    for other runtimes) in this context. The results are the same."""
+    token = _PORTABLE_WRITES.set(True)
+    try:
+        yield
+    finally:
+        _PORTABLE_WRITES.reset(token)
+
+
 def _write_rows(buffer: Array, rows: Array, slots: Array, keep: Array | None = None) -> Array:
     """`buffer (n_heads, N, d_head)` with `rows (n_heads, K, d_head)` written at rows `slots (K,)`
-    (distinct among the written); where `keep` is true a row is not written.
-
-    The write is a one-hot selection, not a scatter or a dynamic-update-slice: a select for one
-    row, a one-hot product (exact: every sum has one nonzero term) for several. Under `jax.vmap`
-    (a batch of streams) a dynamic-update-slice becomes a scatter with batching dimensions, which
-    some StableHLO compilers (IREE) reject; a selection lowers to elementwise ops and a dot
-    product everywhere, and works for a symbolic `K` (an exported prefill).
-    """
+    (distinct among the written); where `keep` is true a row is not written. One row is a
+    dynamic-update-slice, the cheapest write; more rows are one scatter; within
+    `portable_writes()`, a one-hot selection."""
     rows = rows.astype(buffer.dtype)
+    if _PORTABLE_WRITES.get():
+        return _select_rows(buffer, rows, slots, keep)
+    if rows.shape[1] == 1:
+        slot = jnp.minimum(slots[0], buffer.shape[1] - 1)
+        if keep is not None:
+            old = jax.lax.dynamic_slice_in_dim(buffer, slot, 1, axis=1)
+            rows = jnp.where(keep[0], old, rows)
+        return jax.lax.dynamic_update_slice_in_dim(buffer, rows, slot, axis=1)
+    if keep is not None:  # an index past the end is dropped
+        slots = jnp.where(keep, buffer.shape[1], slots)
+    return buffer.at[:, slots].set(rows, mode="drop")
+
+
+def _select_rows(buffer: Array, rows: Array, slots: Array, keep: Array | None) -> Array:
+    """`_write_rows` as a one-hot selection: a select for one row, a one-hot product (exact:
+    every sum has one nonzero term) for several."""
     hits = slots[:, None] == jnp.arange(buffer.shape[1], dtype=slots.dtype)[None, :]  # (K, N)
     if keep is not None:
         hits = hits & ~keep[:, None]
