@@ -196,10 +196,12 @@ def _select_rows(buffer: Array, rows: Array, slots: Array, keep: Array | None) -
         return jnp.where(written, rows, buffer)
     # 0 * inf is NaN: the product takes finite rows, and a non-finite one is written as NaN.
     finite = jnp.isfinite(rows)
-    onehot = hits.astype(buffer.dtype)
+    # Booleans become numbers by a select, not a cast: Vulkan's SPIR-V has no i1-to-float cast.
+    one, zero = jnp.ones((), buffer.dtype), jnp.zeros((), buffer.dtype)
+    onehot = jnp.where(hits, one, zero)
     spread = partial(jnp.einsum, "kn,hkd->hnd", precision=jax.lax.Precision.HIGHEST)
-    new = spread(onehot, jnp.where(finite, rows, jnp.zeros((), rows.dtype)))
-    bad = spread(onehot, (~finite).astype(buffer.dtype)) > 0
+    new = spread(onehot, jnp.where(finite, rows, zero))
+    bad = spread(onehot, jnp.where(finite, zero, one)) > 0
     return jnp.where(written, jnp.where(bad, jnp.asarray(jnp.nan, buffer.dtype), new), buffer)
 
 
