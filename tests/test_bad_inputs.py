@@ -32,6 +32,7 @@ from dense_armor.checkpoint import (
 from dense_armor.cli import main as cli
 from dense_armor.distributed import initialize
 from dense_armor.export import ArtifactError, export_model, load
+from dense_armor.export.iree import target_flags
 from dense_armor.training import evaluate, fit
 from dense_armor.utility.neural import (
     CannotStream,
@@ -45,6 +46,7 @@ from dense_armor.utility.neural import (
     blocked_attention,
     reset,
     scaled_dot_product_attention,
+    transformer_decoder,
     transformer_encoder,
 )
 
@@ -179,6 +181,10 @@ BAD = [
     ("layer-norm-eps-string", lambda: LayerNorm(8, eps="1e-5"), ValueError, r"`eps` must be a positive number.*'1e-5'.*str"),
     ("layer-norm-eps-nan", lambda: LayerNorm(8, eps=float("nan")), ValueError, r"`eps` must be a positive number.*nan"),
     ("positions-unknown", lambda: transformer_encoder(3, 8, 2, 16, 1, 2, KEY, 6, positions="rope"), ValueError, r"`positions` must be 'sinusoidal' or 'learned'.*'rope'"),
+    ("scan-layers-string", lambda: transformer_encoder(3, 8, 2, 16, 1, 2, KEY, 6, scan_layers="true"), ValueError, r"`scan_layers` must be True or False"),
+    ("remat-unknown", lambda: transformer_encoder(3, 8, 2, 16, 1, 2, KEY, 6, remat="all"), ValueError, r"`remat` must be one of \(None, 'block', 'attention'\).*'all'"),
+    ("remat-decoder-unknown", lambda: transformer_decoder(3, 8, 2, 16, 1, 2, KEY, 6, remat=True), ValueError, r"`remat` must be one of.*True"),
+    ("iree-target-unknown", lambda: target_flags("rocm"), ValueError, r"unknown IREE target 'rocm'; known: llvm-cpu, cuda, vulkan-spirv"),
     ("compute-dtype-unknown", lambda: transformer_encoder(3, 8, 2, 16, 1, 2, KEY, 6, compute_dtype="int8"), ValueError, r"`dtype` must be one of"),
     ("size-float", lambda: MultiHeadSelfAttention(8.0, 2, KEY), ValueError, r"`d_model` must be a positive integer.*8\.0.*float"),
     ("size-string", lambda: TransformerBlock(8, 2, "16", KEY), ValueError, r"`d_ff`.*'16'.*str"),

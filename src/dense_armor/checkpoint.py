@@ -37,7 +37,8 @@ from . import _atomic
 from ._atomic import WRITE_STEPS, sha256
 from .distributed import gather_to_host
 from .families import FAMILIES
-from .utility.neural.core import python_scalar
+from .utility.neural.core import python_scalar, require_bool
+from .utility.neural.stack import stack_layers, unstack_layers
 
 __all__ = [
     "FORMAT",
@@ -48,6 +49,7 @@ __all__ = [
     "ModelConfig",
     "check_arrays",
     "check_fits",
+    "convert_layers",
     "fill_tree",
     "load_checkpoint",
     "save_checkpoint",
@@ -312,8 +314,14 @@ def _verify_files(path: pathlib.Path, files: Any) -> None:
             )
 
 
-def load_checkpoint(directory: str | os.PathLike[str]) -> Checkpoint:
-    """Read a checkpoint written by `save_checkpoint`, checking structure, shapes and dtypes."""
+def load_checkpoint(
+    directory: str | os.PathLike[str], *, scan_layers: bool | None = None
+) -> Checkpoint:
+    """Read a checkpoint written by `save_checkpoint`, checking structure, shapes and dtypes.
+
+    `scan_layers`: `True` or `False` converts the model to stacked (one `Stack` of its blocks)
+    or unrolled blocks if it was saved the other way, and its config with it; the weights and
+    the outputs are the same. `None` (default): as saved."""
     path = pathlib.Path(directory)
     previous = _atomic.previous_copy(path)
     if not path.exists() and previous.is_dir():
@@ -330,4 +338,17 @@ def load_checkpoint(directory: str | os.PathLike[str]) -> Checkpoint:
         else {}
     )
     state = _read_json(path / "state.json") if (path / "state.json").exists() else {}
+    if scan_layers is not None:
+        model, config = convert_layers(model, config, scan_layers)
     return Checkpoint(model, config, state_arrays, state)
+
+
+def convert_layers(model: Any, config: ModelConfig, scan_layers: bool) -> tuple[Any, ModelConfig]:
+    """`model` and `config` with the blocks stacked (`scan_layers=True`) or unrolled."""
+    require_bool(scan_layers=scan_layers)
+    if bool(config.arguments.get("scan_layers", False)) == scan_layers:
+        return model, config
+    model = (stack_layers if scan_layers else unstack_layers)(model)
+    config = ModelConfig(config.factory, {**config.arguments, "scan_layers": scan_layers})
+    check_fits(config, tree_arrays(model))
+    return model, config

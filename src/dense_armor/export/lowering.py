@@ -235,7 +235,8 @@ class Lowering:
         return jax.tree_util.tree_unflatten(self.cache_treedef, cache)
 
     def _overflow(self, leaves: list[jax.Array], batch: int) -> jax.Array:
-        flags = [leaves[i] for i in self.overflow_flags]
+        # A stack of layers holds one flag per layer: `(B, depth)`.
+        flags = [leaves[i].reshape(leaves[i].shape[0], -1).any(axis=1) for i in self.overflow_flags]
         return jnp.stack(flags).any(axis=0) if flags else jnp.zeros(batch, bool)
 
     # -- the exported functions ---------------------------------------------------------------

@@ -532,9 +532,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tolerance = 1e-4 if compute in (None, "float32") else 5e-2
     if args.report is not None:
         args.report.write_text(json.dumps({"errors": errors, "max": worst}, indent=2) + "\n")
-    print(
-        f"  {'all':<36} max |error| = {worst:.3e} ({'ok' if worst <= tolerance else 'FAILED'})"
-    )
+    print(f"  {'all':<36} max |error| = {worst:.3e} ({'ok' if worst <= tolerance else 'FAILED'})")
     return 0 if worst <= tolerance else 1
 
 

@@ -42,3 +42,6 @@ from .positions import PositionalEncoding as PositionalEncoding
 from .positions import sinusoidal_encoding as sinusoidal_encoding
 from .positions import sinusoidal_positions as sinusoidal_positions
 from .self_attention import MultiHeadSelfAttention as MultiHeadSelfAttention
+from .stack import Stack as Stack
+from .stack import stack_layers as stack_layers
+from .stack import unstack_layers as unstack_layers

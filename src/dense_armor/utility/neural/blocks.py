@@ -33,6 +33,26 @@ from .self_attention import MultiHeadSelfAttention
 __all__ = ["DecoderCache", "Gate", "TransformerBlock", "TransformerDecoderBlock"]
 
 
+REMAT = (None, "block", "attention")
+
+
+def _check_remat(remat: str | None) -> str | None:
+    if remat not in REMAT:
+        raise ValueError(
+            f"`remat` must be one of {REMAT} (recompute in the backward pass: nothing, the whole "
+            f"block, or the attention); received `remat={remat!r}`."
+        )
+    return remat
+
+
+def _rematerialised(attention: Callable[[Array], Array], remat: str | None) -> Any:
+    """`attention`, its activations recomputed in the backward pass when `remat="attention"`
+    (`jax.checkpoint`, saving nothing inside it: the `(n_heads, T, T)` scores are the memory)."""
+    if remat != "attention":
+        return attention
+    return jax.checkpoint(attention, policy=jax.checkpoint_policies.nothing_saveable)
+
+
 def _residual(
     block: "TransformerBlock | TransformerDecoderBlock",
     i: int,
@@ -55,8 +75,10 @@ class TransformerBlock(Layer):
     addition, only when `forward` gets a `key`), `gate=False` (a `Gate` replaces each residual
     addition: `y = LayerNorm(Gate(x, Attention(x)))`, ...), `norm_first=False` (pre-LN instead:
     `y = x + Attention(LayerNorm(x))`, `z = y + FFN(LayerNorm(y))`, Xiong et al. 2020),
-    `window=None` (sliding-window attention) and `memory_efficient=None` (blocked attention; see
-    `MultiHeadSelfAttention`).
+    `window=None` (sliding-window attention), `memory_efficient=None` (blocked attention; see
+    `MultiHeadSelfAttention`) and `remat=None` (`"block"`: the block's activations are recomputed
+    in the backward pass instead of stored, `jax.checkpoint`; `"attention"`: only the
+    attention's, whose `(n_heads, T, T)` scores are most of them).
 
     `forward(x, mask=None)`, `mask` the padding mask of `Layer`.
 
@@ -74,6 +96,7 @@ class TransformerBlock(Layer):
     gates: "tuple[Gate, ...]"
     d_model: int = eqx.field(static=True, converter=python_scalar)
     norm_first: bool = eqx.field(static=True, converter=python_scalar)
+    remat: str | None = eqx.field(static=True, converter=python_scalar, default=None)
     accepts_mask: ClassVar[bool] = True
 
     def __init__(
@@ -88,6 +111,7 @@ class TransformerBlock(Layer):
         norm_first: bool = False,
         window: int | None = None,
         memory_efficient: bool | None = None,
+        remat: str | None = None,
     ):
         require_key(key)
         _check_heads(d_model, n_heads)
@@ -106,6 +130,7 @@ class TransformerBlock(Layer):
         self.gates = tuple(Gate(d_model, k) for k in gate_keys) if gate else ()
         self.d_model = d_model
         self.norm_first = norm_first
+        self.remat = _check_remat(remat)
 
     def _join(self, i: int, x: Array, sub: Array, key: PRNGKeyArray | None) -> Array:
         return _residual(self, i, x, sub, key)
@@ -136,7 +161,9 @@ class TransformerBlock(Layer):
         mask: Bool[Array, " T"] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "T d_model"]:
-        return self._apply(x, lambda h: (self.attention(h, mask=mask), None), key)[0]
+        attention = _rematerialised(lambda h: self.attention(h, mask=mask), self.remat)
+        run = lambda x: self._apply(x, lambda h: (attention(h), None), key)[0]  # noqa: E731
+        return jax.checkpoint(run)(x) if self.remat == "block" else run(x)
 
     @shape_checked
     def attention_weights(
@@ -249,6 +276,7 @@ class TransformerDecoderBlock(Layer):
     d_model: int = eqx.field(static=True, converter=python_scalar)
     d_context: int = eqx.field(static=True, converter=python_scalar)
     norm_first: bool = eqx.field(static=True, converter=python_scalar)
+    remat: str | None = eqx.field(static=True, converter=python_scalar, default=None)
 
     def __init__(
         self,
@@ -262,6 +290,7 @@ class TransformerDecoderBlock(Layer):
         memory_efficient: bool | None = None,
         norm_first: bool = False,
         window: int | None = None,
+        remat: str | None = None,
     ):
         require_key(key)
         _check_heads(d_model, n_heads)
@@ -284,6 +313,7 @@ class TransformerDecoderBlock(Layer):
         self.d_model = d_model
         self.d_context = self.cross_attention.d_context
         self.norm_first = norm_first
+        self.remat = _check_remat(remat)
 
     def _join(self, i: int, x: Array, sub: Array, key: PRNGKeyArray | None) -> Array:
         return _residual(self, i, x, sub, key)
@@ -297,8 +327,12 @@ class TransformerDecoderBlock(Layer):
         context_mask: Bool[Array, " S"] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "T d_model"]:
-        context_cache = self.cross_attention.init_cache(context, context_mask=context_mask)
-        return self._apply(x, lambda h: (self.self_attention(h), None), context_cache, key)[0]
+        def run(x: Array) -> Array:
+            context_cache = self.cross_attention.init_cache(context, context_mask=context_mask)
+            attention = _rematerialised(self.self_attention, self.remat)
+            return self._apply(x, lambda h: (attention(h), None), context_cache, key)[0]
+
+        return jax.checkpoint(run)(x) if self.remat == "block" else run(x)
 
     def _apply(
         self,

@@ -8,9 +8,10 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .blocks import TransformerBlock, TransformerDecoderBlock
 from .cache import batch_streams, validate_overflow_mode
-from .core import Layer, require_key, require_positive
+from .core import Layer, require_bool, require_key, require_positive
 from .layers import Cast, Dense, LayerNorm, MeanOverTime
 from .positions import AddPositions, LearnedPositions, PositionalEncoding
+from .stack import Stack, unstack_layers
 
 __all__ = [
     "AddPositions",  # re-exported from positions
@@ -126,6 +127,8 @@ def transformer_encoder(
     window: int | None = None,
     compute_dtype: str | None = None,
     memory_efficient: bool | None = None,
+    scan_layers: bool = False,
+    remat: str | None = None,
 ) -> Sequential:
     """A sequence-to-vector encoder: `(T, n_in) -> (n_out,)`.
 
@@ -141,7 +144,11 @@ def transformer_encoder(
     needs `causal=True`; the sinusoidal positions are then unbounded, so the encoder streams
     forever), `compute_dtype=None` (e.g. `"bfloat16"`: a `Cast` in front runs the model in
     that dtype, parameters stay float32) and `memory_efficient=None` (blocked attention in every
-    block: `True`, `False`, or `None` for sequences of `BLOCKED_MIN_LENGTH` steps or more).
+    block: `True`, `False`, or `None` for sequences of `BLOCKED_MIN_LENGTH` steps or more),
+    `scan_layers=False` (the blocks in one `Stack`: their parameters stacked on a leading depth
+    axis and applied by one `jax.lax.scan`, so the block compiles once whatever the depth; the
+    same outputs as the unrolled model with the same weights) and `remat=None` (`"block"` or
+    `"attention"`: recompute those activations in the backward pass; see `TransformerBlock`).
 
     `forward(x, mask=None)`, `mask` the padding mask of `Layer`.
     """
@@ -162,15 +169,17 @@ def transformer_encoder(
             norm_first=norm_first,
             window=window,
             memory_efficient=memory_efficient,
+            remat=remat,
         )
         for k in block_keys
     ]
+    require_bool(scan_layers=scan_layers)
     unbounded = window is not None and positions == "sinusoidal"
     return Sequential(
         *([Cast(compute_dtype)] if compute_dtype is not None else []),
         Dense(n_in, d_model, in_key),
         AddPositions(None) if unbounded else _positions(positions, max_len, d_model, pos_key),
-        *blocks,
+        *([Stack(blocks)] if scan_layers else blocks),
         *([LayerNorm(d_model)] if norm_first else []),
         MeanOverTime(d_model),
         Dense(d_model, n_out, out_key),
@@ -189,7 +198,7 @@ class TransformerDecoder(Layer):
 
     embed: Dense
     positions: PositionalEncoding
-    blocks: tuple[TransformerDecoderBlock, ...]
+    blocks: tuple[Layer, ...]  # TransformerDecoderBlocks, or one Stack of them
     head: Dense
     final_norm: LayerNorm | None = None  # pre-LN blocks end with one more LayerNorm
 
@@ -265,13 +274,15 @@ def transformer_decoder(
     memory_efficient: bool | None = None,
     norm_first: bool = False,
     window: int | None = None,
+    scan_layers: bool = False,
+    remat: str | None = None,
 ) -> TransformerDecoder:
     """A decoder next to `transformer_encoder`: arguments in the same order, then `d_context`
     (default `d_model`), `dropout`, `gate` (gated residuals in every block), `positions`,
     `memory_efficient` (blocked attention in every block; see `MultiHeadSelfAttention`),
     `norm_first` (pre-LN blocks, then a final `LayerNorm` before the head) and `window`
     (sliding-window self-attention in every block; the sinusoidal positions are then unbounded,
-    so the decoder streams forever)."""
+    so the decoder streams forever), `scan_layers` and `remat` (as in `transformer_encoder`)."""
     require_key(key)
     require_positive(
         n_in=n_in, d_model=d_model, d_ff=d_ff, depth=depth, n_out=n_out, max_len=max_len
@@ -289,14 +300,16 @@ def transformer_decoder(
             memory_efficient=memory_efficient,
             norm_first=norm_first,
             window=window,
+            remat=remat,
         )
         for k in block_keys
     )
+    require_bool(scan_layers=scan_layers)
     unbounded = window is not None and positions == "sinusoidal"
     return TransformerDecoder(
         Dense(n_in, d_model, in_key),
         AddPositions(None) if unbounded else _positions(positions, max_len, d_model, pos_key),
-        blocks,
+        (Stack(blocks),) if scan_layers else blocks,
         Dense(d_model, n_out, out_key),
         LayerNorm(d_model) if norm_first else None,
     )
@@ -308,7 +321,7 @@ def attention_maps(
     """The attention weights of every `TransformerBlock` of `model` on the input `x`, in order:
     one `(n_heads, T, T)` array per block, each computed on what that block receives."""
     maps = []
-    for layer in model.layers:
+    for layer in unstack_layers(model).layers:
         if isinstance(layer, TransformerBlock):
             maps.append(layer.attention_weights(x, mask=mask))
         x = _apply(layer, x, mask, None)
