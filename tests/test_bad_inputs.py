@@ -185,6 +185,8 @@ BAD = [
     ("remat-unknown", lambda: transformer_encoder(3, 8, 2, 16, 1, 2, KEY, 6, remat="all"), ValueError, r"`remat` must be one of \(None, 'block', 'attention'\).*'all'"),
     ("remat-decoder-unknown", lambda: transformer_decoder(3, 8, 2, 16, 1, 2, KEY, 6, remat=True), ValueError, r"`remat` must be one of.*True"),
     ("iree-target-unknown", lambda: target_flags("rocm"), ValueError, r"unknown IREE target 'rocm'; known: llvm-cpu, cuda, vulkan-spirv"),
+    ("implementation-unknown", lambda: attention(implementation="flash"), ValueError, r"`implementation` must be one of \('auto', 'materialised', 'blocked', 'xla', 'cudnn'\).*'flash'"),
+    ("implementation-and-memory-efficient", lambda: transformer_encoder(3, 8, 2, 16, 1, 2, KEY, 6, memory_efficient=False, implementation="blocked"), ValueError, r"`memory_efficient=False` means `implementation='materialised'`"),
     ("compute-dtype-unknown", lambda: transformer_encoder(3, 8, 2, 16, 1, 2, KEY, 6, compute_dtype="int8"), ValueError, r"`dtype` must be one of"),
     ("size-float", lambda: MultiHeadSelfAttention(8.0, 2, KEY), ValueError, r"`d_model` must be a positive integer.*8\.0.*float"),
     ("size-string", lambda: TransformerBlock(8, 2, "16", KEY), ValueError, r"`d_ff`.*'16'.*str"),

@@ -1,6 +1,7 @@
 """Deep models: the blocks stacked and scanned (`scan_layers=True`) compute what the unrolled
 blocks compute with the same weights, forward, backward and streaming; checkpoints convert both
-ways; export works; `remat` recomputes without changing a gradient."""
+ways; export works; `remat` recomputes without changing a gradient; every attention
+`implementation` computes the same function, and cuDNN's never reaches an export."""
 
 import equinox as eqx
 import jax
@@ -11,6 +12,8 @@ import pytest
 from dense_armor.checkpoint import ModelConfig, load_checkpoint, save_checkpoint
 from dense_armor.export import check_golden, export_model, load
 from dense_armor.utility.neural import (
+    MultiHeadCrossAttention,
+    MultiHeadSelfAttention,
     Stack,
     TransformerBlock,
     reset,
@@ -152,3 +155,76 @@ def test_stack_refuses_layers_that_are_not_copies():
         Stack([TransformerBlock(8, 2, 16, KEY), TransformerBlock(8, 2, 32, KEY)])
     with pytest.raises(TypeError, match="Sequential or a TransformerDecoder"):
         stack_layers(TransformerBlock(8, 2, 16, KEY))
+
+
+# The attention implementation: one choice per layer, the same function
+
+
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"causal": True, "window": 3}])
+def test_every_implementation_computes_the_same_attention(options):
+    x = jax.random.normal(KEY, (9, 8))
+    mask = jnp.arange(9) < 6
+    layers = {
+        name: MultiHeadSelfAttention(8, 2, KEY, implementation=name, **options)
+        for name in ("materialised", "blocked", "xla")
+    }
+    expected = layers["materialised"](x, mask=mask)
+    grad = eqx.filter_grad(lambda m: (m(x, mask=mask) ** 2).sum())
+    for name in ("blocked", "xla"):
+        np.testing.assert_allclose(layers[name](x, mask=mask), expected, atol=1e-5, err_msg=name)
+        leaves_close(grad(layers[name]), grad(layers["materialised"]), atol=1e-5)
+    # a padded step's NaN stays hidden; a visible one reaches exactly the rows that see it
+    poisoned = x.at[7].set(jnp.nan)
+    for name, layer in layers.items():
+        hidden = layer(poisoned, mask=mask)
+        assert bool(jnp.isfinite(hidden[:6]).all()), name
+        seen = layer(x.at[2].set(jnp.nan))
+        sees = np.arange(9) >= 2 if options.get("causal") else np.ones(9, bool)
+        if "window" in options:
+            sees &= np.arange(9) < 2 + 3
+        np.testing.assert_array_equal(np.isnan(seen).any(axis=-1), sees, err_msg=name)
+
+
+def test_xla_cross_attention_gives_zeros_where_nothing_is_visible():
+    x = jax.random.normal(KEY, (4, 8))
+    context = jax.random.normal(jax.random.fold_in(KEY, 1), (3, 5))
+    plain = MultiHeadCrossAttention(8, 2, KEY, 5)
+    xla = MultiHeadCrossAttention(8, 2, KEY, 5, implementation="xla")
+    for context_mask in (jnp.array([True, False, True]), jnp.zeros(3, bool)):
+        np.testing.assert_allclose(
+            xla(x, context, context_mask=context_mask),
+            plain(x, context, context_mask=context_mask),
+            atol=1e-6,
+        )
+    assert not bool(xla(x, context, context_mask=jnp.zeros(3, bool)).any())
+
+
+def test_cudnn_needs_a_gpu_but_exports_as_xla(tmp_path):
+    x = jax.random.normal(KEY, (5, 8))
+    with pytest.raises(ValueError, match=r"needs an NVIDIA GPU.*'cpu' backend"):
+        MultiHeadSelfAttention(8, 2, KEY, implementation="cudnn")(x)
+    config = ModelConfig("transformer_encoder", {**ARGS, "causal": True, "implementation": "cudnn"})
+    model = config.build(KEY)
+    export_model(model, config, tmp_path / "art", platforms=["cpu", "cuda"], static_shapes=[(1, 4)])
+    artifact = load(tmp_path / "art")
+    for name, function in artifact.functions.items():
+        text = function.mlir_module()
+        assert "cudnn" not in text.lower() and "__cudnn" not in text, name
+    assert max(check_golden(artifact).values()) < 1e-5
+    xla = ModelConfig("transformer_encoder", {**config.arguments, "implementation": "xla"})
+    np.testing.assert_allclose(
+        artifact.forward(np.ones((1, 4, 3), np.float32)),
+        jax.vmap(xla.build(KEY))(np.ones((1, 4, 3), np.float32)),
+        atol=1e-5,
+    )
+
+
+def test_memory_efficient_is_the_older_spelling_of_implementation():
+    assert MultiHeadSelfAttention(8, 2, KEY, memory_efficient=True).implementation == "blocked"
+    assert MultiHeadSelfAttention(8, 2, KEY, memory_efficient=False).implementation == (
+        "materialised"
+    )
+    assert MultiHeadSelfAttention(8, 2, KEY).implementation == "auto"
+    assert MultiHeadSelfAttention(8, 2, KEY, implementation="xla").memory_efficient is False
+    with pytest.raises(ValueError, match=r"means `implementation='blocked'`.*Pass one of them"):
+        MultiHeadSelfAttention(8, 2, KEY, memory_efficient=True, implementation="xla")

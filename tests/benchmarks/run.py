@@ -3,7 +3,7 @@
 import datetime
 import sys
 
-from . import bench_deploy, bench_encoder, bench_long, bench_streaming
+from . import bench_deploy, bench_depth, bench_encoder, bench_long, bench_streaming
 from .harness import machine
 
 BENCHMARKS = {
@@ -11,6 +11,7 @@ BENCHMARKS = {
     "streaming": bench_streaming,
     "long": bench_long,
     "deploy": bench_deploy,
+    "depth": bench_depth,
 }
 
 

@@ -50,6 +50,7 @@ from ..checkpoint import (
     tree_arrays,
 )
 from ..families import FAMILIES
+from ..utility.neural.attention import exporting
 from ..utility.neural.cache import portable_writes
 from . import standalone
 from .golden import golden
@@ -145,8 +146,9 @@ def export_model(
     causal_model = (
         model if causal_config == config else fill_tree(skeleton(causal_config), tree_arrays(model))
     )
-    lowering = Lowering(model, causal_model, config, capacity)
-    functions = lowering.functions()
+    with exporting():  # cuDNN's attention lowers as XLA's: jax.export refuses its custom call
+        lowering = Lowering(model, causal_model, config, capacity)
+        functions = lowering.functions()
     weight_avals = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in lowering.weights]
 
     summary: dict[str, Any] = {}
@@ -219,7 +221,8 @@ def export_model(
 
     if target.exists() and not target.is_dir():
         raise ArtifactError(f"{target} exists and is not a directory.")
-    _atomic.write_directory(target, fill)
+    with exporting():  # the golden outputs too: a cuDNN model computes them as XLA's
+        _atomic.write_directory(target, fill)
     files = {str(p.relative_to(target)): p.stat().st_size for p in target.rglob("*") if p.is_file()}
     return ExportSummary(target, files, time.perf_counter() - started, summary["manifest"])
 

@@ -78,7 +78,8 @@ class TransformerBlock(Layer):
     `window=None` (sliding-window attention), `memory_efficient=None` (blocked attention; see
     `MultiHeadSelfAttention`) and `remat=None` (`"block"`: the block's activations are recomputed
     in the backward pass instead of stored, `jax.checkpoint`; `"attention"`: only the
-    attention's, whose `(n_heads, T, T)` scores are most of them).
+    attention's, whose `(n_heads, T, T)` scores are most of them) and `implementation=None` (how
+    the attention is computed; see `MultiHeadSelfAttention`).
 
     `forward(x, mask=None)`, `mask` the padding mask of `Layer`.
 
@@ -112,6 +113,7 @@ class TransformerBlock(Layer):
         window: int | None = None,
         memory_efficient: bool | None = None,
         remat: str | None = None,
+        implementation: str | None = None,
     ):
         require_key(key)
         _check_heads(d_model, n_heads)
@@ -119,7 +121,13 @@ class TransformerBlock(Layer):
         require_bool(gate=gate, norm_first=norm_first)
         akey, fkey = jr.split(key)
         self.attention = MultiHeadSelfAttention(
-            d_model, n_heads, akey, causal=causal, window=window, memory_efficient=memory_efficient
+            d_model,
+            n_heads,
+            akey,
+            causal=causal,
+            window=window,
+            memory_efficient=memory_efficient,
+            implementation=implementation,
         )
         self.norm1 = LayerNorm(d_model)
         self.feed_forward = FeedForward(d_model, d_ff, fkey)
@@ -291,6 +299,7 @@ class TransformerDecoderBlock(Layer):
         norm_first: bool = False,
         window: int | None = None,
         remat: str | None = None,
+        implementation: str | None = None,
     ):
         require_key(key)
         _check_heads(d_model, n_heads)
@@ -298,11 +307,22 @@ class TransformerDecoderBlock(Layer):
         require_bool(gate=gate, norm_first=norm_first)
         skey, ckey, fkey = jr.split(key, 3)
         self.self_attention = MultiHeadSelfAttention(
-            d_model, n_heads, skey, causal=True, window=window, memory_efficient=memory_efficient
+            d_model,
+            n_heads,
+            skey,
+            causal=True,
+            window=window,
+            memory_efficient=memory_efficient,
+            implementation=implementation,
         )
         self.norm1 = LayerNorm(d_model)
         self.cross_attention = MultiHeadCrossAttention(
-            d_model, n_heads, ckey, d_context, memory_efficient=memory_efficient
+            d_model,
+            n_heads,
+            ckey,
+            d_context,
+            memory_efficient=memory_efficient,
+            implementation=implementation,
         )
         self.norm2 = LayerNorm(d_model)
         self.feed_forward = FeedForward(d_model, d_ff, fkey)

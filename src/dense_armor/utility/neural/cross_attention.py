@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
-from .attention import _attend_sequence, _check_heads, _check_memory_efficient, _project
+from .attention import _attend_sequence, _check_heads, _project, resolve_implementation
 from .core import (
     Layer,
     Param,
@@ -38,8 +38,9 @@ class MultiHeadCrossAttention(Layer):
     `(d_context, d_model)`, `W_O (d_model, d_model)`.
 
     **Arguments:** `d_model` (divisible by `n_heads`), `n_heads`, `key`, `d_context=None` (the
-    context's width; default `d_model`), `memory_efficient=None` (`forward` with
-    `blocked_attention`: `True`, `False`, or `None` for when `T * S >= BLOCKED_MIN_LENGTH ** 2`).
+    context's width; default `d_model`), `implementation=None` (as in `MultiHeadSelfAttention`;
+    `"auto"` attends in blocks when `T * S >= BLOCKED_MIN_LENGTH ** 2`) and its older spelling
+    `memory_efficient=None`.
 
     `forward(x, context, context_mask=None)`: `context_mask (S,)` is `True` on the context steps to
     look at (padding is `False`); a query with no visible step gets zeros, never NaN.
@@ -54,7 +55,7 @@ class MultiHeadCrossAttention(Layer):
     d_model: int = eqx.field(static=True, converter=python_scalar)
     n_heads: int = eqx.field(static=True, converter=python_scalar)
     d_context: int = eqx.field(static=True, converter=python_scalar)
-    memory_efficient: bool | None = eqx.field(static=True, converter=python_scalar)
+    implementation: str = eqx.field(static=True, converter=python_scalar)
 
     def __init__(
         self,
@@ -63,10 +64,11 @@ class MultiHeadCrossAttention(Layer):
         key: PRNGKeyArray,
         d_context: int | None = None,
         memory_efficient: bool | None = None,
+        implementation: str | None = None,
     ):
         require_key(key)
         _check_heads(d_model, n_heads)
-        _check_memory_efficient(memory_efficient)
+        implementation = resolve_implementation(memory_efficient, implementation)
         d_context = d_model if d_context is None else d_context
         require_positive(d_context=d_context)
         qkey, kkey, vkey, okey = jr.split(key, 4)
@@ -78,7 +80,12 @@ class MultiHeadCrossAttention(Layer):
         self.W_Q, self.W_K = init(qkey, d_model), init(kkey, d_context)
         self.W_V, self.W_O = init(vkey, d_context), init(okey, d_model)
         self.d_model, self.n_heads, self.d_context = d_model, n_heads, d_context
-        self.memory_efficient = memory_efficient
+        self.implementation = implementation
+
+    @property
+    def memory_efficient(self) -> bool | None:
+        """`implementation` in the older spelling: blocked (`True`), not (`False`) or by length."""
+        return {"auto": None, "blocked": True}.get(self.implementation, False)
 
     @shape_checked
     def init_cache(

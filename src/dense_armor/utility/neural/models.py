@@ -129,6 +129,7 @@ def transformer_encoder(
     memory_efficient: bool | None = None,
     scan_layers: bool = False,
     remat: str | None = None,
+    implementation: str | None = None,
 ) -> Sequential:
     """A sequence-to-vector encoder: `(T, n_in) -> (n_out,)`.
 
@@ -148,7 +149,8 @@ def transformer_encoder(
     `scan_layers=False` (the blocks in one `Stack`: their parameters stacked on a leading depth
     axis and applied by one `jax.lax.scan`, so the block compiles once whatever the depth; the
     same outputs as the unrolled model with the same weights) and `remat=None` (`"block"` or
-    `"attention"`: recompute those activations in the backward pass; see `TransformerBlock`).
+    `"attention"`: recompute those activations in the backward pass; see `TransformerBlock`) and
+    `implementation=None` (how every attention is computed; see `MultiHeadSelfAttention`).
 
     `forward(x, mask=None)`, `mask` the padding mask of `Layer`.
     """
@@ -170,6 +172,7 @@ def transformer_encoder(
             window=window,
             memory_efficient=memory_efficient,
             remat=remat,
+            implementation=implementation,
         )
         for k in block_keys
     ]
@@ -276,13 +279,15 @@ def transformer_decoder(
     window: int | None = None,
     scan_layers: bool = False,
     remat: str | None = None,
+    implementation: str | None = None,
 ) -> TransformerDecoder:
     """A decoder next to `transformer_encoder`: arguments in the same order, then `d_context`
     (default `d_model`), `dropout`, `gate` (gated residuals in every block), `positions`,
     `memory_efficient` (blocked attention in every block; see `MultiHeadSelfAttention`),
     `norm_first` (pre-LN blocks, then a final `LayerNorm` before the head) and `window`
     (sliding-window self-attention in every block; the sinusoidal positions are then unbounded,
-    so the decoder streams forever), `scan_layers` and `remat` (as in `transformer_encoder`)."""
+    so the decoder streams forever), `scan_layers`, `remat` and `implementation` (as in
+    `transformer_encoder`)."""
     require_key(key)
     require_positive(
         n_in=n_in, d_model=d_model, d_ff=d_ff, depth=depth, n_out=n_out, max_len=max_len
@@ -301,6 +306,7 @@ def transformer_decoder(
             norm_first=norm_first,
             window=window,
             remat=remat,
+            implementation=implementation,
         )
         for k in block_keys
     )

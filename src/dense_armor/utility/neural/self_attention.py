@@ -15,13 +15,13 @@ from .attention import (
     _attend_heads,
     _attend_sequence,
     _check_heads,
-    _check_memory_efficient,
     _check_window,
     _heads,
     _project,
     _require_causal,
     _sequence_mask,
     attention_weights,
+    resolve_implementation,
 )
 from .blocked import use_blocked
 from .cache import Counter, FixedKVCache, KVCache, RingKVCache, validate_overflow_mode
@@ -45,9 +45,13 @@ class MultiHeadSelfAttention(Layer):
     **Arguments:** `d_model` (the width, divisible by `n_heads`), `n_heads`, `key`,
     `causal=False` (step t looks only at steps up to t; masked scores are `-inf`), `window=None`
     (with `causal=True`: step t looks only at the last `window` steps, `t - window < s <= t`),
-    `memory_efficient=None` (`True`: `forward` attends with `blocked_attention`, in memory linear
-    in T; `False`: with the `(T, T)` scores materialised; `None`: blocked from
-    `BLOCKED_MIN_LENGTH` steps on). Both give the same result up to float32 round-off.
+    `implementation=None`, how the scores are computed: `"auto"` (the default: materialised below
+    `BLOCKED_MIN_LENGTH` steps, `blocked_attention` from there on, in memory linear in T),
+    `"materialised"` (the `(T, T)` scores), `"blocked"`, or `jax.nn.dot_product_attention`'s
+    `"xla"` or `"cudnn"` (cuDNN's fused kernel, on an NVIDIA GPU; an export lowers it as
+    `"xla"`, since jax.export does not accept its custom call). `memory_efficient=None` is the
+    older spelling (`True`: `"blocked"`, `False`: `"materialised"`). All give the same result up
+    to float32 round-off.
 
     `forward(x, mask=None)` maps `(T, d_model) -> (T, d_model)`, `mask` the padding mask of
     `Layer`.
@@ -68,7 +72,7 @@ class MultiHeadSelfAttention(Layer):
     n_heads: int = eqx.field(static=True, converter=python_scalar)
     causal: bool = eqx.field(static=True, converter=python_scalar)
     window: int | None = eqx.field(static=True, converter=python_scalar)
-    memory_efficient: bool | None = eqx.field(static=True, converter=python_scalar)
+    implementation: str = eqx.field(static=True, converter=python_scalar)
     accepts_mask: ClassVar[bool] = True
 
     def __init__(
@@ -79,12 +83,13 @@ class MultiHeadSelfAttention(Layer):
         causal: bool = False,
         window: int | None = None,
         memory_efficient: bool | None = None,
+        implementation: str | None = None,
     ):
         require_key(key)
         _check_heads(d_model, n_heads)
         require_bool(causal=causal)
         _check_window(window, causal)
-        _check_memory_efficient(memory_efficient)
+        implementation = resolve_implementation(memory_efficient, implementation)
         bound = 1.0 / math.sqrt(d_model)
         qkey, kkey, vkey, okey = jr.split(key, 4)
 
@@ -96,7 +101,12 @@ class MultiHeadSelfAttention(Layer):
         self.n_heads = n_heads
         self.causal = causal
         self.window = window
-        self.memory_efficient = memory_efficient
+        self.implementation = implementation
+
+    @property
+    def memory_efficient(self) -> bool | None:
+        """`implementation` in the older spelling: blocked (`True`), not (`False`) or by length."""
+        return {"auto": None, "blocked": True}.get(self.implementation, False)
 
     @property
     def d_head(self) -> int:
