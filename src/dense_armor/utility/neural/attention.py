@@ -110,13 +110,30 @@ def scaled_dot_product_attention(
     return jnp.where(bad.any(axis=-1)[..., None], jnp.asarray(jnp.nan, out.dtype), out)
 
 
-def _check_heads(d_model: int, n_heads: int) -> None:
+def _check_heads(d_model: int, n_heads: int, n_kv_heads: int | None = None) -> int:
+    """Check the head counts; return `n_kv_heads` (default `n_heads`)."""
     require_positive(d_model=d_model, n_heads=n_heads)
     if d_model % n_heads:
         raise ValueError(
             f"`d_model` must be divisible by `n_heads`; received `d_model={d_model}`, "
             f"`n_heads={n_heads}` (remainder {d_model % n_heads})."
         )
+    if n_kv_heads is None:
+        return n_heads
+    require_positive(n_kv_heads=n_kv_heads)
+    if n_heads % n_kv_heads:
+        raise ValueError(
+            f"`n_heads` must be a multiple of `n_kv_heads` (each key/value head serves a group "
+            f"of query heads); received `n_heads={n_heads}`, `n_kv_heads={n_kv_heads}`."
+        )
+    return int(n_kv_heads)
+
+
+def _grouped(q: Array, n_kv_heads: int) -> Array:
+    """Query heads `(n_heads, T, d)` as `(n_kv_heads, group, T, d)`: query head `h` attends with
+    key/value head `h // group`, and keys `(n_kv_heads, 1, S, d)` broadcast over the group, never
+    repeated in memory."""
+    return q.reshape(n_kv_heads, q.shape[0] // n_kv_heads, *q.shape[1:])
 
 
 def _project(x: Array, weight: Param) -> Array:
@@ -132,15 +149,17 @@ def _attend_heads(
     mask: Array | None,
 ) -> Array:
     """Queries `x W_Q` of `x (T, d_model)`, split into heads, against projected `keys` and
-    `values` already in heads `(n_heads, S, d_head)`; attended with
+    `values` already in heads `(n_kv_heads, S, d_head)`; attended with
     `scaled_dot_product_attention` and joined by `W_O`."""
     q = _heads(_project(x, layer.W_Q), layer.n_heads)
     # Cached keys and values may be stored wider than the compute dtype (float32 under bfloat16).
     keys, values = keys.astype(x.dtype), values.astype(x.dtype)
-    if layer.implementation in ("xla", "cudnn"):
+    if layer.implementation in ("xla", "cudnn"):  # jax.nn takes fewer key/value heads itself
         out = _dot_product_attention(q, keys, values, mask, layer.implementation)
     else:
-        out = scaled_dot_product_attention(q, keys, values, mask)
+        grouped = _grouped(q, keys.shape[0])
+        out = scaled_dot_product_attention(grouped, keys[:, None], values[:, None], mask)
+        out = out.reshape(q.shape[0], *out.shape[2:])
     return _join_heads(layer, out)
 
 
@@ -193,8 +212,9 @@ def _dot_product_attention(
             f"this is jax's {jax.default_backend()!r} backend. Use 'xla' or 'auto'."
         )
     visible = None if mask is None else jnp.broadcast_to(mask, (q.shape[0], q.shape[1], k.shape[1]))
-    finite = jnp.isfinite(v).all(axis=-1)  # (n_heads, S)
+    finite = jnp.isfinite(v).all(axis=-1)  # (n_kv_heads, S)
     v = jnp.where(finite[..., None], v, jnp.zeros((), v.dtype))
+    finite = jnp.repeat(finite, q.shape[0] // k.shape[0], axis=0)  # per query head
     out = jax.nn.dot_product_attention(
         q.transpose(1, 0, 2),
         k.transpose(1, 0, 2),
@@ -250,10 +270,12 @@ def _attend_sequence(
         mask = _sequence_mask(length, key_length, causal, window, key_mask)
         return _attend_flat(layer, x, keys, values, mask)
     q = _heads(_project(x, layer.W_Q), layer.n_heads)
-    keys, values = _heads(keys, layer.n_heads), _heads(values, layer.n_heads)
-    keys, values = keys.astype(x.dtype), values.astype(x.dtype)
-    out = blocked_attention(q, keys, values, causal=causal, window=window, key_mask=key_mask)
-    return _join_heads(layer, out)
+    keys, values = _heads(keys, layer.n_kv_heads), _heads(values, layer.n_kv_heads)
+    keys, values = keys[:, None].astype(x.dtype), values[:, None].astype(x.dtype)
+    out = blocked_attention(
+        _grouped(q, layer.n_kv_heads), keys, values, causal=causal, window=window, key_mask=key_mask
+    )
+    return _join_heads(layer, out.reshape(q.shape))
 
 
 def _attend_flat(
@@ -264,7 +286,7 @@ def _attend_flat(
     mask: Array | None,
 ) -> Array:
     """`_attend_heads` with keys and values `(S, d_model)`, split into heads first."""
-    keys, values = _heads(keys, layer.n_heads), _heads(values, layer.n_heads)
+    keys, values = _heads(keys, layer.n_kv_heads), _heads(values, layer.n_kv_heads)
     return _attend_heads(layer, x, keys, values, mask)
 
 

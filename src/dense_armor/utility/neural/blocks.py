@@ -79,7 +79,9 @@ class TransformerBlock(Layer):
     `MultiHeadSelfAttention`) and `remat=None` (`"block"`: the block's activations are recomputed
     in the backward pass instead of stored, `jax.checkpoint`; `"attention"`: only the
     attention's, whose `(n_heads, T, T)` scores are most of them) and `implementation=None` (how
-    the attention is computed; see `MultiHeadSelfAttention`).
+    the attention is computed; see `MultiHeadSelfAttention`), `n_kv_heads=None` (grouped-query
+    attention: keys and values in `n_kv_heads` heads, each shared by `n_heads / n_kv_heads` query
+    heads; default `n_heads`).
 
     `forward(x, mask=None)`, `mask` the padding mask of `Layer`.
 
@@ -114,6 +116,7 @@ class TransformerBlock(Layer):
         memory_efficient: bool | None = None,
         remat: str | None = None,
         implementation: str | None = None,
+        n_kv_heads: int | None = None,
     ):
         require_key(key)
         _check_heads(d_model, n_heads)
@@ -128,6 +131,7 @@ class TransformerBlock(Layer):
             window=window,
             memory_efficient=memory_efficient,
             implementation=implementation,
+            n_kv_heads=n_kv_heads,
         )
         self.norm1 = LayerNorm(d_model)
         self.feed_forward = FeedForward(d_model, d_ff, fkey)
@@ -300,6 +304,7 @@ class TransformerDecoderBlock(Layer):
         window: int | None = None,
         remat: str | None = None,
         implementation: str | None = None,
+        n_kv_heads: int | None = None,
     ):
         require_key(key)
         _check_heads(d_model, n_heads)
@@ -314,6 +319,7 @@ class TransformerDecoderBlock(Layer):
             window=window,
             memory_efficient=memory_efficient,
             implementation=implementation,
+            n_kv_heads=n_kv_heads,
         )
         self.norm1 = LayerNorm(d_model)
         self.cross_attention = MultiHeadCrossAttention(
@@ -323,6 +329,7 @@ class TransformerDecoderBlock(Layer):
             d_context,
             memory_efficient=memory_efficient,
             implementation=implementation,
+            n_kv_heads=n_kv_heads,
         )
         self.norm2 = LayerNorm(d_model)
         self.feed_forward = FeedForward(d_model, d_ff, fkey)

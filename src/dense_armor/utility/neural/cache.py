@@ -221,7 +221,8 @@ class KVCache(NamedTuple):
         if self.keys.ndim != 2 or self.keys.shape[1] != n_heads * d_head:
             raise ShapeError(
                 f"MultiHeadSelfAttention.step: received `cache.keys.shape={self.keys.shape}`; "
-                f"expected `(t, d_model={n_heads * d_head})`. Use `init_cache()`."
+                f"expected `(t, {n_heads * d_head})` (key/value heads x d_head). Use "
+                "`init_cache()`."
             )
 
         def grown(old: Array, new: Array) -> Array:

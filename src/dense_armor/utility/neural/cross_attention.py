@@ -54,6 +54,7 @@ class MultiHeadCrossAttention(Layer):
     W_O: Param
     d_model: int = eqx.field(static=True, converter=python_scalar)
     n_heads: int = eqx.field(static=True, converter=python_scalar)
+    n_kv_heads: int = eqx.field(static=True, converter=python_scalar)
     d_context: int = eqx.field(static=True, converter=python_scalar)
     implementation: str = eqx.field(static=True, converter=python_scalar)
 
@@ -65,21 +66,24 @@ class MultiHeadCrossAttention(Layer):
         d_context: int | None = None,
         memory_efficient: bool | None = None,
         implementation: str | None = None,
+        n_kv_heads: int | None = None,
     ):
         require_key(key)
-        _check_heads(d_model, n_heads)
+        n_kv_heads = _check_heads(d_model, n_heads, n_kv_heads)
         implementation = resolve_implementation(memory_efficient, implementation)
         d_context = d_model if d_context is None else d_context
         require_positive(d_context=d_context)
         qkey, kkey, vkey, okey = jr.split(key, 4)
 
-        def init(k: PRNGKeyArray, d_in: int) -> Param:
+        def init(k: PRNGKeyArray, d_in: int, width: int = d_model) -> Param:
             bound = 1.0 / math.sqrt(d_in)
-            return Param(jr.uniform(k, (d_in, d_model), minval=-bound, maxval=bound))
+            return Param(jr.uniform(k, (d_in, width), minval=-bound, maxval=bound))
 
-        self.W_Q, self.W_K = init(qkey, d_model), init(kkey, d_context)
-        self.W_V, self.W_O = init(vkey, d_context), init(okey, d_model)
+        kv_width = n_kv_heads * (d_model // n_heads)
+        self.W_Q, self.W_K = init(qkey, d_model), init(kkey, d_context, kv_width)
+        self.W_V, self.W_O = init(vkey, d_context, kv_width), init(okey, d_model)
         self.d_model, self.n_heads, self.d_context = d_model, n_heads, d_context
+        self.n_kv_heads = n_kv_heads
         self.implementation = implementation
 
     @property
@@ -115,10 +119,11 @@ class MultiHeadCrossAttention(Layer):
         self, x_t: Float[Array, " d_model"], cache: ContextCache
     ) -> tuple[Float[Array, " d_model"], ContextCache]:
         """One query against the cached context; the cache comes back unchanged."""
-        if cache.keys.ndim != 2 or cache.keys.shape[1] != self.d_model:
+        width = self.W_K.value.shape[1]
+        if cache.keys.ndim != 2 or cache.keys.shape[1] != width:
             raise ShapeError(
                 f"MultiHeadCrossAttention.step: received `cache.keys.shape={cache.keys.shape}`; "
-                f"expected `(S, d_model={self.d_model})`. Use `init_cache(context)`."
+                f"expected `(S, {width})`. Use `init_cache(context)`."
             )
         return self.step_sequence(x_t[None], cache)[0], cache
 

@@ -130,6 +130,7 @@ def transformer_encoder(
     scan_layers: bool = False,
     remat: str | None = None,
     implementation: str | None = None,
+    n_kv_heads: int | None = None,
 ) -> Sequential:
     """A sequence-to-vector encoder: `(T, n_in) -> (n_out,)`.
 
@@ -150,7 +151,10 @@ def transformer_encoder(
     axis and applied by one `jax.lax.scan`, so the block compiles once whatever the depth; the
     same outputs as the unrolled model with the same weights) and `remat=None` (`"block"` or
     `"attention"`: recompute those activations in the backward pass; see `TransformerBlock`) and
-    `implementation=None` (how every attention is computed; see `MultiHeadSelfAttention`).
+    `implementation=None` (how every attention is computed; see `MultiHeadSelfAttention`) and
+    `n_kv_heads=None` (grouped-query attention in every block: `n_kv_heads` key/value heads,
+    each shared by `n_heads / n_kv_heads` query heads; 1 is multi-query; the caches hold only
+    the key/value heads).
 
     `forward(x, mask=None)`, `mask` the padding mask of `Layer`.
     """
@@ -173,6 +177,7 @@ def transformer_encoder(
             memory_efficient=memory_efficient,
             remat=remat,
             implementation=implementation,
+            n_kv_heads=n_kv_heads,
         )
         for k in block_keys
     ]
@@ -280,14 +285,15 @@ def transformer_decoder(
     scan_layers: bool = False,
     remat: str | None = None,
     implementation: str | None = None,
+    n_kv_heads: int | None = None,
 ) -> TransformerDecoder:
     """A decoder next to `transformer_encoder`: arguments in the same order, then `d_context`
     (default `d_model`), `dropout`, `gate` (gated residuals in every block), `positions`,
     `memory_efficient` (blocked attention in every block; see `MultiHeadSelfAttention`),
     `norm_first` (pre-LN blocks, then a final `LayerNorm` before the head) and `window`
     (sliding-window self-attention in every block; the sinusoidal positions are then unbounded,
-    so the decoder streams forever), `scan_layers`, `remat` and `implementation` (as in
-    `transformer_encoder`)."""
+    so the decoder streams forever), `scan_layers`, `remat`, `implementation` and `n_kv_heads` (as
+    in `transformer_encoder`)."""
     require_key(key)
     require_positive(
         n_in=n_in, d_model=d_model, d_ff=d_ff, depth=depth, n_out=n_out, max_len=max_len
@@ -307,6 +313,7 @@ def transformer_decoder(
             window=window,
             remat=remat,
             implementation=implementation,
+            n_kv_heads=n_kv_heads,
         )
         for k in block_keys
     )

@@ -16,6 +16,7 @@ from .attention import (
     _attend_sequence,
     _check_heads,
     _check_window,
+    _grouped,
     _heads,
     _project,
     _require_causal,
@@ -53,9 +54,14 @@ class MultiHeadSelfAttention(Layer):
     older spelling (`True`: `"blocked"`, `False`: `"materialised"`). All give the same result up
     to float32 round-off.
 
+    `n_kv_heads=None` (grouped-query attention: keys and values in `n_kv_heads` heads, each
+    shared by a group of `n_heads / n_kv_heads` consecutive query heads, never repeated in memory;
+    1 is multi-query; default `n_heads`, plain multi-head attention).
+
     `forward(x, mask=None)` maps `(T, d_model) -> (T, d_model)`, `mask` the padding mask of
     `Layer`.
-    `params()` is `[W_Q, W_K, W_V, W_O]`, each `(d_model, d_model)`, initialised uniform in
+    `params()` is `[W_Q, W_K, W_V, W_O]`: `W_Q` and `W_O` `(d_model, d_model)`, `W_K` and `W_V`
+    `(d_model, n_kv_heads * d_head)` (`(d_model, d_model)` by default), initialised uniform in
     `[-1/sqrt(d_model), 1/sqrt(d_model)]`. `attention_weights(x)` returns the weights
     `(n_heads, T, T)`.
 
@@ -70,6 +76,7 @@ class MultiHeadSelfAttention(Layer):
     W_O: Param
     d_model: int = eqx.field(static=True, converter=python_scalar)
     n_heads: int = eqx.field(static=True, converter=python_scalar)
+    n_kv_heads: int = eqx.field(static=True, converter=python_scalar)
     causal: bool = eqx.field(static=True, converter=python_scalar)
     window: int | None = eqx.field(static=True, converter=python_scalar)
     implementation: str = eqx.field(static=True, converter=python_scalar)
@@ -84,21 +91,25 @@ class MultiHeadSelfAttention(Layer):
         window: int | None = None,
         memory_efficient: bool | None = None,
         implementation: str | None = None,
+        n_kv_heads: int | None = None,
     ):
         require_key(key)
-        _check_heads(d_model, n_heads)
+        n_kv_heads = _check_heads(d_model, n_heads, n_kv_heads)
         require_bool(causal=causal)
         _check_window(window, causal)
         implementation = resolve_implementation(memory_efficient, implementation)
         bound = 1.0 / math.sqrt(d_model)
         qkey, kkey, vkey, okey = jr.split(key, 4)
 
-        def init(k: PRNGKeyArray) -> Param:
-            return Param(jr.uniform(k, (d_model, d_model), minval=-bound, maxval=bound))
+        def init(k: PRNGKeyArray, width: int = d_model) -> Param:
+            return Param(jr.uniform(k, (d_model, width), minval=-bound, maxval=bound))
 
-        self.W_Q, self.W_K, self.W_V, self.W_O = init(qkey), init(kkey), init(vkey), init(okey)
+        kv_width = n_kv_heads * (d_model // n_heads)
+        self.W_Q, self.W_O = init(qkey), init(okey)
+        self.W_K, self.W_V = init(kkey, kv_width), init(vkey, kv_width)
         self.d_model = d_model
         self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
         self.causal = causal
         self.window = window
         self.implementation = implementation
@@ -113,9 +124,9 @@ class MultiHeadSelfAttention(Layer):
         return self.d_model // self.n_heads
 
     def _cache_shape(self, rows: int) -> tuple[int, int, int]:
-        """A fixed or ring cache's buffers: per head, `(n_heads, rows, d_head)`, so a step reads
-        each head's keys contiguously with no transpose."""
-        return (self.n_heads, rows, self.d_head)
+        """A fixed or ring cache's buffers: per key/value head, `(n_kv_heads, rows, d_head)`, so
+        a step reads each head's keys contiguously with no transpose."""
+        return (self.n_kv_heads, rows, self.d_head)
 
     def _keys_values(self, x: Array) -> tuple[Array, Array]:
         return _project(x, self.W_K), _project(x, self.W_V)
@@ -136,12 +147,13 @@ class MultiHeadSelfAttention(Layer):
         self, x: Float[Array, "T d_model"], *, mask: Bool[Array, " T"] | None = None
     ) -> Float[Array, "n_heads T T"]:
         """The attention weights of `forward(x, mask=mask)`, `(n_heads, T, T)`, in float32."""
-        q = _heads(_project(x, self.W_Q), self.n_heads)
-        k = _heads(_project(x, self.W_K), self.n_heads)
+        q = _grouped(_heads(_project(x, self.W_Q), self.n_heads), self.n_kv_heads)
+        k = _heads(_project(x, self.W_K), self.n_kv_heads)[:, None]
         length = x.shape[0]
-        return attention_weights(
+        weights = attention_weights(
             q, k, _sequence_mask(length, length, self.causal, self.window, mask)
         )
+        return weights.reshape(self.n_heads, length, length)
 
     def init_cache(
         self, capacity: int | None = None, *, on_overflow: str = "raise"
@@ -159,7 +171,8 @@ class MultiHeadSelfAttention(Layer):
             zeros = self._cache_shape(self.window)
             return RingKVCache(jnp.zeros(zeros), jnp.zeros(zeros), jnp.zeros((), jnp.int32))
         if capacity is None:
-            return KVCache(jnp.zeros((0, self.d_model)), jnp.zeros((0, self.d_model)))
+            width = self.n_kv_heads * self.d_head
+            return KVCache(jnp.zeros((0, width)), jnp.zeros((0, width)))
         require_positive(capacity=capacity)
         zeros = self._cache_shape(capacity)
         return FixedKVCache(
@@ -212,7 +225,7 @@ class MultiHeadSelfAttention(Layer):
         steps = x.shape[0]
         if not isinstance(steps, int) or steps == 0:
             return None  # a symbolic chunk length (export) is attended whole
-        new = jax.ShapeDtypeStruct((self.n_heads, steps, self.d_head), x.dtype)
+        new = jax.ShapeDtypeStruct((self.n_kv_heads, steps, self.d_head), x.dtype)
         # The keys the chunk attends over, as the cache's own update would give them.
         key_rows = jax.eval_shape(lambda k: cache.update(k, k, self.window).keys, new).shape[1]
         if not use_blocked(self.memory_efficient, steps, key_rows):
@@ -221,7 +234,7 @@ class MultiHeadSelfAttention(Layer):
         return rows if rows < steps else None
 
     def _prefill(self, x: Array, cache: Any) -> tuple[Array, Any]:
-        keys, values = (_heads(_project(x, w), self.n_heads) for w in (self.W_K, self.W_V))
+        keys, values = (_heads(_project(x, w), self.n_kv_heads) for w in (self.W_K, self.W_V))
         update = cache.update(keys, values, self.window)
         y = _attend_heads(self, x, update.keys, update.values, update.visible)
         return update.cache.guard(y, update.fits), update.cache
