@@ -29,6 +29,7 @@ from .core import (
     require_positive,
     type_checked,
 )
+from .rotary import rotate
 
 __all__ = [
     "ContextCache",
@@ -129,6 +130,22 @@ def _check_heads(d_model: int, n_heads: int, n_kv_heads: int | None = None) -> i
     return int(n_kv_heads)
 
 
+def _rotated(
+    layer: "MultiHeadSelfAttention | MultiHeadCrossAttention",
+    q: Array,
+    keys: Array,
+    positions: tuple[Array, Array] | None,
+) -> tuple[Array, Array]:
+    """Queries and keys (heads first) rotated by their `(query, key)` positions when the layer
+    has rotary positions (`rope_base`); unchanged otherwise. Keys are cached unrotated."""
+    base = getattr(layer, "rope_base", None)
+    if base is None:
+        return q, keys
+    if positions is None:  # a whole sequence: step t at position t
+        positions = (jnp.arange(q.shape[-2]), jnp.arange(keys.shape[-2]))
+    return rotate(q, positions[0], base), rotate(keys, positions[1], base)
+
+
 def _grouped(q: Array, n_kv_heads: int) -> Array:
     """Query heads `(n_heads, T, d)` as `(n_kv_heads, group, T, d)`: query head `h` attends with
     key/value head `h // group`, and keys `(n_kv_heads, 1, S, d)` broadcast over the group, never
@@ -147,6 +164,7 @@ def _attend_heads(
     keys: Array,
     values: Array,
     mask: Array | None,
+    positions: tuple[Array, Array] | None = None,
 ) -> Array:
     """Queries `x W_Q` of `x (T, d_model)`, split into heads, against projected `keys` and
     `values` already in heads `(n_kv_heads, S, d_head)`; attended with
@@ -154,6 +172,7 @@ def _attend_heads(
     q = _heads(_project(x, layer.W_Q), layer.n_heads)
     # Cached keys and values may be stored wider than the compute dtype (float32 under bfloat16).
     keys, values = keys.astype(x.dtype), values.astype(x.dtype)
+    q, keys = _rotated(layer, q, keys, positions)
     if layer.implementation in ("xla", "cudnn"):  # jax.nn takes fewer key/value heads itself
         out = _dot_product_attention(q, keys, values, mask, layer.implementation)
     else:
@@ -271,6 +290,7 @@ def _attend_sequence(
         return _attend_flat(layer, x, keys, values, mask)
     q = _heads(_project(x, layer.W_Q), layer.n_heads)
     keys, values = _heads(keys, layer.n_kv_heads), _heads(values, layer.n_kv_heads)
+    q, keys = _rotated(layer, q, keys, None)
     keys, values = keys[:, None].astype(x.dtype), values[:, None].astype(x.dtype)
     out = blocked_attention(
         _grouped(q, layer.n_kv_heads), keys, values, causal=causal, window=window, key_mask=key_mask

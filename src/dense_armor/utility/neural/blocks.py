@@ -81,7 +81,7 @@ class TransformerBlock(Layer):
     attention's, whose `(n_heads, T, T)` scores are most of them) and `implementation=None` (how
     the attention is computed; see `MultiHeadSelfAttention`), `n_kv_heads=None` (grouped-query
     attention: keys and values in `n_kv_heads` heads, each shared by `n_heads / n_kv_heads` query
-    heads; default `n_heads`).
+    heads; default `n_heads`) and `rope_base=None` (rotary positions in the self-attention).
 
     `forward(x, mask=None)`, `mask` the padding mask of `Layer`.
 
@@ -117,6 +117,7 @@ class TransformerBlock(Layer):
         remat: str | None = None,
         implementation: str | None = None,
         n_kv_heads: int | None = None,
+        rope_base: float | None = None,
     ):
         require_key(key)
         _check_heads(d_model, n_heads)
@@ -132,6 +133,7 @@ class TransformerBlock(Layer):
             memory_efficient=memory_efficient,
             implementation=implementation,
             n_kv_heads=n_kv_heads,
+            rope_base=rope_base,
         )
         self.norm1 = LayerNorm(d_model)
         self.feed_forward = FeedForward(d_model, d_ff, fkey)
@@ -305,6 +307,7 @@ class TransformerDecoderBlock(Layer):
         remat: str | None = None,
         implementation: str | None = None,
         n_kv_heads: int | None = None,
+        rope_base: float | None = None,
     ):
         require_key(key)
         _check_heads(d_model, n_heads)
@@ -320,6 +323,7 @@ class TransformerDecoderBlock(Layer):
             memory_efficient=memory_efficient,
             implementation=implementation,
             n_kv_heads=n_kv_heads,
+            rope_base=rope_base,
         )
         self.norm1 = LayerNorm(d_model)
         self.cross_attention = MultiHeadCrossAttention(

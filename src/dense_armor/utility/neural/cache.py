@@ -113,13 +113,17 @@ class Counter(eqx.Module):
 class KVUpdate(NamedTuple):
     """What a key/value cache's `update` returns: the keys and values the new steps attend over,
     `(n_heads, L, d_head)`, which of the `L` each new step may see, `visible (K, L)`, which new
-    steps the cache could hold, `fits (K,)`, and the updated cache."""
+    steps the cache could hold, `fits (K,)`, the updated cache, and the positions of the new
+    steps `(K,)` and of the `L` keys `(L,)` (for rotary positions: only their differences
+    matter, so a ring counts them in its own folded frame)."""
 
     keys: Array
     values: Array
     visible: Array
     fits: Array
     cache: Any
+    query_positions: Array
+    key_positions: Array
 
 
 def _heads(a: Array, n_heads: int) -> Array:
@@ -238,6 +242,8 @@ class KVCache(NamedTuple):
             visible,
             jnp.ones(steps, bool),
             KVCache(all_keys, all_values),
+            seen + jnp.arange(steps),
+            jnp.arange(seen + steps),
         )
 
     def guard(self, y: Array, fits: Array) -> Array:
@@ -290,6 +296,8 @@ class FixedKVCache(Counted):
             visible,
             fits,
             FixedKVCache(keys=new_keys, values=new_values, counter=counter),
+            positions,
+            jnp.arange(self.capacity, dtype=positions.dtype),
         )
 
     def guard(self, y: Array, fits: Array) -> Array:
@@ -355,6 +363,8 @@ class RingKVCache(eqx.Module):
             visible,
             jnp.ones(steps, bool),
             RingKVCache(ring_keys, ring_values, index.astype(n.dtype)),
+            new,
+            positions,
         )
 
     def guard(self, y: Array, fits: Array) -> Array:

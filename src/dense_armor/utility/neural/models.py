@@ -100,14 +100,24 @@ class Sequential(Layer):
         return batch_streams(self.init_cache(capacity, on_overflow=on_overflow), batch)
 
 
-def _positions(kind: str, max_len: int, d_model: int, key: PRNGKeyArray) -> PositionalEncoding:
+def _positions(
+    kind: str, max_len: int, d_model: int, key: PRNGKeyArray, window: int | None
+) -> PositionalEncoding | None:
+    """The positional layer of `positions=kind`; `None` for rotary ones, which live inside the
+    attention. A windowed model's sinusoidal positions are unbounded, so it streams forever."""
     if kind == "sinusoidal":
-        return AddPositions(max_len)
+        return AddPositions(None if window is not None else max_len)
     if kind == "learned":
         return LearnedPositions(max_len, d_model, key)
+    if kind == "rope":
+        return None
     raise ValueError(
-        f"`positions` must be 'sinusoidal' or 'learned'; received `positions={kind!r}`."
+        f"`positions` must be 'sinusoidal', 'learned' or 'rope'; received `positions={kind!r}`."
     )
+
+
+def _rope_base(positions: str, rope_base: float) -> float | None:
+    return rope_base if positions == "rope" else None
 
 
 def transformer_encoder(
@@ -131,6 +141,7 @@ def transformer_encoder(
     remat: str | None = None,
     implementation: str | None = None,
     n_kv_heads: int | None = None,
+    rope_base: float = 10000.0,
 ) -> Sequential:
     """A sequence-to-vector encoder: `(T, n_in) -> (n_out,)`.
 
@@ -140,7 +151,9 @@ def transformer_encoder(
     **Arguments:** in order `n_in`, `d_model`, `n_heads`, `d_ff`, `depth`, `n_out`, `key`,
     `max_len`; then `causal=False` (makes every block causal, so the encoder streams),
     `dropout=0.0` (of every block) and `positions`: `"sinusoidal"` (`AddPositions(max_len)`, no
-    parameters) or `"learned"` (`LearnedPositions(max_len, d_model, key)`), and `gate=False`
+    parameters), `"learned"` (`LearnedPositions(max_len, d_model, key)`) or `"rope"` (rotary
+    positions inside every attention, no positional layer and no bound at `max_len`; their base
+    is `rope_base=10000.0`), and `gate=False`
     (a `Gate` in place of every residual addition), `norm_first=False` (pre-LN blocks, followed by
     a final `LayerNorm` before the mean), `window=None` (sliding-window attention in every block;
     needs `causal=True`; the sinusoidal positions are then unbounded, so the encoder streams
@@ -178,15 +191,16 @@ def transformer_encoder(
             remat=remat,
             implementation=implementation,
             n_kv_heads=n_kv_heads,
+            rope_base=_rope_base(positions, rope_base),
         )
         for k in block_keys
     ]
     require_bool(scan_layers=scan_layers)
-    unbounded = window is not None and positions == "sinusoidal"
+    position_layer = _positions(positions, max_len, d_model, pos_key, window)
     return Sequential(
         *([Cast(compute_dtype)] if compute_dtype is not None else []),
         Dense(n_in, d_model, in_key),
-        AddPositions(None) if unbounded else _positions(positions, max_len, d_model, pos_key),
+        *([position_layer] if position_layer is not None else []),
         *([Stack(blocks)] if scan_layers else blocks),
         *([LayerNorm(d_model)] if norm_first else []),
         MeanOverTime(d_model),
@@ -205,7 +219,7 @@ class TransformerDecoder(Layer):
     """
 
     embed: Dense
-    positions: PositionalEncoding
+    positions: PositionalEncoding | None  # None: rotary positions, inside the attention
     blocks: tuple[Layer, ...]  # TransformerDecoderBlocks, or one Stack of them
     head: Dense
     final_norm: LayerNorm | None = None  # pre-LN blocks end with one more LayerNorm
@@ -219,7 +233,8 @@ class TransformerDecoder(Layer):
         key: PRNGKeyArray | None = None,
     ) -> Array:
         keys = [None] * len(self.blocks) if key is None else list(jr.split(key, len(self.blocks)))
-        h = self.positions(self.embed(x))
+        h = self.embed(x)
+        h = h if self.positions is None else self.positions(h)
         for block, block_key in zip(self.blocks, keys, strict=True):
             h = block(h, context, context_mask=context_mask, key=block_key)
         return self._out(h)
@@ -238,7 +253,9 @@ class TransformerDecoder(Layer):
         """`(positions' cache, each block's DecoderCache...)`."""
         validate_overflow_mode(on_overflow)
         return (
-            self.positions.init_cache(capacity, on_overflow=on_overflow),
+            None
+            if self.positions is None
+            else self.positions.init_cache(capacity, on_overflow=on_overflow),
             *(
                 block.init_cache(
                     context, capacity, context_mask=context_mask, on_overflow=on_overflow
@@ -258,7 +275,9 @@ class TransformerDecoder(Layer):
                 f"TransformerDecoder.step: expected the tuple of {1 + len(self.blocks)} caches "
                 "from `init_cache(context, ...)`."
             )
-        h, position_cache = self.positions.prefill(self.embed(x), cache[0])
+        h, position_cache = self.embed(x), cache[0]
+        if self.positions is not None:
+            h, position_cache = self.positions.prefill(h, position_cache)
         new: list[Any] = [position_cache]
         for block, block_cache in zip(self.blocks, cache[1:], strict=True):
             h, block_cache = block.prefill(h, block_cache)
@@ -286,6 +305,7 @@ def transformer_decoder(
     remat: str | None = None,
     implementation: str | None = None,
     n_kv_heads: int | None = None,
+    rope_base: float = 10000.0,
 ) -> TransformerDecoder:
     """A decoder next to `transformer_encoder`: arguments in the same order, then `d_context`
     (default `d_model`), `dropout`, `gate` (gated residuals in every block), `positions`,
@@ -314,14 +334,14 @@ def transformer_decoder(
             remat=remat,
             implementation=implementation,
             n_kv_heads=n_kv_heads,
+            rope_base=_rope_base(positions, rope_base),
         )
         for k in block_keys
     )
     require_bool(scan_layers=scan_layers)
-    unbounded = window is not None and positions == "sinusoidal"
     return TransformerDecoder(
         Dense(n_in, d_model, in_key),
-        AddPositions(None) if unbounded else _positions(positions, max_len, d_model, pos_key),
+        _positions(positions, max_len, d_model, pos_key, window),
         (Stack(blocks),) if scan_layers else blocks,
         Dense(d_model, n_out, out_key),
         LayerNorm(d_model) if norm_first else None,

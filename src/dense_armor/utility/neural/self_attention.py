@@ -20,6 +20,7 @@ from .attention import (
     _heads,
     _project,
     _require_causal,
+    _rotated,
     _sequence_mask,
     attention_weights,
     resolve_implementation,
@@ -39,6 +40,21 @@ from .core import (
 __all__ = ["MultiHeadSelfAttention"]
 
 
+def _check_rope(rope_base: float | None, d_head: int) -> None:
+    if rope_base is None:
+        return
+    if isinstance(rope_base, bool) or not isinstance(rope_base, int | float) or rope_base <= 1:
+        raise ValueError(
+            f"`rope_base` must be a number above 1 (10000 in RoFormer), or None for no rotary "
+            f"positions; received `rope_base={rope_base!r}`."
+        )
+    if d_head % 2:
+        raise ValueError(
+            f"rotary positions rotate pairs of features: `d_model / n_heads` must be even; it is "
+            f"{d_head}."
+        )
+
+
 class MultiHeadSelfAttention(Layer):
     """Multi-head self-attention with the four projections `W_Q`, `W_K`, `W_V`, `W_O` and no biases
     (Vaswani et al. 2017, page 5).
@@ -56,7 +72,11 @@ class MultiHeadSelfAttention(Layer):
 
     `n_kv_heads=None` (grouped-query attention: keys and values in `n_kv_heads` heads, each
     shared by a group of `n_heads / n_kv_heads` consecutive query heads, never repeated in memory;
-    1 is multi-query; default `n_heads`, plain multi-head attention).
+    1 is multi-query; default `n_heads`, plain multi-head attention) and `rope_base=None` (rotary
+    positions: queries and keys rotated by their step index inside the attention, features `i`
+    and `i + d_head / 2` together by `position * rope_base ** (-2 i / d_head)`, as in Llama and
+    Equinox's `RotaryPositionalEmbedding`; a stream takes the positions from its cache, and only
+    their differences matter, so a windowed stream runs forever).
 
     `forward(x, mask=None)` maps `(T, d_model) -> (T, d_model)`, `mask` the padding mask of
     `Layer`.
@@ -80,6 +100,7 @@ class MultiHeadSelfAttention(Layer):
     causal: bool = eqx.field(static=True, converter=python_scalar)
     window: int | None = eqx.field(static=True, converter=python_scalar)
     implementation: str = eqx.field(static=True, converter=python_scalar)
+    rope_base: float | None = eqx.field(static=True, converter=python_scalar, default=None)
     accepts_mask: ClassVar[bool] = True
 
     def __init__(
@@ -92,9 +113,11 @@ class MultiHeadSelfAttention(Layer):
         memory_efficient: bool | None = None,
         implementation: str | None = None,
         n_kv_heads: int | None = None,
+        rope_base: float | None = None,
     ):
         require_key(key)
         n_kv_heads = _check_heads(d_model, n_heads, n_kv_heads)
+        _check_rope(rope_base, d_model // n_heads)
         require_bool(causal=causal)
         _check_window(window, causal)
         implementation = resolve_implementation(memory_efficient, implementation)
@@ -110,6 +133,7 @@ class MultiHeadSelfAttention(Layer):
         self.d_model = d_model
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
+        self.rope_base = None if rope_base is None else float(rope_base)
         self.causal = causal
         self.window = window
         self.implementation = implementation
@@ -147,8 +171,13 @@ class MultiHeadSelfAttention(Layer):
         self, x: Float[Array, "T d_model"], *, mask: Bool[Array, " T"] | None = None
     ) -> Float[Array, "n_heads T T"]:
         """The attention weights of `forward(x, mask=mask)`, `(n_heads, T, T)`, in float32."""
-        q = _grouped(_heads(_project(x, self.W_Q), self.n_heads), self.n_kv_heads)
-        k = _heads(_project(x, self.W_K), self.n_kv_heads)[:, None]
+        q, k = _rotated(
+            self,
+            _heads(_project(x, self.W_Q), self.n_heads),
+            _heads(_project(x, self.W_K), self.n_kv_heads),
+            None,
+        )
+        q, k = _grouped(q, self.n_kv_heads), k[:, None]
         length = x.shape[0]
         weights = attention_weights(
             q, k, _sequence_mask(length, length, self.causal, self.window, mask)
@@ -236,7 +265,8 @@ class MultiHeadSelfAttention(Layer):
     def _prefill(self, x: Array, cache: Any) -> tuple[Array, Any]:
         keys, values = (_heads(_project(x, w), self.n_kv_heads) for w in (self.W_K, self.W_V))
         update = cache.update(keys, values, self.window)
-        y = _attend_heads(self, x, update.keys, update.values, update.visible)
+        positions = (update.query_positions, update.key_positions)
+        y = _attend_heads(self, x, update.keys, update.values, update.visible, positions)
         return update.cache.guard(y, update.fits), update.cache
 
     @shape_checked
