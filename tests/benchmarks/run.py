@@ -3,7 +3,14 @@
 import datetime
 import sys
 
-from . import bench_deploy, bench_depth, bench_encoder, bench_long, bench_streaming
+from . import (
+    bench_deploy,
+    bench_depth,
+    bench_encoder,
+    bench_gqa,
+    bench_long,
+    bench_streaming,
+)
 from .harness import machine
 
 BENCHMARKS = {
@@ -12,6 +19,7 @@ BENCHMARKS = {
     "long": bench_long,
     "deploy": bench_deploy,
     "depth": bench_depth,
+    "gqa": bench_gqa,
 }
 
 
