@@ -26,6 +26,7 @@ from .core import (
     CannotStream,
     Param,
     ShapeError,
+    require_bool,
     require_positive,
     type_checked,
 )
@@ -158,6 +159,22 @@ def _project(x: Array, weight: Param) -> Array:
     return jnp.einsum("...d,de->...e", x, weight.value.astype(x.dtype))
 
 
+def _projected(
+    layer: "MultiHeadSelfAttention | MultiHeadCrossAttention", x: Array, which: str
+) -> Array:
+    """`x W_<which>`, plus the bias `b_<which>` of a layer built with `use_bias=True`."""
+    y = _project(x, getattr(layer, f"W_{which}"))
+    bias = getattr(layer, f"b_{which}", None)
+    return y if bias is None else y + bias.value.astype(y.dtype)
+
+
+def _biases(use_bias: bool, widths: dict[str, int]) -> dict[str, Param | None]:
+    """The attention's biases: zeros (as PyTorch's `nn.MultiheadAttention` starts them), or
+    `None` for every one when `use_bias=False`."""
+    require_bool(use_bias=use_bias)
+    return {f"b_{k}": Param(jnp.zeros(w)) if use_bias else None for k, w in widths.items()}
+
+
 def _attend_heads(
     layer: "MultiHeadSelfAttention | MultiHeadCrossAttention",
     x: Array,
@@ -169,7 +186,7 @@ def _attend_heads(
     """Queries `x W_Q` of `x (T, d_model)`, split into heads, against projected `keys` and
     `values` already in heads `(n_kv_heads, S, d_head)`; attended with
     `scaled_dot_product_attention` and joined by `W_O`."""
-    q = _heads(_project(x, layer.W_Q), layer.n_heads)
+    q = _heads(_projected(layer, x, "Q"), layer.n_heads)
     # Cached keys and values may be stored wider than the compute dtype (float32 under bfloat16).
     keys, values = keys.astype(x.dtype), values.astype(x.dtype)
     q, keys = _rotated(layer, q, keys, positions)
@@ -253,7 +270,7 @@ def _dot_product_attention(
 def _join_heads(layer: "MultiHeadSelfAttention | MultiHeadCrossAttention", out: Array) -> Array:
     """Heads `(n_heads, T, d_head)` joined to `(T, d_model)` and projected by `W_O`."""
     joined = out.transpose(1, 0, 2).reshape(out.shape[1], layer.d_model)
-    return _project(joined, layer.W_O)
+    return _projected(layer, joined, "O")
 
 
 def _sequence_mask(
@@ -288,7 +305,7 @@ def _attend_sequence(
     if not use_blocked(layer.memory_efficient, length, key_length):
         mask = _sequence_mask(length, key_length, causal, window, key_mask)
         return _attend_flat(layer, x, keys, values, mask)
-    q = _heads(_project(x, layer.W_Q), layer.n_heads)
+    q = _heads(_projected(layer, x, "Q"), layer.n_heads)
     keys, values = _heads(keys, layer.n_kv_heads), _heads(values, layer.n_kv_heads)
     q, keys = _rotated(layer, q, keys, None)
     keys, values = keys[:, None].astype(x.dtype), values[:, None].astype(x.dtype)

@@ -81,7 +81,10 @@ class TransformerBlock(Layer):
     attention's, whose `(n_heads, T, T)` scores are most of them) and `implementation=None` (how
     the attention is computed; see `MultiHeadSelfAttention`), `n_kv_heads=None` (grouped-query
     attention: keys and values in `n_kv_heads` heads, each shared by `n_heads / n_kv_heads` query
-    heads; default `n_heads`) and `rope_base=None` (rotary positions in the self-attention).
+    heads; default `n_heads`), `rope_base=None` (rotary positions in the self-attention), and
+    the options PyTorch's layers expose: `use_bias=False` (biases on the attention projections),
+    `activation="relu"` (or `"gelu"`, of the feed-forward), `layer_norm_eps=1e-5` and
+    `attention_dropout=0.0` (on the self-attention's weights).
 
     `forward(x, mask=None)`, `mask` the padding mask of `Layer`.
 
@@ -118,6 +121,10 @@ class TransformerBlock(Layer):
         implementation: str | None = None,
         n_kv_heads: int | None = None,
         rope_base: float | None = None,
+        use_bias: bool = False,
+        activation: str = "relu",
+        layer_norm_eps: float = 1e-5,
+        attention_dropout: float = 0.0,
     ):
         require_key(key)
         _check_heads(d_model, n_heads)
@@ -134,10 +141,12 @@ class TransformerBlock(Layer):
             implementation=implementation,
             n_kv_heads=n_kv_heads,
             rope_base=rope_base,
+            use_bias=use_bias,
+            attention_dropout=attention_dropout,
         )
-        self.norm1 = LayerNorm(d_model)
-        self.feed_forward = FeedForward(d_model, d_ff, fkey)
-        self.norm2 = LayerNorm(d_model)
+        self.norm1 = LayerNorm(d_model, layer_norm_eps)
+        self.feed_forward = FeedForward(d_model, d_ff, fkey, activation)
+        self.norm2 = LayerNorm(d_model, layer_norm_eps)
         self.dropout = Dropout(dropout)
         # Gate keys come from a separate fold, so gate=False models keep their weights.
         gate_keys = jr.split(jr.fold_in(key, 1), 2)
@@ -175,7 +184,10 @@ class TransformerBlock(Layer):
         mask: Bool[Array, " T"] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "T d_model"]:
-        attention = _rematerialised(lambda h: self.attention(h, mask=mask), self.remat)
+        attention_key = None if key is None else jr.fold_in(key, 2)  # the others' keys unchanged
+        attention = _rematerialised(
+            lambda h: self.attention(h, mask=mask, key=attention_key), self.remat
+        )
         run = lambda x: self._apply(x, lambda h: (attention(h), None), key)[0]  # noqa: E731
         return jax.checkpoint(run)(x) if self.remat == "block" else run(x)
 
@@ -308,6 +320,10 @@ class TransformerDecoderBlock(Layer):
         implementation: str | None = None,
         n_kv_heads: int | None = None,
         rope_base: float | None = None,
+        use_bias: bool = False,
+        activation: str = "relu",
+        layer_norm_eps: float = 1e-5,
+        attention_dropout: float = 0.0,
     ):
         require_key(key)
         _check_heads(d_model, n_heads)
@@ -324,8 +340,10 @@ class TransformerDecoderBlock(Layer):
             implementation=implementation,
             n_kv_heads=n_kv_heads,
             rope_base=rope_base,
+            use_bias=use_bias,
+            attention_dropout=attention_dropout,
         )
-        self.norm1 = LayerNorm(d_model)
+        self.norm1 = LayerNorm(d_model, layer_norm_eps)
         self.cross_attention = MultiHeadCrossAttention(
             d_model,
             n_heads,
@@ -334,10 +352,11 @@ class TransformerDecoderBlock(Layer):
             memory_efficient=memory_efficient,
             implementation=implementation,
             n_kv_heads=n_kv_heads,
+            use_bias=use_bias,
         )
-        self.norm2 = LayerNorm(d_model)
-        self.feed_forward = FeedForward(d_model, d_ff, fkey)
-        self.norm3 = LayerNorm(d_model)
+        self.norm2 = LayerNorm(d_model, layer_norm_eps)
+        self.feed_forward = FeedForward(d_model, d_ff, fkey, activation)
+        self.norm3 = LayerNorm(d_model, layer_norm_eps)
         self.dropout = Dropout(dropout)
         gate_keys = jr.split(jr.fold_in(key, 1), 3)
         self.gates = tuple(Gate(d_model, k) for k in gate_keys) if gate else ()
@@ -360,7 +379,10 @@ class TransformerDecoderBlock(Layer):
     ) -> Float[Array, "T d_model"]:
         def run(x: Array) -> Array:
             context_cache = self.cross_attention.init_cache(context, context_mask=context_mask)
-            attention = _rematerialised(self.self_attention, self.remat)
+            attention_key = None if key is None else jr.fold_in(key, 2)
+            attention = _rematerialised(
+                lambda h: self.self_attention(h, key=attention_key), self.remat
+            )
             return self._apply(x, lambda h: (attention(h), None), context_cache, key)[0]
 
         return jax.checkpoint(run)(x) if self.remat == "block" else run(x)

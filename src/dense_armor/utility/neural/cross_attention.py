@@ -9,7 +9,13 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
-from .attention import _attend_sequence, _check_heads, _project, resolve_implementation
+from .attention import (
+    _attend_sequence,
+    _biases,
+    _check_heads,
+    _projected,
+    resolve_implementation,
+)
 from .core import (
     Layer,
     Param,
@@ -57,6 +63,10 @@ class MultiHeadCrossAttention(Layer):
     n_kv_heads: int = eqx.field(static=True, converter=python_scalar)
     d_context: int = eqx.field(static=True, converter=python_scalar)
     implementation: str = eqx.field(static=True, converter=python_scalar)
+    b_Q: Param | None = None
+    b_K: Param | None = None
+    b_V: Param | None = None
+    b_O: Param | None = None
 
     def __init__(
         self,
@@ -67,6 +77,7 @@ class MultiHeadCrossAttention(Layer):
         memory_efficient: bool | None = None,
         implementation: str | None = None,
         n_kv_heads: int | None = None,
+        use_bias: bool = False,
     ):
         require_key(key)
         n_kv_heads = _check_heads(d_model, n_heads, n_kv_heads)
@@ -84,6 +95,9 @@ class MultiHeadCrossAttention(Layer):
         self.W_V, self.W_O = init(vkey, d_context, kv_width), init(okey, d_model)
         self.d_model, self.n_heads, self.d_context = d_model, n_heads, d_context
         self.n_kv_heads = n_kv_heads
+        widths = {"Q": d_model, "K": kv_width, "V": kv_width, "O": d_model}
+        for name, bias in _biases(use_bias, widths).items():
+            setattr(self, name, bias)
         self.implementation = implementation
 
     @property
@@ -97,7 +111,8 @@ class MultiHeadCrossAttention(Layer):
     ) -> ContextCache:
         """Project the context's keys and values once, for `step`."""
         mask = jnp.ones(context.shape[0], bool) if context_mask is None else context_mask
-        return ContextCache(_project(context, self.W_K), _project(context, self.W_V), mask)
+        keys, values = _projected(self, context, "K"), _projected(self, context, "V")
+        return ContextCache(keys, values, mask)
 
     @shape_checked
     def forward(

@@ -170,29 +170,42 @@ class Dropout(Pointwise):
         return jnp.where(keep, x / (1.0 - self.rate), jnp.zeros_like(x))
 
 
+ACTIVATIONS = ("relu", "gelu")
+
+
 class FeedForward(Pointwise):
     """`FFN(x) = max(0, x W_1 + b_1) W_2 + b_2` (Vaswani et al. 2017, Eq.(2), page 5).
 
+    `activation="relu"` (the page's); `"gelu"` is the exact, erf-based GELU (PyTorch's default
+    `F.gelu`, and its `nn.TransformerEncoderLayer(activation="gelu")`).
     `params()` is `[W_1, b_1, W_2, b_2]` (the two `Dense` layers `hidden` and `out`).
     """
 
     hidden: Dense
     out: Dense
     d_model: int = eqx.field(static=True, converter=python_scalar)
+    activation: str = eqx.field(static=True, converter=python_scalar, default="relu")
 
-    def __init__(self, d_model: int, d_ff: int, key: PRNGKeyArray):
+    def __init__(self, d_model: int, d_ff: int, key: PRNGKeyArray, activation: str = "relu"):
         require_key(key)
         require_positive(d_model=d_model, d_ff=d_ff)
+        if activation not in ACTIVATIONS:
+            raise ValueError(
+                f"`activation` must be one of {ACTIVATIONS}; received `activation={activation!r}`."
+            )
         hkey, okey = jr.split(key)
         self.hidden = Dense(d_model, d_ff, hkey)
         self.out = Dense(d_ff, d_model, okey)
         self.d_model = d_model
+        self.activation = activation
 
     @shape_checked
     def forward(
         self, x: Float[Array, "*T d_model"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "*T d_model"]:
-        return self.out(jax.nn.relu(self.hidden(x)))
+        h = self.hidden(x)
+        h = jax.nn.relu(h) if self.activation == "relu" else jax.nn.gelu(h, approximate=False)
+        return self.out(h)
 
 
 class MeanOverTime(Layer):

@@ -142,6 +142,10 @@ def transformer_encoder(
     implementation: str | None = None,
     n_kv_heads: int | None = None,
     rope_base: float = 10000.0,
+    use_bias: bool = False,
+    activation: str = "relu",
+    layer_norm_eps: float = 1e-5,
+    attention_dropout: float = 0.0,
 ) -> Sequential:
     """A sequence-to-vector encoder: `(T, n_in) -> (n_out,)`.
 
@@ -167,7 +171,10 @@ def transformer_encoder(
     `implementation=None` (how every attention is computed; see `MultiHeadSelfAttention`) and
     `n_kv_heads=None` (grouped-query attention in every block: `n_kv_heads` key/value heads,
     each shared by `n_heads / n_kv_heads` query heads; 1 is multi-query; the caches hold only
-    the key/value heads).
+    the key/value heads), and the options of PyTorch's `nn.TransformerEncoderLayer`:
+    `use_bias=False` (attention projection biases), `activation="relu"` (or `"gelu"`),
+    `layer_norm_eps=1e-5` (every LayerNorm's) and `attention_dropout=0.0` (on the attention
+    weights, in training).
 
     `forward(x, mask=None)`, `mask` the padding mask of `Layer`.
     """
@@ -192,6 +199,10 @@ def transformer_encoder(
             implementation=implementation,
             n_kv_heads=n_kv_heads,
             rope_base=_rope_base(positions, rope_base),
+            use_bias=use_bias,
+            activation=activation,
+            layer_norm_eps=layer_norm_eps,
+            attention_dropout=attention_dropout,
         )
         for k in block_keys
     ]
@@ -202,7 +213,7 @@ def transformer_encoder(
         Dense(n_in, d_model, in_key),
         *([position_layer] if position_layer is not None else []),
         *([Stack(blocks)] if scan_layers else blocks),
-        *([LayerNorm(d_model)] if norm_first else []),
+        *([LayerNorm(d_model, layer_norm_eps)] if norm_first else []),
         MeanOverTime(d_model),
         Dense(d_model, n_out, out_key),
     )
@@ -306,14 +317,19 @@ def transformer_decoder(
     implementation: str | None = None,
     n_kv_heads: int | None = None,
     rope_base: float = 10000.0,
+    use_bias: bool = False,
+    activation: str = "relu",
+    layer_norm_eps: float = 1e-5,
+    attention_dropout: float = 0.0,
 ) -> TransformerDecoder:
     """A decoder next to `transformer_encoder`: arguments in the same order, then `d_context`
     (default `d_model`), `dropout`, `gate` (gated residuals in every block), `positions`,
     `memory_efficient` (blocked attention in every block; see `MultiHeadSelfAttention`),
     `norm_first` (pre-LN blocks, then a final `LayerNorm` before the head) and `window`
     (sliding-window self-attention in every block; the sinusoidal positions are then unbounded,
-    so the decoder streams forever), `scan_layers`, `remat`, `implementation` and `n_kv_heads` (as
-    in `transformer_encoder`)."""
+    so the decoder streams forever), `scan_layers`, `remat`, `implementation`, `n_kv_heads`,
+    `rope_base`, `use_bias`, `activation`, `layer_norm_eps` and `attention_dropout` (as in
+    `transformer_encoder`)."""
     require_key(key)
     require_positive(
         n_in=n_in, d_model=d_model, d_ff=d_ff, depth=depth, n_out=n_out, max_len=max_len
@@ -335,6 +351,10 @@ def transformer_decoder(
             implementation=implementation,
             n_kv_heads=n_kv_heads,
             rope_base=_rope_base(positions, rope_base),
+            use_bias=use_bias,
+            activation=activation,
+            layer_norm_eps=layer_norm_eps,
+            attention_dropout=attention_dropout,
         )
         for k in block_keys
     )
@@ -344,7 +364,7 @@ def transformer_decoder(
         _positions(positions, max_len, d_model, pos_key, window),
         (Stack(blocks),) if scan_layers else blocks,
         Dense(d_model, n_out, out_key),
-        LayerNorm(d_model) if norm_first else None,
+        LayerNorm(d_model, layer_norm_eps) if norm_first else None,
     )
 
 

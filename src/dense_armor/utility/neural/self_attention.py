@@ -14,11 +14,13 @@ from . import blocked
 from .attention import (
     _attend_heads,
     _attend_sequence,
+    _biases,
     _check_heads,
     _check_window,
     _grouped,
     _heads,
-    _project,
+    _join_heads,
+    _projected,
     _require_causal,
     _rotated,
     _sequence_mask,
@@ -34,6 +36,7 @@ from .core import (
     require_bool,
     require_key,
     require_positive,
+    require_rate,
     shape_checked,
 )
 
@@ -76,7 +79,10 @@ class MultiHeadSelfAttention(Layer):
     positions: queries and keys rotated by their step index inside the attention, features `i`
     and `i + d_head / 2` together by `position * rope_base ** (-2 i / d_head)`, as in Llama and
     Equinox's `RotaryPositionalEmbedding`; a stream takes the positions from its cache, and only
-    their differences matter, so a windowed stream runs forever).
+    their differences matter, so a windowed stream runs forever), `use_bias=False` (biases
+    `b_Q, b_K, b_V, b_O`, started at zero, as PyTorch's `nn.MultiheadAttention` has) and
+    `attention_dropout=0.0` (dropout on the attention weights, in `forward` with a `key`; the
+    weights are then materialised).
 
     `forward(x, mask=None)` maps `(T, d_model) -> (T, d_model)`, `mask` the padding mask of
     `Layer`.
@@ -101,6 +107,11 @@ class MultiHeadSelfAttention(Layer):
     window: int | None = eqx.field(static=True, converter=python_scalar)
     implementation: str = eqx.field(static=True, converter=python_scalar)
     rope_base: float | None = eqx.field(static=True, converter=python_scalar, default=None)
+    attention_dropout: float = eqx.field(static=True, converter=python_scalar, default=0.0)
+    b_Q: Param | None = None
+    b_K: Param | None = None
+    b_V: Param | None = None
+    b_O: Param | None = None
     accepts_mask: ClassVar[bool] = True
 
     def __init__(
@@ -114,6 +125,8 @@ class MultiHeadSelfAttention(Layer):
         implementation: str | None = None,
         n_kv_heads: int | None = None,
         rope_base: float | None = None,
+        use_bias: bool = False,
+        attention_dropout: float = 0.0,
     ):
         require_key(key)
         n_kv_heads = _check_heads(d_model, n_heads, n_kv_heads)
@@ -130,10 +143,15 @@ class MultiHeadSelfAttention(Layer):
         kv_width = n_kv_heads * (d_model // n_heads)
         self.W_Q, self.W_O = init(qkey), init(okey)
         self.W_K, self.W_V = init(kkey, kv_width), init(vkey, kv_width)
+        widths = {"Q": d_model, "K": kv_width, "V": kv_width, "O": d_model}
+        for name, bias in _biases(use_bias, widths).items():
+            setattr(self, name, bias)
         self.d_model = d_model
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
         self.rope_base = None if rope_base is None else float(rope_base)
+        require_rate(attention_dropout=attention_dropout)
+        self.attention_dropout = float(attention_dropout)
         self.causal = causal
         self.window = window
         self.implementation = implementation
@@ -153,7 +171,7 @@ class MultiHeadSelfAttention(Layer):
         return (self.n_kv_heads, rows, self.d_head)
 
     def _keys_values(self, x: Array) -> tuple[Array, Array]:
-        return _project(x, self.W_K), _project(x, self.W_V)
+        return _projected(self, x, "K"), _projected(self, x, "V")
 
     @shape_checked
     def forward(
@@ -163,8 +181,24 @@ class MultiHeadSelfAttention(Layer):
         mask: Bool[Array, " T"] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "T d_model"]:
+        if key is not None and self.attention_dropout > 0:
+            return self._forward_dropping_weights(x, mask, key)
         keys, values = self._keys_values(x)
         return _attend_sequence(self, x, keys, values, mask, self.causal, self.window)
+
+    def _forward_dropping_weights(self, x: Array, mask: Array | None, key: PRNGKeyArray) -> Array:
+        """`forward` in training with dropout on the attention weights (PyTorch's `dropout` of
+        `nn.MultiheadAttention`): the weights are materialised, each dropped with probability
+        `attention_dropout` and the others scaled by `1 / (1 - attention_dropout)`."""
+        length = x.shape[0]
+        weights = self.attention_weights(x, mask=mask)  # (n_heads, T, T), float32
+        keep = jax.random.bernoulli(key, 1.0 - self.attention_dropout, weights.shape)
+        weights = jnp.where(keep, weights / (1.0 - self.attention_dropout), 0.0)
+        values = _heads(_projected(self, x, "V"), self.n_kv_heads)
+        grouped = weights.reshape(self.n_kv_heads, -1, length, length)
+        out = jnp.einsum("kgts,ksd->kgtd", grouped, values.astype(jnp.float32))
+        out = out.reshape(self.n_heads, length, self.d_head).astype(x.dtype)
+        return _join_heads(self, out)
 
     @shape_checked
     def attention_weights(
@@ -173,8 +207,8 @@ class MultiHeadSelfAttention(Layer):
         """The attention weights of `forward(x, mask=mask)`, `(n_heads, T, T)`, in float32."""
         q, k = _rotated(
             self,
-            _heads(_project(x, self.W_Q), self.n_heads),
-            _heads(_project(x, self.W_K), self.n_kv_heads),
+            _heads(_projected(self, x, "Q"), self.n_heads),
+            _heads(_projected(self, x, "K"), self.n_kv_heads),
             None,
         )
         q, k = _grouped(q, self.n_kv_heads), k[:, None]
@@ -263,7 +297,7 @@ class MultiHeadSelfAttention(Layer):
         return rows if rows < steps else None
 
     def _prefill(self, x: Array, cache: Any) -> tuple[Array, Any]:
-        keys, values = (_heads(_project(x, w), self.n_kv_heads) for w in (self.W_K, self.W_V))
+        keys, values = (_heads(_projected(self, x, w), self.n_kv_heads) for w in ("K", "V"))
         update = cache.update(keys, values, self.window)
         positions = (update.query_positions, update.key_positions)
         y = _attend_heads(self, x, update.keys, update.values, update.visible, positions)
