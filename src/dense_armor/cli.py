@@ -4,6 +4,8 @@ dense-armor export CHECKPOINT_DIR --out DIR [--static B,T[,S] ...] [--capacity N
                    [--platforms cpu,cuda,tpu] [--force]
 dense-armor compile DIR [--target llvm-cpu[,cuda,vulkan-spirv]] [--cpu host] [--cuda-arch sm_80]
 dense-armor inspect DIR
+dense-armor import-torch STATE.safetensors --config CONFIG.json --out CHECKPOINT_DIR
+                         [--embed NAME] [--head NAME]
 """
 
 import argparse
@@ -26,6 +28,18 @@ def _shape(text: str) -> tuple[int, ...]:
 
 def _platforms(text: str) -> list[str]:
     return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def _read_config(path: pathlib.Path) -> dict:
+    from .interop import InteropError
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise InteropError(f"cannot read the config {path}: {error}") from None
+    if not isinstance(data, dict):
+        raise InteropError(f"{path}: the config must be a JSON object with factory and arguments.")
+    return data
 
 
 def _inspect(directory: pathlib.Path) -> str:
@@ -105,12 +119,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     co.add_argument("--cpu", default="host", help="llvm-cpu: the CPU to tune for (host, generic)")
     co.add_argument("--cuda-arch", default="sm_80", help="cuda: the GPU architecture")
 
+    it = commands.add_parser(
+        "import-torch", help="import a PyTorch Transformer state dict into a checkpoint"
+    )
+    it.add_argument("state", type=pathlib.Path, help="the state dict, as safetensors")
+    it.add_argument(
+        "--config",
+        type=pathlib.Path,
+        required=True,
+        help='the model\'s config JSON: {"factory": ..., "arguments": {...}}',
+    )
+    it.add_argument("--out", type=pathlib.Path, required=True, help="checkpoint directory")
+    it.add_argument("--embed", default="embed", help="the input Linear's name (embed)")
+    it.add_argument("--head", default="head", help="the output Linear's name (head)")
+
     ins = commands.add_parser("inspect", help="print an artifact's manifest and verify its files")
     ins.add_argument("directory", type=pathlib.Path)
 
     args = parser.parse_args(argv)
     from .checkpoint import CheckpointError
     from .export import ArtifactError, export_checkpoint
+    from .interop import InteropError
 
     try:
         if args.command == "export":
@@ -136,9 +165,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print("checked with iree-run-module against the golden outputs:")
                 for name, error in check_iree(args.directory).items():
                     print(f"  {name:<40} max |error| = {error:.3e}")
+        elif args.command == "import-torch":
+            from .checkpoint import ModelConfig, save_checkpoint
+            from .interop import import_torch
+
+            data = _read_config(args.config)
+            config = ModelConfig(str(data.get("factory")), data.get("arguments", {}))
+            model = import_torch(args.state, config, {"embed": args.embed, "head": args.head})
+            print(f"imported {args.state} into {save_checkpoint(args.out, model, config)}")
         else:
             print(_inspect(args.directory))
-    except (ArtifactError, CheckpointError, OSError) as error:  # OSError: an unusable --out
+    except (
+        ArtifactError,
+        CheckpointError,
+        InteropError,
+        OSError,
+    ) as error:  # OSError: an unusable --out
         print(f"dense-armor {args.command}: error: {error}", file=sys.stderr)
         return 2
     return 0

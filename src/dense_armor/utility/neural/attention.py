@@ -165,7 +165,7 @@ def _projected(
     """`x W_<which>`, plus the bias `b_<which>` of a layer built with `use_bias=True`."""
     y = _project(x, getattr(layer, f"W_{which}"))
     bias = getattr(layer, f"b_{which}", None)
-    return y if bias is None else y + bias.value.astype(y.dtype)
+    return y if bias is None else y + jnp.broadcast_to(bias.value.astype(y.dtype), y.shape)
 
 
 def _biases(use_bias: bool, widths: dict[str, int]) -> dict[str, Param | None]:

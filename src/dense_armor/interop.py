@@ -1,0 +1,180 @@
+"""Import a PyTorch Transformer into the equivalent dense_armor model, without PyTorch.
+
+`import_torch(state, config)` reads the state dict of a `torch.nn.TransformerEncoder` (or
+`TransformerDecoder`) stack and of the `Linear` layers around it, as safetensors or as a mapping
+of NumPy arrays, into the model that `config` builds (`transformer_encoder` or
+`transformer_decoder`, built with the same options: `use_bias=True` for PyTorch's attention
+biases, `activation`, `layer_norm_eps`, `norm_first`; a decoder's `d_context` equal to
+`d_model`, as PyTorch's cross-attention takes it). `dense-armor import-torch` does it from a
+shell and writes a checkpoint that `dense-armor export` takes.
+
+The names, by PyTorch's conventions: the stack's layers `<prefix>layers.<i>.` (found by
+themselves), a pre-LN stack's final `<prefix>norm`, and the input and output `Linear` layers
+named by `names` (default `{"embed": "embed", "head": "head"}`). Per layer: `self_attn.in_proj_*`
+(queries, keys and values stacked) and `out_proj.*`, `linear1.*`, `linear2.*`, `norm1.*`,
+`norm2.*`, and for a decoder `multihead_attn.*` and `norm3.*`. A `Linear`'s weight `(out, in)`
+becomes a `(in, out)` matrix. Positions are not weights in PyTorch's layers: the model adds its
+own (sinusoidal by default). Every tensor must be used, and every weight of the model filled:
+anything else is an `InteropError` naming it.
+"""
+
+import os
+import pathlib
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .checkpoint import CheckpointError, ModelConfig, _slots, fill_tree, skeleton
+
+__all__ = ["InteropError", "import_torch", "read_state_dict"]
+
+
+class InteropError(ValueError):
+    """A state dict that does not fit the model it is imported into."""
+
+
+def read_state_dict(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
+    """A state dict saved as safetensors (`safetensors.torch.save_file(model.state_dict(), p)`)."""
+    from safetensors.numpy import load_file
+
+    try:
+        return load_file(str(pathlib.Path(path)))
+    except Exception as error:  # safetensors raises several types for a bad file
+        raise InteropError(f"cannot read the state dict {path}: {error}") from None
+
+
+def _rows(start: int, stop: int, transpose: bool) -> Any:
+    def take(a: np.ndarray) -> np.ndarray:
+        return a[start:stop].T if transpose else a[start:stop]
+
+    return take
+
+
+def _attention(prefix: str, d_model: int) -> dict[str, tuple[str, Any]]:
+    """Our attention's arrays from PyTorch's `nn.MultiheadAttention` at `prefix`."""
+    parts: dict[str, tuple[str, Any]] = {}
+    for i, which in enumerate("QKV"):
+        start, stop = i * d_model, (i + 1) * d_model
+        parts[f"W_{which}"] = (f"{prefix}.in_proj_weight", _rows(start, stop, transpose=True))
+        parts[f"b_{which}"] = (f"{prefix}.in_proj_bias", _rows(start, stop, transpose=False))
+    parts["W_O"] = (f"{prefix}.out_proj.weight", np.transpose)
+    parts["b_O"] = (f"{prefix}.out_proj.bias", np.asarray)
+    return parts
+
+
+def _linear(prefix: str) -> dict[str, tuple[str, Any]]:
+    return {"W": (f"{prefix}.weight", np.transpose), "b": (f"{prefix}.bias", np.asarray)}
+
+
+def _norm(prefix: str) -> dict[str, tuple[str, Any]]:
+    return {"gain": (f"{prefix}.weight", np.asarray), "bias": (f"{prefix}.bias", np.asarray)}
+
+
+def _block(prefix: str, d_model: int, decoder: bool) -> dict[str, tuple[str, Any]]:
+    """Our block's arrays (by attribute path) from PyTorch's layer at `prefix`."""
+    parts: dict[str, tuple[str, Any]] = {}
+    attention = "self_attention" if decoder else "attention"
+    for name, source in _attention(f"{prefix}.self_attn", d_model).items():
+        parts[f".{attention}.{name}"] = source
+    norms = ("norm1", "norm2", "norm3") if decoder else ("norm1", "norm2")
+    for norm in norms:
+        for name, source in _norm(f"{prefix}.{norm}").items():
+            parts[f".{norm}.{name}"] = source
+    if decoder:
+        for name, source in _attention(f"{prefix}.multihead_attn", d_model).items():
+            parts[f".cross_attention.{name}"] = source
+    for ours, theirs in (("hidden", "linear1"), ("out", "linear2")):
+        for name, source in _linear(f"{prefix}.{theirs}").items():
+            parts[f".feed_forward.{ours}.{name}"] = source
+    return parts
+
+
+def import_torch(
+    state: Mapping[str, Any] | str | os.PathLike[str],
+    config: ModelConfig,
+    names: Mapping[str, str] | None = None,
+) -> Any:
+    """The model `config` builds, with the weights of the PyTorch state dict `state` (a mapping
+    of arrays, or the path of a safetensors file); see the module's docstring for the names."""
+    if not isinstance(state, Mapping):
+        state = read_state_dict(state)
+    state = {k: np.asarray(v, np.float32) for k, v in state.items()}
+    names = {"embed": "embed", "head": "head", **(names or {})}
+    if config.arguments.get("scan_layers"):
+        raise InteropError(
+            "import into the unrolled model (scan_layers=False), then stack it with "
+            "`stack_layers` or load its checkpoint with `scan_layers=True`."
+        )
+    decoder = config.factory == "transformer_decoder"
+    d_model = int(config.arguments["d_model"])
+    found = sorted(
+        {m.group(1) for k in state if (m := re.match(r"^(.*?)layers\.\d+\.(self_attn|linear1)", k))}
+    )
+    if len(found) != 1:
+        raise InteropError(
+            f"expected one stack of layers named `<prefix>layers.<i>.` in the state dict; found "
+            f"{found or 'none'}."
+        )
+    stack = found[0]
+    depth = int(config.arguments["depth"])
+    layers = sorted(
+        {
+            int(m.group(1))
+            for k in state
+            if (m := re.match(rf"^{re.escape(stack)}layers\.(\d+)\.", k))
+        }
+    )
+    if layers != list(range(depth)):
+        raise InteropError(
+            f"the state dict's stack has layers {layers}; the model has depth {depth}."
+        )
+
+    model = skeleton(config)
+    ours = list(_slots(model))  # every array path of the model
+    if decoder:
+        embed, head, blocks, final = (
+            ".embed",
+            ".head",
+            [f".blocks[{i}]" for i in range(depth)],
+            ".final_norm",
+        )
+    else:
+        kinds = [type(layer).__name__ for layer in model.layers]
+        dense = [i for i, kind in enumerate(kinds) if kind == "Dense"]
+        embed, head = f".layers[{dense[0]}]", f".layers[{dense[-1]}]"
+        blocks = [f".layers[{i}]" for i, kind in enumerate(kinds) if kind == "TransformerBlock"]
+        norms = [i for i, kind in enumerate(kinds) if kind == "LayerNorm"]
+        final = f".layers[{norms[0]}]" if norms else ".none"
+    plan: dict[str, tuple[str, Any]] = {}
+    for path, source in _linear(names["embed"]).items():
+        plan[f"{embed}.{path}.value"] = source
+    for path, source in _linear(names["head"]).items():
+        plan[f"{head}.{path}.value"] = source
+    for i, block in enumerate(blocks):
+        for path, source in _block(f"{stack}layers.{i}", d_model, decoder).items():
+            plan[f"{block}{path}.value"] = source
+    for path, source in _norm(f"{stack}norm").items():
+        plan[f"{final}.{path}.value"] = source
+
+    arrays, used = {}, set()
+    for path in ours:
+        if path not in plan:
+            raise InteropError(f"no PyTorch tensor maps to the model's {path}.")
+        name, convert = plan[path]
+        if name not in state:
+            raise InteropError(f"the state dict lacks {name!r} (for the model's {path}).")
+        arrays[path] = np.ascontiguousarray(convert(state[name]))
+        used.add(name)
+    unused = sorted(set(state) - used)
+    if unused:
+        raise InteropError(
+            f"the model has no place for {unused[:5]}{' ...' if len(unused) > 5 else ''}: "
+            "build it with the PyTorch model's options (use_bias=True for its attention biases, "
+            "norm_first=True for a final norm, ...)."
+        )
+    try:
+        return fill_tree(model, arrays)
+    except CheckpointError as error:
+        raise InteropError(f"the state dict does not fit the model: {error}") from None

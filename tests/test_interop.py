@@ -1,0 +1,96 @@
+"""Import from PyTorch without PyTorch: the state dicts of `nn.TransformerEncoder` and
+`nn.TransformerDecoder` stacks (post-LN and pre-LN, ReLU and GELU, their own LayerNorm eps,
+padding masks) and PyTorch's outputs, committed as data by tests/torch_reference/make_golden.py,
+against the imported dense_armor models; the command line; refusals."""
+
+import json
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from dense_armor.checkpoint import ModelConfig, load_checkpoint
+from dense_armor.cli import main as cli
+from dense_armor.export import check_golden, export_checkpoint, load
+from dense_armor.interop import InteropError, import_torch
+
+DATA = pathlib.Path(__file__).parent / "data" / "torch"
+BASE = {"n_in": 3, "d_model": 16, "n_heads": 4, "d_ff": 32, "depth": 2, "n_out": 5, "max_len": 7,
+        "use_bias": True}  # fmt: skip
+PRE_LN_GELU = {"norm_first": True, "activation": "gelu", "layer_norm_eps": 1e-6}
+CASES = {
+    "encoder_post_ln": ModelConfig("transformer_encoder", BASE),
+    "encoder_pre_ln_gelu": ModelConfig("transformer_encoder", {**BASE, **PRE_LN_GELU}),
+    "decoder_post_ln": ModelConfig("transformer_decoder", {**BASE, "d_context": 16}),
+    "decoder_pre_ln_gelu": ModelConfig(
+        "transformer_decoder", {**BASE, "d_context": 16, **PRE_LN_GELU}
+    ),
+}
+
+
+def outputs(model, config, io):
+    if config.factory == "transformer_encoder":
+        return jax.vmap(lambda x, v: model(x, mask=v))(io["x"], io["valid"])
+    return jax.vmap(lambda x, c, m: model(x, c, context_mask=m))(
+        io["x"], io["context"], io["context_valid"]
+    )
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_imported_models_give_pytorchs_outputs(case):
+    config = CASES[case]
+    model = import_torch(DATA / f"{case}.safetensors", config)
+    io = load_file(str(DATA / f"{case}.io.safetensors"))
+    np.testing.assert_allclose(outputs(model, config, io), io["y"], atol=1e-5)
+    if config.factory == "transformer_decoder":  # it streams, biases and all
+        x, context, mask = io["x"][1], io["context"][1], io["context_valid"][1]
+        cache = model.init_cache(context, 7, context_mask=mask)
+        y, cache = model.prefill(x[:4], cache)
+        more, _ = model.prefill(x[4:], cache)
+        np.testing.assert_allclose(np.concatenate([y, more]), io["y"][1], atol=1e-5)
+
+
+def test_import_torch_from_the_command_line_then_export(tmp_path, capsys):
+    config = CASES["encoder_post_ln"]
+    (tmp_path / "config.json").write_text(json.dumps(config.to_json()))
+    state = DATA / "encoder_post_ln.safetensors"
+    args = ["import-torch", str(state), "--config", str(tmp_path / "config.json")]
+    assert cli([*args, "--out", str(tmp_path / "ckpt")]) == 0
+    assert "imported" in capsys.readouterr().out
+    restored = load_checkpoint(tmp_path / "ckpt")
+    io = load_file(str(DATA / "encoder_post_ln.io.safetensors"))
+    np.testing.assert_allclose(outputs(restored.model, config, io), io["y"], atol=1e-5)
+    export_checkpoint(tmp_path / "ckpt", tmp_path / "art", platforms=["cpu"], static_shapes=[])
+    artifact = load(tmp_path / "art")
+    np.testing.assert_allclose(artifact.forward(io["x"][1:]), io["y"][1:], atol=1e-5)
+    assert max(check_golden(artifact).values()) < 1e-5
+    assert cli([*args[:2], "--config", str(tmp_path / "none.json"), "--out", "x"]) == 2
+    assert "cannot read the config" in capsys.readouterr().err
+
+
+def test_a_state_dict_that_does_not_fit_is_refused_by_name(tmp_path):
+    state = load_file(str(DATA / "encoder_post_ln.safetensors"))
+    config = CASES["encoder_post_ln"]
+    without_bias = ModelConfig("transformer_encoder", {**BASE, "use_bias": False})
+    with pytest.raises(
+        InteropError, match=r"no place for \['encoder.layers.0.self_attn.in_proj_bias'"
+    ):
+        import_torch(state, without_bias)
+    missing = {k: v for k, v in state.items() if k != "encoder.layers.1.linear2.weight"}
+    with pytest.raises(InteropError, match=r"lacks 'encoder.layers.1.linear2.weight'"):
+        import_torch(missing, config)
+    with pytest.raises(InteropError, match=r"has layers \[0, 1\]; the model has depth 3"):
+        import_torch(state, ModelConfig("transformer_encoder", {**BASE, "depth": 3}))
+    wider = ModelConfig("transformer_encoder", {**BASE, "d_ff": 64})
+    with pytest.raises(InteropError, match="does not fit the model"):
+        import_torch(state, wider)
+    with pytest.raises(InteropError, match=r"lacks 'input.weight'"):
+        import_torch(state, config, {"embed": "input"})
+    (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(InteropError, match="cannot read the state dict"):
+        import_torch(tmp_path / "bad.safetensors", config)
+    save_file({"w": np.ones(2, np.float32)}, str(tmp_path / "foreign.safetensors"))
+    with pytest.raises(InteropError, match="one stack of layers"):
+        import_torch(tmp_path / "foreign.safetensors", config)
