@@ -104,14 +104,18 @@ def test_a_windowed_rope_stream_runs_far_past_max_len():
             np.testing.assert_allclose(y, fresh, atol=2e-5, err_msg=str(t))
 
 
-def test_a_rope_model_exports_with_a_capacity_past_max_len(tmp_path):
+def test_a_grouped_rotary_windowed_model_exports_past_max_len(tmp_path):
     config = ModelConfig(
         "transformer_encoder",
         {"n_in": 3, "d_model": 16, "n_heads": 4, "d_ff": 32, "depth": 1, "n_out": 4,
-         "max_len": 8, "causal": True, "positions": "rope", "n_kv_heads": 2},
+         "max_len": 8, "causal": True, "positions": "rope", "n_kv_heads": 2, "window": 4},
     )  # fmt: skip
     model = config.build(KEY)
     export_model(model, config, tmp_path / "art", capacity=12, platforms=["cpu"], static_shapes=[])
     artifact = load(tmp_path / "art")
-    assert max(check_golden(artifact).values()) < 1e-5  # 12 steps, past max_len
-    assert artifact.manifest["streaming"]["layout"][0]["path"] == "cache[1].keys"
+    # the exported step of a grouped-query, rotary, windowed model: 12 steps, past max_len and
+    # around the ring of 4 three times, against the Python model's own steps
+    assert max(check_golden(artifact).values()) < 1e-5
+    keys = artifact.manifest["streaming"]["layout"][0]
+    assert keys["path"] == "cache[1].keys" and keys["shape"] == ["B", 2, 4, 4]
+    assert keys["holders"] == ["RingKVCache"]
