@@ -94,3 +94,28 @@ def test_a_state_dict_that_does_not_fit_is_refused_by_name(tmp_path):
     save_file({"w": np.ones(2, np.float32)}, str(tmp_path / "foreign.safetensors"))
     with pytest.raises(InteropError, match="one stack of layers"):
         import_torch(tmp_path / "foreign.safetensors", config)
+
+
+def test_attention_dropout_drops_weights_only_in_training():
+    """Dropout on the attention weights (PyTorch's `nn.MultiheadAttention(dropout=p)`): the
+    weights, dropped and rescaled, times the values, by hand; no key or rate 0: the plain layer."""
+    import jax.numpy as jnp
+
+    from dense_armor.utility.neural import MultiHeadSelfAttention, TransformerBlock
+
+    key = jax.random.PRNGKey(0)
+    layer = MultiHeadSelfAttention(8, 2, key, causal=True, use_bias=True, attention_dropout=0.25)
+    plain = MultiHeadSelfAttention(8, 2, key, causal=True, use_bias=True)
+    x = jax.random.normal(key, (6, 8))
+    np.testing.assert_allclose(layer(x), plain(x), atol=1e-6)  # no key: inference
+    drop_key = jax.random.PRNGKey(5)
+    weights = np.asarray(plain.attention_weights(x), np.float64)  # (2, 6, 6)
+    keep = np.asarray(jax.random.bernoulli(drop_key, 0.75, weights.shape))
+    dropped = np.where(keep, weights / 0.75, 0.0)
+    values = np.asarray(x @ plain.W_V.value, np.float64).reshape(6, 2, 4).transpose(1, 0, 2)
+    heads = np.einsum("hts,hsd->htd", dropped, values).transpose(1, 0, 2).reshape(6, 8)
+    expected = heads @ np.asarray(plain.W_O.value, np.float64)
+    np.testing.assert_allclose(layer(x, key=drop_key), expected, atol=1e-5)
+    block = TransformerBlock(8, 2, 16, key, causal=True, attention_dropout=0.5)
+    assert float(jnp.abs(block(x, key=drop_key) - block(x)).max()) > 1e-3
+    np.testing.assert_allclose(block(x), TransformerBlock(8, 2, 16, key, causal=True)(x))
