@@ -21,6 +21,7 @@ of steps with the cache fed back. That needs numpy, safetensors and `iree-run-mo
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import pathlib
@@ -423,6 +424,19 @@ def run_iree(
     return results
 
 
+def _run_kept(
+    runner: str,
+    module: pathlib.Path,
+    kept: Sequence[int],
+    outputs: Sequence[dict[str, Any]],
+    sizes: dict[str, int],
+    work: pathlib.Path,
+    every: Sequence[np.ndarray],
+) -> list[np.ndarray]:
+    """`run_iree` on the inputs of `every` (weights, plain inputs, cache) that the module kept."""
+    return run_iree(runner, module, [every[i] for i in kept], outputs, sizes, work)
+
+
 def check_iree(directory: str | pathlib.Path, steps: int | None = None) -> dict[str, float]:
     """Run every `llvm-cpu` module of the artifact on its golden case with `iree-run-module` and
     return the largest absolute error of each against the Python model's outputs. A step case is
@@ -460,31 +474,19 @@ def check_iree(directory: str | pathlib.Path, steps: int | None = None) -> dict[
             label = "iree " + " ".join(
                 [case["function"], *(f"{d}={v}" for d, v in case["shape"].items())]
             )
+            call = functools.partial(
+                _run_kept, runner, module, kept, outputs, case["shape"], pathlib.Path(work)
+            )
+
             if case["steps"] is None:
-                every = [*weights, *inputs]
-                got = run_iree(
-                    runner,
-                    module,
-                    [every[i] for i in kept],
-                    outputs,
-                    case["shape"],
-                    pathlib.Path(work),
-                )
+                got = call([*weights, *inputs])
                 errors[label] = max(_error(g, e) for g, e in zip(got, expected, strict=True))
                 continue
             xs, cache = inputs[0], inputs[1:]
             n = case["steps"] if steps is None else max(1, min(steps, case["steps"]))
             worst = 0.0
             for t in range(n):
-                every = [*weights, xs[:, t], *cache]
-                got = run_iree(
-                    runner,
-                    module,
-                    [every[i] for i in kept],
-                    outputs,
-                    case["shape"],
-                    pathlib.Path(work),
-                )
+                got = call([*weights, xs[:, t], *cache])
                 cache = got[1:-1]
                 worst = max(worst, _error(got[0], expected[0][:, t]))
             if n == case["steps"]:  # the whole stream: its final cache and flags too
