@@ -119,3 +119,32 @@ def test_attention_dropout_drops_weights_only_in_training():
     block = TransformerBlock(8, 2, 16, key, causal=True, attention_dropout=0.5)
     assert float(jnp.abs(block(x, key=drop_key) - block(x)).max()) > 1e-3
     np.testing.assert_allclose(block(x), TransformerBlock(8, 2, 16, key, causal=True)(x))
+
+
+def test_cross_attention_dropout_drops_its_weights_only_in_training():
+    import jax.numpy as jnp
+
+    from dense_armor.utility.neural import MultiHeadCrossAttention, TransformerDecoderBlock
+
+    key = jax.random.PRNGKey(1)
+    layer = MultiHeadCrossAttention(8, 2, key, 5, attention_dropout=0.25)
+    plain = MultiHeadCrossAttention(8, 2, key, 5)
+    x, context = jax.random.normal(key, (3, 8)), jax.random.normal(key, (4, 5))
+    context_mask = jnp.array([True, True, False, True])
+    np.testing.assert_allclose(
+        layer(x, context, context_mask=context_mask), plain(x, context, context_mask=context_mask)
+    )
+    drop_key = jax.random.PRNGKey(7)
+    q = np.asarray(x @ plain.W_Q.value, np.float64).reshape(3, 2, 4).transpose(1, 0, 2)
+    k = np.asarray(context @ plain.W_K.value, np.float64).reshape(4, 2, 4).transpose(1, 0, 2)
+    v = np.asarray(context @ plain.W_V.value, np.float64).reshape(4, 2, 4).transpose(1, 0, 2)
+    scores = np.where(np.asarray(context_mask), q @ k.transpose(0, 2, 1) / 2.0, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    keep = np.asarray(jax.random.bernoulli(drop_key, 0.75, (1, 2, 3, 4))).reshape(2, 3, 4)
+    heads = np.where(keep, weights / 0.75, 0.0) @ v
+    expected = heads.transpose(1, 0, 2).reshape(3, 8) @ np.asarray(plain.W_O.value, np.float64)
+    got = layer(x, context, context_mask=context_mask, key=drop_key)
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+    block = TransformerDecoderBlock(8, 2, 16, key, d_context=5, attention_dropout=0.5)
+    assert float(jnp.abs(block(x, context, key=drop_key) - block(x, context)).max()) > 1e-3

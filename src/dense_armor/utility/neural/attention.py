@@ -267,6 +267,33 @@ def _dot_product_attention(
     return jnp.where(sees_bad[..., None], jnp.asarray(jnp.nan, out.dtype), out)
 
 
+def _dropped(
+    layer: "MultiHeadSelfAttention | MultiHeadCrossAttention",
+    x: Array,
+    keys: Array,
+    values: Array,
+    mask: Array | None,
+    key: Array,
+) -> Array:
+    """Attention with dropout on its weights (PyTorch's `dropout` of `nn.MultiheadAttention`):
+    the weights of `x`'s queries against projected `keys` and `values` `(S, n_kv_heads * d_head)`
+    are materialised, each dropped with probability `layer.attention_dropout` and the others
+    scaled by `1 / (1 - attention_dropout)`."""
+    rate = layer.attention_dropout
+    q, k = _rotated(
+        layer,
+        _heads(_projected(layer, x, "Q"), layer.n_heads),
+        _heads(keys, layer.n_kv_heads),
+        None,
+    )
+    weights = attention_weights(_grouped(q, layer.n_kv_heads), k[:, None], mask)  # float32
+    keep = jax.random.bernoulli(key, 1.0 - rate, weights.shape)
+    weights = jnp.where(keep, weights / (1.0 - rate), 0.0)
+    v = _heads(values, layer.n_kv_heads).astype(jnp.float32)
+    out = jnp.einsum("kgts,ksd->kgtd", weights, v).reshape(q.shape).astype(x.dtype)
+    return _join_heads(layer, out)
+
+
 def _join_heads(layer: "MultiHeadSelfAttention | MultiHeadCrossAttention", out: Array) -> Array:
     """Heads `(n_heads, T, d_head)` joined to `(T, d_model)` and projected by `W_O`."""
     joined = out.transpose(1, 0, 2).reshape(out.shape[1], layer.d_model)

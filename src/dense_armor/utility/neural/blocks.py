@@ -353,6 +353,7 @@ class TransformerDecoderBlock(Layer):
             implementation=implementation,
             n_kv_heads=n_kv_heads,
             use_bias=use_bias,
+            attention_dropout=attention_dropout,
         )
         self.norm2 = LayerNorm(d_model, layer_norm_eps)
         self.feed_forward = FeedForward(d_model, d_ff, fkey, activation)
@@ -397,7 +398,11 @@ class TransformerDecoderBlock(Layer):
         """The block's equations, written once for `forward`, `step` and `prefill`, around a
         self-attention `attend(h) -> (a, cache)` and a projected context."""
         keys = [None] * 3 if key is None else list(jr.split(key, 3))
-        cross = self.cross_attention.step_sequence
+        cross_key = None if key is None else jr.fold_in(key, 3)  # the others' keys unchanged
+
+        def cross(h: Array, context: ContextCache) -> Array:
+            return self.cross_attention.step_sequence(h, context, key=cross_key)
+
         if self.norm_first:
             a, cache = attend(self.norm1(x))
             y = self._join(0, x, a, keys[0])

@@ -13,6 +13,7 @@ from .attention import (
     _attend_sequence,
     _biases,
     _check_heads,
+    _dropped,
     _projected,
     resolve_implementation,
 )
@@ -23,6 +24,7 @@ from .core import (
     python_scalar,
     require_key,
     require_positive,
+    require_rate,
     shape_checked,
 )
 
@@ -63,6 +65,7 @@ class MultiHeadCrossAttention(Layer):
     n_kv_heads: int = eqx.field(static=True, converter=python_scalar)
     d_context: int = eqx.field(static=True, converter=python_scalar)
     implementation: str = eqx.field(static=True, converter=python_scalar)
+    attention_dropout: float = eqx.field(static=True, converter=python_scalar, default=0.0)
     b_Q: Param | None = None
     b_K: Param | None = None
     b_V: Param | None = None
@@ -78,6 +81,7 @@ class MultiHeadCrossAttention(Layer):
         implementation: str | None = None,
         n_kv_heads: int | None = None,
         use_bias: bool = False,
+        attention_dropout: float = 0.0,
     ):
         require_key(key)
         n_kv_heads = _check_heads(d_model, n_heads, n_kv_heads)
@@ -95,6 +99,8 @@ class MultiHeadCrossAttention(Layer):
         self.W_V, self.W_O = init(vkey, d_context, kv_width), init(okey, d_model)
         self.d_model, self.n_heads, self.d_context = d_model, n_heads, d_context
         self.n_kv_heads = n_kv_heads
+        require_rate(attention_dropout=attention_dropout)
+        self.attention_dropout = float(attention_dropout)
         widths = {"Q": d_model, "K": kv_width, "V": kv_width, "O": d_model}
         for name, bias in _biases(use_bias, widths).items():
             setattr(self, name, bias)
@@ -123,10 +129,16 @@ class MultiHeadCrossAttention(Layer):
         context_mask: Bool[Array, " S"] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "T d_model"]:
-        return self.step_sequence(x, self.init_cache(context, context_mask=context_mask))
+        cache = self.init_cache(context, context_mask=context_mask)
+        return self.step_sequence(x, cache, key=key)
 
-    def step_sequence(self, x: Array, cache: ContextCache) -> Array:
-        """Attend from every row of `x (T, d_model)` to a projected context."""
+    def step_sequence(
+        self, x: Array, cache: ContextCache, key: PRNGKeyArray | None = None
+    ) -> Array:
+        """Attend from every row of `x (T, d_model)` to a projected context; with a `key` and an
+        `attention_dropout`, its weights dropped."""
+        if key is not None and self.attention_dropout > 0:
+            return _dropped(self, x, cache.keys, cache.values, cache.mask[None, :], key)
         return _attend_sequence(self, x, cache.keys, cache.values, cache.mask)
 
     @shape_checked

@@ -17,9 +17,9 @@ from .attention import (
     _biases,
     _check_heads,
     _check_window,
+    _dropped,
     _grouped,
     _heads,
-    _join_heads,
     _projected,
     _require_causal,
     _rotated,
@@ -187,18 +187,10 @@ class MultiHeadSelfAttention(Layer):
         return _attend_sequence(self, x, keys, values, mask, self.causal, self.window)
 
     def _forward_dropping_weights(self, x: Array, mask: Array | None, key: PRNGKeyArray) -> Array:
-        """`forward` in training with dropout on the attention weights (PyTorch's `dropout` of
-        `nn.MultiheadAttention`): the weights are materialised, each dropped with probability
-        `attention_dropout` and the others scaled by `1 / (1 - attention_dropout)`."""
+        """`forward` in training with dropout on the attention weights (see `_dropped`)."""
         length = x.shape[0]
-        weights = self.attention_weights(x, mask=mask)  # (n_heads, T, T), float32
-        keep = jax.random.bernoulli(key, 1.0 - self.attention_dropout, weights.shape)
-        weights = jnp.where(keep, weights / (1.0 - self.attention_dropout), 0.0)
-        values = _heads(_projected(self, x, "V"), self.n_kv_heads)
-        grouped = weights.reshape(self.n_kv_heads, -1, length, length)
-        out = jnp.einsum("kgts,ksd->kgtd", grouped, values.astype(jnp.float32))
-        out = out.reshape(self.n_heads, length, self.d_head).astype(x.dtype)
-        return _join_heads(self, out)
+        visible = _sequence_mask(length, length, self.causal, self.window, mask)
+        return _dropped(self, x, *self._keys_values(x), visible, key)
 
     @shape_checked
     def attention_weights(
