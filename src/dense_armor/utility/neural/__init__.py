@@ -4,10 +4,8 @@ from .attention import attention_weights as attention_weights
 from .attention import scaled_dot_product_attention as scaled_dot_product_attention
 from .blocked import BLOCKED_MIN_LENGTH as BLOCKED_MIN_LENGTH
 from .blocked import blocked_attention as blocked_attention
-from .blocks import DecoderCache as DecoderCache
 from .blocks import Gate as Gate
 from .blocks import TransformerBlock as TransformerBlock
-from .blocks import TransformerDecoderBlock as TransformerDecoderBlock
 from .cache import Counter as Counter
 from .cache import FixedKVCache as FixedKVCache
 from .cache import KVCache as KVCache
@@ -15,8 +13,6 @@ from .cache import KVUpdate as KVUpdate
 from .cache import MeanCache as MeanCache
 from .cache import PositionCache as PositionCache
 from .cache import RingKVCache as RingKVCache
-from .cache import batch_streams as batch_streams
-from .cache import reset as reset
 from .core import CannotStream as CannotStream
 from .core import Layer as Layer
 from .core import Param as Param
@@ -24,6 +20,8 @@ from .core import Pointwise as Pointwise
 from .core import ShapeError as ShapeError
 from .cross_attention import ContextCache as ContextCache
 from .cross_attention import MultiHeadCrossAttention as MultiHeadCrossAttention
+from .decoder_block import DecoderCache as DecoderCache
+from .decoder_block import TransformerDecoderBlock as TransformerDecoderBlock
 from .layers import Cast as Cast
 from .layers import Dense as Dense
 from .layers import Dropout as Dropout
@@ -45,3 +43,5 @@ from .self_attention import MultiHeadSelfAttention as MultiHeadSelfAttention
 from .stack import Stack as Stack
 from .stack import stack_layers as stack_layers
 from .stack import unstack_layers as unstack_layers
+from .streams import batch_streams as batch_streams
+from .streams import reset as reset

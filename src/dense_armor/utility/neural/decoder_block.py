@@ -1,0 +1,212 @@
+"""The Transformer decoder block (Vaswani et al. 2017, page 3): masked self-attention, attention
+to a context, and the feed-forward, each around a residual connection, post-LN or pre-LN; it
+streams with a `DecoderCache`. Its helpers (residuals, gates, remat) are the encoder block's, in
+`blocks`."""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.random as jr
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
+
+from .attention import _check_heads
+from .blocks import Gate, _check_remat, _rematerialised, _residual
+from .cache import FixedKVCache, KVCache, RingKVCache
+from .core import (
+    Layer,
+    python_scalar,
+    require_bool,
+    require_key,
+    require_positive,
+    shape_checked,
+)
+from .cross_attention import ContextCache, MultiHeadCrossAttention
+from .layers import Dropout, FeedForward, LayerNorm
+from .self_attention import MultiHeadSelfAttention
+
+__all__ = ["DecoderCache", "TransformerDecoderBlock"]
+
+
+class DecoderCache(NamedTuple):
+    """A decoder block's caches: its causal self-attention's and its projected context."""
+
+    self_attention: KVCache | FixedKVCache | RingKVCache
+    context: ContextCache
+
+
+class TransformerDecoderBlock(Layer):
+    """The decoder block (Vaswani et al. 2017, page 3): causal self-attention, attention to a
+    context, and the feed-forward, each followed by its residual addition (or a `Gate`) and a
+    LayerNorm:
+
+    `y = LN(x + SelfAttention(x))`, `u = LN(y + CrossAttention(y, context))`, `z = LN(u + FFN(u))`.
+
+    **Arguments:** `d_model`, `n_heads`, `d_ff`, `key`, `d_context=None` (default `d_model`),
+    `dropout=0.0` (on each sub-layer's output, with a `key`), `gate=False` (a `Gate` replaces each
+    residual addition), `memory_efficient=None` (blocked attention in both attentions; see
+    `MultiHeadSelfAttention`), `norm_first=False` (pre-LN, as in `TransformerBlock`:
+    `y = x + SelfAttention(LN(x))`, `u = y + CrossAttention(LN(y), context)`,
+    `z = u + FFN(LN(u))`) and `window=None` (sliding-window self-attention: its cache is a ring).
+
+    `params()`: the self-attention's 4, the first LayerNorm's 2, the cross-attention's 4, the second
+    LayerNorm's 2, the feed-forward's 4, the third LayerNorm's 2 (18), then each gate's 3.
+    Streaming: `init_cache(context, capacity=None)` then `step(x_t, cache)`.
+    """
+
+    self_attention: MultiHeadSelfAttention
+    norm1: LayerNorm
+    cross_attention: MultiHeadCrossAttention
+    norm2: LayerNorm
+    feed_forward: FeedForward
+    norm3: LayerNorm
+    dropout: Dropout
+    gates: tuple[Gate, ...]
+    d_model: int = eqx.field(static=True, converter=python_scalar)
+    d_context: int = eqx.field(static=True, converter=python_scalar)
+    norm_first: bool = eqx.field(static=True, converter=python_scalar)
+    remat: str | None = eqx.field(static=True, converter=python_scalar, default=None)
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        key: PRNGKeyArray,
+        d_context: int | None = None,
+        dropout: float = 0.0,
+        gate: bool = False,
+        memory_efficient: bool | None = None,
+        norm_first: bool = False,
+        window: int | None = None,
+        remat: str | None = None,
+        implementation: str | None = None,
+        n_kv_heads: int | None = None,
+        rope_base: float | None = None,
+        use_bias: bool = False,
+        activation: str = "relu",
+        layer_norm_eps: float = 1e-5,
+        attention_dropout: float = 0.0,
+    ):
+        require_key(key)
+        _check_heads(d_model, n_heads)
+        require_positive(d_ff=d_ff)
+        require_bool(gate=gate, norm_first=norm_first)
+        skey, ckey, fkey = jr.split(key, 3)
+        self.self_attention = MultiHeadSelfAttention(
+            d_model,
+            n_heads,
+            skey,
+            causal=True,
+            window=window,
+            memory_efficient=memory_efficient,
+            implementation=implementation,
+            n_kv_heads=n_kv_heads,
+            rope_base=rope_base,
+            use_bias=use_bias,
+            attention_dropout=attention_dropout,
+        )
+        self.norm1 = LayerNorm(d_model, layer_norm_eps)
+        self.cross_attention = MultiHeadCrossAttention(
+            d_model,
+            n_heads,
+            ckey,
+            d_context,
+            memory_efficient=memory_efficient,
+            implementation=implementation,
+            n_kv_heads=n_kv_heads,
+            use_bias=use_bias,
+            attention_dropout=attention_dropout,
+        )
+        self.norm2 = LayerNorm(d_model, layer_norm_eps)
+        self.feed_forward = FeedForward(d_model, d_ff, fkey, activation)
+        self.norm3 = LayerNorm(d_model, layer_norm_eps)
+        self.dropout = Dropout(dropout)
+        gate_keys = jr.split(jr.fold_in(key, 1), 3)
+        self.gates = tuple(Gate(d_model, k) for k in gate_keys) if gate else ()
+        self.d_model = d_model
+        self.d_context = self.cross_attention.d_context
+        self.norm_first = norm_first
+        self.remat = _check_remat(remat)
+
+    def _join(self, i: int, x: Array, sub: Array, key: PRNGKeyArray | None) -> Array:
+        return _residual(self, i, x, sub, key)
+
+    @shape_checked
+    def forward(
+        self,
+        x: Float[Array, "T d_model"],
+        context: Float[Array, "S d_context"],
+        *,
+        context_mask: Bool[Array, " S"] | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "T d_model"]:
+        def run(x: Array) -> Array:
+            context_cache = self.cross_attention.init_cache(context, context_mask=context_mask)
+            attention_key = None if key is None else jr.fold_in(key, 2)
+            attention = _rematerialised(
+                lambda h: self.self_attention(h, key=attention_key), self.remat
+            )
+            return self._apply(x, lambda h: (attention(h), None), context_cache, key)[0]
+
+        return jax.checkpoint(run)(x) if self.remat == "block" else run(x)
+
+    def _apply(
+        self,
+        x: Array,
+        attend: Callable[[Array], tuple[Array, Any]],
+        context: ContextCache,
+        key: PRNGKeyArray | None,
+    ) -> tuple[Array, Any]:
+        """The block's equations, written once for `forward`, `step` and `prefill`, around a
+        self-attention `attend(h) -> (a, cache)` and a projected context."""
+        keys = [None] * 3 if key is None else list(jr.split(key, 3))
+        cross_key = None if key is None else jr.fold_in(key, 3)  # the others' keys unchanged
+
+        def cross(h: Array, context: ContextCache) -> Array:
+            return self.cross_attention.step_sequence(h, context, key=cross_key)
+
+        if self.norm_first:
+            a, cache = attend(self.norm1(x))
+            y = self._join(0, x, a, keys[0])
+            u = self._join(1, y, cross(self.norm2(y), context), keys[1])
+            return self._join(2, u, self.feed_forward(self.norm3(u)), keys[2]), cache
+        a, cache = attend(x)
+        y = self.norm1(self._join(0, x, a, keys[0]))
+        u = self.norm2(self._join(1, y, cross(y, context), keys[1]))
+        return self.norm3(self._join(2, u, self.feed_forward(u), keys[2])), cache
+
+    @shape_checked
+    def init_cache(
+        self,
+        context: Float[Array, "S d_context"],
+        capacity: int | None = None,
+        *,
+        context_mask: Bool[Array, " S"] | None = None,
+        on_overflow: str = "raise",
+    ) -> DecoderCache:
+        """The self-attention's cache (growing, or fixed with `capacity`) and the projected
+        context."""
+        return DecoderCache(
+            self.self_attention.init_cache(capacity, on_overflow=on_overflow),
+            self.cross_attention.init_cache(context, context_mask=context_mask),
+        )
+
+    @shape_checked
+    def step(
+        self, x_t: Float[Array, " d_model"], cache: DecoderCache
+    ) -> tuple[Float[Array, " d_model"], DecoderCache]:
+        """One step; after `t+1` steps, row `t` of `forward` on them (with the same context)."""
+        y, cache = self.prefill(x_t[None], cache)
+        return y[0], cache
+
+    @shape_checked
+    def prefill(
+        self, x: Float[Array, "K d_model"], cache: DecoderCache
+    ) -> tuple[Float[Array, "K d_model"], DecoderCache]:
+        """`K` steps at once: what `K` calls of `step` return, stacked."""
+        y, self_cache = self._apply(
+            x, lambda h: self.self_attention.prefill(h, cache.self_attention), cache.context, None
+        )
+        return y, DecoderCache(self_cache, cache.context)
