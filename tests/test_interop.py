@@ -116,6 +116,8 @@ def test_attention_dropout_drops_weights_only_in_training():
     heads = np.einsum("hts,hsd->htd", dropped, values).transpose(1, 0, 2).reshape(6, 8)
     expected = heads @ np.asarray(plain.W_O.value, np.float64)
     np.testing.assert_allclose(layer(x, key=drop_key), expected, atol=1e-5)
+    every = MultiHeadSelfAttention(8, 2, key, causal=True, use_bias=True, attention_dropout=1.0)
+    np.testing.assert_array_equal(every(x, key=drop_key), np.zeros((6, 8)))  # b_O starts at 0
     block = TransformerBlock(8, 2, 16, key, causal=True, attention_dropout=0.5)
     assert float(jnp.abs(block(x, key=drop_key) - block(x)).max()) > 1e-3
     np.testing.assert_allclose(block(x), TransformerBlock(8, 2, 16, key, causal=True)(x))

@@ -288,7 +288,8 @@ def _dropped(
     )
     weights = attention_weights(_grouped(q, layer.n_kv_heads), k[:, None], mask)  # float32
     keep = jax.random.bernoulli(key, 1.0 - rate, weights.shape)
-    weights = jnp.where(keep, weights / (1.0 - rate), 0.0)
+    scale = 0.0 if rate == 1.0 else 1.0 / (1.0 - rate)  # every weight dropped: zeros, not 0/0
+    weights = jnp.where(keep, weights * scale, 0.0)
     v = _heads(values, layer.n_kv_heads).astype(jnp.float32)
     out = jnp.einsum("kgts,ksd->kgtd", weights, v).reshape(q.shape).astype(x.dtype)
     return _join_heads(layer, out)
