@@ -267,6 +267,10 @@ BAD = [
     ("coordinator-port-not-a-number", with_env(DENSE_ARMOR_COORDINATOR="127.0.0.1:http"), ValueError, r"DENSE_ARMOR_COORDINATOR.*'127.0.0.1:http'"),
     ("coordinator-port-out-of-range", with_env(DENSE_ARMOR_COORDINATOR="localhost:70000"), ValueError, r"port in \[1, 65535\]"),
     ("num-processes-not-a-number", with_env(DENSE_ARMOR_COORDINATOR="127.0.0.1:1", DENSE_ARMOR_NUM_PROCESSES="two"), ValueError, r"DENSE_ARMOR_NUM_PROCESSES must be an integer >= 1.*'two'"),
+    ("initialize-timeout-zero", lambda: initialize("127.0.0.1:1", 2, 0, timeout=0), ValueError, r"`timeout` must be a positive number of seconds; got 0"),
+    ("initialize-bind-address-without-port", lambda: initialize("127.0.0.1:1", 2, 0, bind_address="0.0.0.0"), ValueError, r"bind_address must be `host:port`.*'0.0.0.0'"),
+    ("initialize-local-devices-negative", lambda: initialize("127.0.0.1:1", 2, 0, local_device_ids=[0, -1]), ValueError, r"`local_device_ids` must be a device index or a non-empty list"),
+    ("accumulate-not-dividing", lambda: fit_with(batch_size=4, accumulate=3), ValueError, r"`accumulate=3` micro-batches must divide `batch_size=4`"),
     ("process-id-too-large", with_env(DENSE_ARMOR_COORDINATOR="127.0.0.1:1", DENSE_ARMOR_NUM_PROCESSES="2", DENSE_ARMOR_PROCESS_ID="2"), ValueError, r"process id 2 is outside \[0, 2\)"),
 ]  # fmt: skip
 

@@ -109,3 +109,24 @@ def test_two_processes_on_loopback_agree_and_match_one(runs, tmp_path):
 
 def test_a_model_trained_sharded_exports_like_its_single_device_copy(runs):
     assert runs["fsdp"]["identical_exports"] is True
+
+
+def test_initialize_passes_the_cluster_options_to_jax(monkeypatch):
+    """`timeout`, `bind_address` and `local_device_ids` reach `jax.distributed.initialize`
+    under JAX's names (the call itself is replaced: joining needs a cluster)."""
+    import jax
+
+    from dense_armor.distributed import initialize
+
+    seen = {}
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(jax.config, "update", lambda *args: None)
+    initialize("10.0.0.1:1234", 2, 1, timeout=60, bind_address="0.0.0.0:1234", local_device_ids=3)
+    assert seen == {
+        "coordinator_address": "10.0.0.1:1234",
+        "num_processes": 2,
+        "process_id": 1,
+        "local_device_ids": 3,
+        "initialization_timeout": 60,
+        "coordinator_bind_address": "0.0.0.0:1234",
+    }

@@ -140,3 +140,33 @@ def test_fit_validates_with_its_own_loss():
     np.testing.assert_allclose(metrics["loss"], by_hand, rtol=1e-5)
     best = min(result.history, key=lambda r: r["valid_loss"])
     assert result.best["step"] == best["step"]  # the best run is the lowest validation loss
+
+
+def test_accumulated_micro_batches_train_like_the_whole_batch():
+    """`accumulate=4`: four micro-batches of 8, their gradients summed then averaged, give the
+    update of one batch of 32 (no dropout: its masks are drawn per micro-batch)."""
+    xs, labels = toy_data(96)
+    config = ModelConfig(CONFIG.factory, {**CONFIG.arguments, "dropout": 0.0})
+    runs = {
+        k: fit(
+            config.build(jax.random.PRNGKey(0)),
+            optax.adam(3e-3),
+            (xs, labels),
+            steps=12,
+            batch_size=32,
+            eval_every=4,
+            progress=False,
+            accumulate=k,
+        )
+        for k in (1, 4)
+    }
+    losses = {k: [r["train_loss"] for r in run.history] for k, run in runs.items()}
+    np.testing.assert_allclose(losses[4], losses[1], rtol=1e-5)
+    assert losses[1][-1] < losses[1][0]
+    for path, a in tree_arrays(runs[1].model).items():
+        np.testing.assert_allclose(tree_arrays(runs[4].model)[path], a, atol=1e-5, err_msg=path)
+    with pytest.raises(ValueError, match=r"`accumulate=3` micro-batches must divide"):
+        fit(config.build(jax.random.PRNGKey(0)), optax.adam(1e-3), (xs, labels), steps=1,
+            batch_size=32, accumulate=3, progress=False)  # fmt: skip
+    with pytest.raises(TypeError, match=r"`accumulate` must be an integer"):
+        make_train_step(optax.adam(1e-3), accumulate="2")

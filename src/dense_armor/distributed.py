@@ -10,6 +10,7 @@ processes use gloo.
 """
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import equinox as eqx
@@ -34,12 +35,35 @@ def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
+    *,
+    timeout: int = 300,
+    bind_address: str | None = None,
+    local_device_ids: int | Sequence[int] | None = None,
 ) -> None:
     """Join a multi-process run: `jax.distributed.initialize` with the given arguments, or with
     `DENSE_ARMOR_COORDINATOR` (host:port), `DENSE_ARMOR_NUM_PROCESSES` and
     `DENSE_ARMOR_PROCESS_ID` from the environment; with neither, JAX detects the cluster itself
     (SLURM, Open MPI, Cloud TPU). Call it first, before any other JAX call. On CPU, collectives
-    between processes use gloo."""
+    between processes use gloo.
+
+    What a cluster may also need, passed to JAX as they are: `timeout` (seconds to wait for every
+    process to join; JAX's `initialization_timeout`), `bind_address` (the `host:port` the
+    coordinator listens on, when it differs from the address the others reach it at; JAX's
+    `coordinator_bind_address`) and `local_device_ids` (the devices this process uses, when
+    several processes share a host)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 1:
+        raise ValueError(
+            f"initialize: `timeout` must be a positive number of seconds; got {timeout!r}."
+        )
+    if bind_address is not None:
+        _check_address(bind_address, "bind_address")
+    if local_device_ids is not None:
+        ids = [local_device_ids] if isinstance(local_device_ids, int) else list(local_device_ids)
+        if not ids or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+            raise ValueError(
+                "initialize: `local_device_ids` must be a device index or a non-empty list of "
+                f"them; got {local_device_ids!r}."
+            )
     env = os.environ
     source = "coordinator_address"
     if coordinator_address is None and "DENSE_ARMOR_COORDINATOR" in env:
@@ -60,6 +84,9 @@ def initialize(
         coordinator_address=coordinator_address,
         num_processes=num_processes,
         process_id=process_id,
+        local_device_ids=local_device_ids,
+        initialization_timeout=timeout,
+        coordinator_bind_address=bind_address,
     )
 
 

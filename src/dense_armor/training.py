@@ -53,13 +53,46 @@ def cross_entropy_loss(
 
 
 def make_train_step(
-    optimizer: optax.GradientTransformation, loss_fn: LossFn = cross_entropy_loss
+    optimizer: optax.GradientTransformation,
+    loss_fn: LossFn = cross_entropy_loss,
+    accumulate: int = 1,
 ) -> Callable[..., tuple[Any, Any, jax.Array]]:
-    """A jitted `step(model, opt_state, xs, labels, key) -> (model, opt_state, loss)`."""
+    """A jitted `step(model, opt_state, xs, labels, key) -> (model, opt_state, loss)`.
+
+    `accumulate=k`: the batch is split into `k` equal micro-batches whose gradients are summed
+    one after the other (a `jax.lax.scan`, so only one micro-batch's activations are alive at a
+    time) and averaged: one optimizer update equal to that of the whole batch, to float32
+    round-off, for a loss that is a mean over the batch. With dropout, each micro-batch draws its
+    own masks."""
+    _require_int("make_train_step", 1, accumulate=accumulate)
+
+    def value_and_grad(model: Any, xs: jax.Array, labels: jax.Array, key: jax.Array) -> Any:
+        if accumulate == 1:
+            return eqx.filter_value_and_grad(loss_fn)(model, xs, labels, key)
+        if xs.shape[0] % accumulate:
+            raise ValueError(
+                f"accumulate={accumulate} needs a batch it divides; received {xs.shape[0]}."
+            )
+
+        def micro(xs: jax.Array) -> jax.Array:
+            return xs.reshape(accumulate, xs.shape[0] // accumulate, *xs.shape[1:])
+
+        def one(total: Any, batch: Any) -> tuple[Any, None]:
+            x, y, k = batch
+            loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x, y, k)
+            return jax.tree.map(jnp.add, total, (loss, grads)), None
+
+        start = (
+            jnp.zeros(()),
+            jax.tree.map(jnp.zeros_like, eqx.filter(model, eqx.is_inexact_array)),
+        )
+        batches = (micro(xs), micro(labels), jax.random.split(key, accumulate))
+        (loss, grads), _ = jax.lax.scan(one, start, batches)
+        return loss / accumulate, jax.tree.map(lambda g: g / accumulate, grads)
 
     @eqx.filter_jit
     def step(model: Any, opt_state: Any, xs: jax.Array, labels: jax.Array, key: jax.Array) -> Any:
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, xs, labels, key)
+        loss, grads = value_and_grad(model, xs, labels, key)
         params = eqx.filter(model, eqx.is_inexact_array)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return eqx.apply_updates(model, updates), opt_state, loss
@@ -198,6 +231,7 @@ def fit(
     loss_fn: LossFn = cross_entropy_loss,
     mesh: Mesh | None = None,
     shard_params: bool = False,
+    accumulate: int = 1,
 ) -> FitResult:
     """Train `model` for `steps` optimizer steps on `train = (xs, labels)`.
 
@@ -214,6 +248,10 @@ def fit(
     `shard_params=True`; the losses are those of the single-device run, to float32 round-off.
     With several processes, every process calls `fit` with the same arguments and data, and feeds
     its own slice of each global batch; process 0 writes the checkpoints.
+
+    `accumulate=k` splits each batch into `k` micro-batches and accumulates their gradients
+    before one optimizer update (`make_train_step`): the same training as the whole batch, with
+    the activations of one micro-batch in memory at a time.
     """
     xs, labels = np.asarray(train[0]), np.asarray(train[1])
     _require_int("fit", 0, steps=steps, seed=seed)
@@ -228,9 +266,16 @@ def fit(
         raise ValueError(f"fit: `batch_size={batch_size}` must lie in [1, {len(xs)}].")
     if checkpoint_dir is not None and config is None:
         raise ValueError("fit: saving checkpoints needs the model's `config`.")
-    if mesh is not None and batch_size % mesh.size:
+    _require_int("fit", 1, accumulate=accumulate)
+    if batch_size % accumulate:
         raise ValueError(
-            f"fit: `batch_size={batch_size}` must be a multiple of the mesh's {mesh.size} devices."
+            f"fit: `accumulate={accumulate}` micro-batches must divide `batch_size={batch_size}`."
+        )
+    micro = batch_size // accumulate
+    if mesh is not None and micro % mesh.size:
+        raise ValueError(
+            f"fit: each of the {accumulate} micro-batches (`batch_size={batch_size}` in all) must "
+            f"be a multiple of the mesh's {mesh.size} devices."
         )
 
     def placed(tree: Any) -> Any:
@@ -259,7 +304,7 @@ def fit(
             history = list(saved.state["history"])
             best = saved.state.get("best")
 
-    train_step = make_train_step(optimizer, loss_fn)
+    train_step = make_train_step(optimizer, loss_fn, accumulate)
     root_key = jax.random.PRNGKey(seed)
     losses: list[jax.Array] = []
     bar = tqdm(
