@@ -144,7 +144,8 @@ def _static_cases(
         context = []
         if lowering.width is not None:
             mask = np.ones((b, sizes["S"]), bool)
-            mask[0, -1] = sizes["S"] == 1  # one padded context step in the first sequence
+            if sizes["S"] > 1:  # one padded context step in the first sequence
+                mask[0, -1] = False
             context = [normal(0, (b, sizes["S"], lowering.width)), mask]
         init_inputs = context or [np.ones(b, bool)]
         cache = list(jax.jit(lowering.init_cache)(lowering.weights, *init_inputs))
