@@ -32,7 +32,8 @@ from dense_armor.checkpoint import (
 from dense_armor.cli import main as cli
 from dense_armor.distributed import initialize
 from dense_armor.export import ArtifactError, export_model, load
-from dense_armor.export.iree import target_flags
+from dense_armor.export.iree import compile_artifact, target_flags
+from dense_armor.interop import InteropError, import_torch
 from dense_armor.training import evaluate, fit
 from dense_armor.utility.neural import (
     CannotStream,
@@ -198,6 +199,10 @@ BAD = [
     ("activation-unknown", lambda: transformer_encoder(3, 8, 2, 16, 1, 2, KEY, 6, activation="tanh"), ValueError, r"`activation` must be one of \('relu', 'gelu'\).*'tanh'"),
     ("layer-norm-eps-zero", lambda: transformer_decoder(3, 8, 2, 16, 1, 2, KEY, 6, layer_norm_eps=0), ValueError, r"`eps` must be a positive number; received `eps=0`"),
     ("use-bias-string", lambda: MultiHeadSelfAttention(8, 2, KEY, use_bias="yes"), ValueError, r"`use_bias` must be True or False.*'yes'"),
+    ("export-capacity-string", lambda: export_model(MODEL, CONFIG, "never-written", capacity="4"), ArtifactError, r"capacity must be a positive integer; got '4'"),
+    ("compile-not-an-artifact", lambda: compile_artifact(pathlib.Path(__file__).parent, ["llvm-cpu"]), ArtifactError, r"has no manifest.json: not a dense_armor artifact"),
+    ("import-torch-missing-file", lambda: import_torch(pathlib.Path(__file__).parent / "none.safetensors", CONFIG), InteropError, r"cannot read the state dict .*none.safetensors"),
+    ("import-torch-not-a-state-dict", lambda: import_torch(CONFIG, CONFIG), InteropError, r"cannot read the state dict ModelConfig"),
     ("compute-dtype-unknown", lambda: transformer_encoder(3, 8, 2, 16, 1, 2, KEY, 6, compute_dtype="int8"), ValueError, r"`dtype` must be one of"),
     ("size-float", lambda: MultiHeadSelfAttention(8.0, 2, KEY), ValueError, r"`d_model` must be a positive integer.*8\.0.*float"),
     ("size-string", lambda: TransformerBlock(8, 2, "16", KEY), ValueError, r"`d_ff`.*'16'.*str"),
