@@ -128,7 +128,8 @@ def export_model(
     capacity = max_len if capacity is None else capacity
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
         raise ArtifactError(f"capacity must be a positive integer; got {capacity!r}.")
-    bounded = config.arguments.get("positions", "sinusoidal") != "rope"  # rotary: no table
+    # rotary positions, or none: no table that ends at max_len
+    bounded = config.arguments.get("positions", "sinusoidal") not in ("rope", "none")
     if bounded and config.arguments.get("window") is None and capacity > max_len:
         raise ArtifactError(
             f"capacity {capacity} > max_len {max_len}: the positional encoding of this model "

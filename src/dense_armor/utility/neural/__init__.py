@@ -5,6 +5,8 @@ from .attention import scaled_dot_product_attention as scaled_dot_product_attent
 from .blocked import BLOCKED_MIN_LENGTH as BLOCKED_MIN_LENGTH
 from .blocked import blocked_attention as blocked_attention
 from .blocks import Gate as Gate
+from .blocks import MixerBlock as MixerBlock
+from .blocks import RecurrentBlock as RecurrentBlock
 from .blocks import TransformerBlock as TransformerBlock
 from .cache import Counter as Counter
 from .cache import FixedKVCache as FixedKVCache
@@ -39,6 +41,12 @@ from .positions import LearnedPositions as LearnedPositions
 from .positions import PositionalEncoding as PositionalEncoding
 from .positions import sinusoidal_encoding as sinusoidal_encoding
 from .positions import sinusoidal_positions as sinusoidal_positions
+from .recurrent import GRU as GRU
+from .recurrent import LSTM as LSTM
+from .recurrent import HiddenState as HiddenState
+from .recurrent import LSTMState as LSTMState
+from .recurrent import MinGRU as MinGRU
+from .recurrent import Recurrent as Recurrent
 from .self_attention import MultiHeadSelfAttention as MultiHeadSelfAttention
 from .stack import Stack as Stack
 from .stack import stack_layers as stack_layers

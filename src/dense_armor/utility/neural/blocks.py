@@ -1,8 +1,9 @@
-"""The Transformer blocks (Vaswani et al. 2017, page 3): the encoder block, the decoder block and
-the learned gate that can replace their residual additions.
+"""The blocks: the Transformer encoder block (Vaswani et al. 2017, page 3), the same block around a
+recurrent layer, the decoder block (in `decoder_block`) and the learned gate that can replace their
+residual additions.
 
-Each block writes its equations once, around an "attend" callable: `forward` passes the
-attention's forward, `step` and `prefill` pass its `prefill` on the cache.
+Each block writes its equations once (`MixerBlock`), around a callable that mixes the steps:
+`forward` passes the mixer's forward, `step` and `prefill` pass its `prefill` on the cache.
 """
 
 import math
@@ -27,9 +28,17 @@ from .core import (
     shape_checked,
 )
 from .layers import Dropout, FeedForward, LayerNorm
+from .recurrent import RECURRENT, HiddenState, LSTMState, Recurrent
 from .self_attention import MultiHeadSelfAttention
 
-__all__ = ["DecoderCache", "Gate", "TransformerBlock", "TransformerDecoderBlock"]
+__all__ = [
+    "DecoderCache",
+    "Gate",
+    "MixerBlock",
+    "RecurrentBlock",
+    "TransformerBlock",
+    "TransformerDecoderBlock",
+]
 
 
 REMAT = (None, "block", "attention")
@@ -53,7 +62,7 @@ def _rematerialised(attention: Callable[[Array], Array], remat: str | None) -> A
 
 
 def _residual(
-    block: "TransformerBlock | TransformerDecoderBlock",
+    block: "MixerBlock | TransformerDecoderBlock",
     i: int,
     x: Array,
     sub: Array,
@@ -64,7 +73,64 @@ def _residual(
     return block.gates[i](x, sub) if block.gates else x + sub
 
 
-class TransformerBlock(Layer):
+class MixerBlock(Layer):
+    """The structure every block shares around its sequence mixer (an attention or a recurrent
+    layer): post-LN (the page's) `y = LayerNorm(x + Dropout(Mix(x)))`, `z = LayerNorm(y +
+    Dropout(FFN(y)))`, or pre-LN `y = x + Mix(LayerNorm(x))`, `z = y + FFN(LayerNorm(y))`, each
+    residual addition optionally a `Gate`. The equations are written once (`_apply`), around a
+    callable that mixes the steps, for `forward`, `step` and `prefill`; `TransformerBlock` and
+    `RecurrentBlock` differ only in their mixer."""
+
+    norm1: eqx.AbstractVar[LayerNorm]
+    feed_forward: eqx.AbstractVar[FeedForward]
+    norm2: eqx.AbstractVar[LayerNorm]
+    dropout: eqx.AbstractVar[Dropout]
+    gates: eqx.AbstractVar["tuple[Gate, ...]"]
+    norm_first: eqx.AbstractVar[bool]
+    remat: eqx.AbstractVar[str | None]
+    accepts_mask: ClassVar[bool] = True
+
+    @property
+    def mixer(self) -> Layer:
+        raise NotImplementedError
+
+    @property
+    def causal(self) -> bool:
+        return bool(getattr(self.mixer, "causal", False))
+
+    def _join(self, i: int, x: Array, sub: Array, key: PRNGKeyArray | None) -> Array:
+        return _residual(self, i, x, sub, key)
+
+    def _apply(
+        self, x: Array, attend: Callable[[Array], tuple[Array, Any]], key: PRNGKeyArray | None
+    ) -> tuple[Array, Any]:
+        """The block's equations, written once for `forward`, `step` and `prefill`, around a
+        mixer `attend(h) -> (a, cache)`: post-LN (the page's) or pre-LN."""
+        akey, fkey = (None, None) if key is None else jr.split(key)
+        if self.norm_first:
+            a, cache = attend(self.norm1(x))
+            y = self._join(0, x, a, akey)
+            return self._join(1, y, self.feed_forward(self.norm2(y)), fkey), cache
+        a, cache = attend(x)
+        y = self.norm1(self._join(0, x, a, akey))
+        return self.norm2(self._join(1, y, self.feed_forward(y), fkey)), cache
+
+    def _forward(self, x: Array, mask: Array | None, key: PRNGKeyArray | None) -> Array:
+        """`forward`, with the mixer or the whole block rematerialised as `remat` says."""
+        mixer_key = None if key is None else jr.fold_in(key, 2)  # the others' keys unchanged
+        mix = _rematerialised(lambda h: self.mixer(h, mask=mask, key=mixer_key), self.remat)
+        run = lambda x: self._apply(x, lambda h: (mix(h), None), key)[0]  # noqa: E731
+        return jax.checkpoint(run)(x) if self.remat == "block" else run(x)
+
+    def init_cache(self, capacity: int | None = None, *, on_overflow: str = "raise") -> Any:
+        """The mixer's cache (an attention's keys and values, a recurrent layer's state)."""
+        return self.mixer.init_cache(capacity, on_overflow=on_overflow)
+
+    def _prefill(self, x: Array, cache: Any) -> tuple[Array, Any]:
+        return self._apply(x, lambda h: self.mixer.prefill(h, cache), None)
+
+
+class TransformerBlock(MixerBlock):
     """The post-LayerNorm Transformer block (Vaswani et al. 2017, page 3 and Eq.(2), page 5).
 
     `y = LayerNorm(x + Dropout(Attention(x)))`, then `z = LayerNorm(y + Dropout(FFN(y)))`.
@@ -101,8 +167,7 @@ class TransformerBlock(Layer):
     gates: "tuple[Gate, ...]"
     d_model: int = eqx.field(static=True, converter=python_scalar)
     norm_first: bool = eqx.field(static=True, converter=python_scalar)
-    remat: str | None = eqx.field(static=True, converter=python_scalar, default=None)
-    accepts_mask: ClassVar[bool] = True
+    remat: str | None = eqx.field(static=True, converter=python_scalar)
 
     def __init__(
         self,
@@ -154,26 +219,9 @@ class TransformerBlock(Layer):
         self.norm_first = norm_first
         self.remat = _check_remat(remat)
 
-    def _join(self, i: int, x: Array, sub: Array, key: PRNGKeyArray | None) -> Array:
-        return _residual(self, i, x, sub, key)
-
     @property
-    def causal(self) -> bool:
-        return self.attention.causal
-
-    def _apply(
-        self, x: Array, attend: Callable[[Array], tuple[Array, Any]], key: PRNGKeyArray | None
-    ) -> tuple[Array, Any]:
-        """The block's equations, written once for `forward`, `step` and `prefill`, around an
-        attention `attend(h) -> (a, cache)`: post-LN (the page's) or pre-LN."""
-        akey, fkey = (None, None) if key is None else jr.split(key)
-        if self.norm_first:
-            a, cache = attend(self.norm1(x))
-            y = self._join(0, x, a, akey)
-            return self._join(1, y, self.feed_forward(self.norm2(y)), fkey), cache
-        a, cache = attend(x)
-        y = self.norm1(self._join(0, x, a, akey))
-        return self.norm2(self._join(1, y, self.feed_forward(y), fkey)), cache
+    def mixer(self) -> MultiHeadSelfAttention:
+        return self.attention
 
     @shape_checked
     def forward(
@@ -183,12 +231,7 @@ class TransformerBlock(Layer):
         mask: Bool[Array, " T"] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "T d_model"]:
-        attention_key = None if key is None else jr.fold_in(key, 2)  # the others' keys unchanged
-        attention = _rematerialised(
-            lambda h: self.attention(h, mask=mask, key=attention_key), self.remat
-        )
-        run = lambda x: self._apply(x, lambda h: (attention(h), None), key)[0]  # noqa: E731
-        return jax.checkpoint(run)(x) if self.remat == "block" else run(x)
+        return self._forward(x, mask, key)
 
     @shape_checked
     def attention_weights(
@@ -197,24 +240,106 @@ class TransformerBlock(Layer):
         """The weights `(n_heads, T, T)` of the block's attention on the input `x`."""
         return self.attention.attention_weights(self.norm1(x) if self.norm_first else x, mask=mask)
 
-    def init_cache(
-        self, capacity: int | None = None, *, on_overflow: str = "raise"
-    ) -> KVCache | FixedKVCache | RingKVCache:
-        """The attention's cache (see `MultiHeadSelfAttention.init_cache`)."""
-        return self.attention.init_cache(capacity, on_overflow=on_overflow)
-
     @shape_checked
     def prefill(
         self, x: Float[Array, "K d_model"], cache: KVCache | FixedKVCache | RingKVCache
     ) -> tuple[Float[Array, "K d_model"], KVCache | FixedKVCache | RingKVCache]:
         """`K` causal steps of the block at once; see `MultiHeadSelfAttention.prefill`."""
-        return self._apply(x, lambda h: self.attention.prefill(h, cache), None)
+        return self._prefill(x, cache)
 
     @shape_checked
     def step(
         self, x_t: Float[Array, " d_model"], cache: KVCache | FixedKVCache | RingKVCache
     ) -> tuple[Float[Array, " d_model"], KVCache | FixedKVCache | RingKVCache]:
         """One causal step of the block; see `MultiHeadSelfAttention.step`."""
+        y, cache = self.prefill(x_t[None], cache)
+        return y[0], cache
+
+
+class RecurrentBlock(MixerBlock):
+    """The block of `TransformerBlock` with a recurrent layer in place of the attention:
+    `y = LayerNorm(x + Dropout(Recurrent(x)))`, then `z = LayerNorm(y + Dropout(FFN(y)))`.
+
+    **Arguments:** `d_model`, `d_ff`, `key`, `mixer="gru"` (`"gru"`, `"lstm"` or `"mingru"`: a
+    `GRU`, `LSTM` or `MinGRU` of `d_model` inputs and `d_model` hidden units), and as in
+    `TransformerBlock`: `dropout=0.0`, `gate=False`, `norm_first=False`, `remat=None` (`"block"`,
+    or `"attention"`, which here recomputes the recurrent layer: one option serves a stack that
+    mixes both kinds of block), `activation="relu"` and `layer_norm_eps=1e-5`.
+
+    `params()` is the recurrent layer's four, then `[gain, bias]`, `[W_1, b_1, W_2, b_2]`,
+    `[gain, bias]`: 12 in all, as a `TransformerBlock`'s. It is causal and streams; its cache is
+    the recurrent layer's state, of one size however long the stream.
+    """
+
+    recurrent: Recurrent
+    norm1: LayerNorm
+    feed_forward: FeedForward
+    norm2: LayerNorm
+    dropout: Dropout
+    gates: "tuple[Gate, ...]"
+    d_model: int = eqx.field(static=True, converter=python_scalar)
+    norm_first: bool = eqx.field(static=True, converter=python_scalar)
+    remat: str | None = eqx.field(static=True, converter=python_scalar)
+
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        key: PRNGKeyArray,
+        mixer: str = "gru",
+        dropout: float = 0.0,
+        gate: bool = False,
+        norm_first: bool = False,
+        remat: str | None = None,
+        activation: str = "relu",
+        layer_norm_eps: float = 1e-5,
+    ):
+        require_key(key)
+        require_positive(d_model=d_model, d_ff=d_ff)
+        require_bool(gate=gate, norm_first=norm_first)
+        if mixer not in RECURRENT:
+            raise ValueError(
+                f"`mixer` of a RecurrentBlock must be one of {tuple(RECURRENT)}; received "
+                f"`mixer={mixer!r}`."
+            )
+        rkey, fkey = jr.split(key)
+        self.recurrent = RECURRENT[mixer](d_model, d_model, rkey)
+        self.norm1 = LayerNorm(d_model, layer_norm_eps)
+        self.feed_forward = FeedForward(d_model, d_ff, fkey, activation)
+        self.norm2 = LayerNorm(d_model, layer_norm_eps)
+        self.dropout = Dropout(dropout)
+        gate_keys = jr.split(jr.fold_in(key, 1), 2)
+        self.gates = tuple(Gate(d_model, k) for k in gate_keys) if gate else ()
+        self.d_model = d_model
+        self.norm_first = norm_first
+        self.remat = _check_remat(remat)
+
+    @property
+    def mixer(self) -> Recurrent:
+        return self.recurrent
+
+    @shape_checked
+    def forward(
+        self,
+        x: Float[Array, "T d_model"],
+        *,
+        mask: Bool[Array, " T"] | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "T d_model"]:
+        return self._forward(x, mask, key)
+
+    @shape_checked
+    def prefill(
+        self, x: Float[Array, "K d_model"], cache: HiddenState | LSTMState
+    ) -> tuple[Float[Array, "K d_model"], HiddenState | LSTMState]:
+        """`K` steps of the block at once; see `Recurrent.prefill`."""
+        return self._prefill(x, cache)
+
+    @shape_checked
+    def step(
+        self, x_t: Float[Array, " d_model"], cache: HiddenState | LSTMState
+    ) -> tuple[Float[Array, " d_model"], HiddenState | LSTMState]:
+        """One step of the block; after `t+1` steps, row `t` of `forward`."""
         y, cache = self.prefill(x_t[None], cache)
         return y[0], cache
 

@@ -1,12 +1,13 @@
 """Composition: `Sequential` and the factories, `transformer_encoder` and `transformer_decoder`
 (`AddPositions`, defined in `positions`, is re-exported here)."""
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .blocks import TransformerBlock, TransformerDecoderBlock
+from .blocks import RecurrentBlock, TransformerBlock, TransformerDecoderBlock
 from .cache import batch_streams, validate_overflow_mode
 from .core import Layer, require_bool, require_key, require_positive
 from .layers import Cast, Dense, LayerNorm, MeanOverTime
@@ -104,16 +105,35 @@ def _positions(
     kind: str, max_len: int, d_model: int, key: PRNGKeyArray, window: int | None
 ) -> PositionalEncoding | None:
     """The positional layer of `positions=kind`; `None` for rotary ones, which live inside the
-    attention. A windowed model's sinusoidal positions are unbounded, so it streams forever."""
+    attention, and for `"none"`. A windowed model's sinusoidal positions are unbounded, so it
+    streams forever."""
     if kind == "sinusoidal":
         return AddPositions(None if window is not None else max_len)
     if kind == "learned":
         return LearnedPositions(max_len, d_model, key)
-    if kind == "rope":
+    if kind in ("rope", "none"):
         return None
-    raise ValueError(
-        f"`positions` must be 'sinusoidal', 'learned' or 'rope'; received `positions={kind!r}`."
-    )
+    raise ValueError(f"`positions` must be one of {POSITIONS}; received `positions={kind!r}`.")
+
+
+POSITIONS = ("sinusoidal", "learned", "rope", "none")
+MIXERS = ("attention", "gru", "lstm", "mingru")
+
+
+def _mixers(mixers: str | Sequence[str], depth: int, scan_layers: bool) -> list[str]:
+    """One mixer name per block, from `mixers`: one name for every block, or one per block."""
+    kinds = [mixers] * depth if isinstance(mixers, str) else list(mixers)
+    if len(kinds) != depth or any(kind not in MIXERS for kind in kinds):
+        raise ValueError(
+            f"`mixers` must be one of {MIXERS}, or a sequence of {depth} of them (one per block, "
+            f"`depth={depth}`); received `mixers={mixers!r}`."
+        )
+    if scan_layers and len(set(kinds)) > 1:
+        raise ValueError(
+            f"`scan_layers=True` stacks copies of one block; `mixers={mixers!r}` mixes blocks of "
+            "different kinds. Use `scan_layers=False` for a mixed stack."
+        )
+    return kinds
 
 
 def _rope_base(positions: str, rope_base: float) -> float | None:
@@ -146,6 +166,7 @@ def transformer_encoder(
     activation: str = "relu",
     layer_norm_eps: float = 1e-5,
     attention_dropout: float = 0.0,
+    mixers: str | Sequence[str] = "attention",
 ) -> Sequential:
     """A sequence-to-vector encoder: `(T, n_in) -> (n_out,)`.
 
@@ -157,7 +178,7 @@ def transformer_encoder(
     `dropout=0.0` (of every block) and `positions`: `"sinusoidal"` (`AddPositions(max_len)`, no
     parameters), `"learned"` (`LearnedPositions(max_len, d_model, key)`) or `"rope"` (rotary
     positions inside every attention, no positional layer and no bound at `max_len`; their base
-    is `rope_base=10000.0`), and `gate=False`
+    is `rope_base=10000.0`; or `"none"`, no positions at all), and `gate=False`
     (a `Gate` in place of every residual addition), `norm_first=False` (pre-LN blocks, followed by
     a final `LayerNorm` before the mean), `window=None` (sliding-window attention in every block;
     needs `causal=True`; the sinusoidal positions are then unbounded, so the encoder streams
@@ -174,7 +195,13 @@ def transformer_encoder(
     the key/value heads), and the options of PyTorch's `nn.TransformerEncoderLayer`:
     `use_bias=False` (attention projection biases), `activation="relu"` (or `"gelu"`),
     `layer_norm_eps=1e-5` (every LayerNorm's) and `attention_dropout=0.0` (on the attention
-    weights, in training).
+    weights, in training), and last `mixers="attention"`: what mixes the steps in each block,
+    one of `"attention"` (a `TransformerBlock`), `"gru"`, `"lstm"` or `"mingru"` (a
+    `RecurrentBlock` around that recurrent layer, with the same residuals, LayerNorms and
+    feed-forward), for every block or as a sequence of `depth` names, one per block (a mixed
+    stack, e.g. `("mingru", "attention")`). A stack of recurrent blocks is causal whatever
+    `causal` says; `positions="none"` leaves out the positional layer (a recurrent block knows
+    the order of the steps), and such a model streams without end in constant memory.
 
     `forward(x, mask=None)`, `mask` the padding mask of `Layer`.
     """
@@ -182,9 +209,20 @@ def transformer_encoder(
     require_positive(
         n_in=n_in, d_model=d_model, d_ff=d_ff, depth=depth, n_out=n_out, max_len=max_len
     )
+    require_bool(scan_layers=scan_layers)
     in_key, pos_key, out_key, *block_keys = jr.split(key, 3 + depth)
+    recurrent = dict(
+        dropout=dropout,
+        gate=gate,
+        norm_first=norm_first,
+        remat=remat,
+        activation=activation,
+        layer_norm_eps=layer_norm_eps,
+    )
     blocks = [
-        TransformerBlock(
+        RecurrentBlock(d_model, d_ff, k, kind, **recurrent)  # type: ignore[arg-type]
+        if kind != "attention"
+        else TransformerBlock(
             d_model,
             n_heads,
             d_ff,
@@ -204,9 +242,8 @@ def transformer_encoder(
             layer_norm_eps=layer_norm_eps,
             attention_dropout=attention_dropout,
         )
-        for k in block_keys
+        for kind, k in zip(_mixers(mixers, depth, scan_layers), block_keys, strict=True)
     ]
-    require_bool(scan_layers=scan_layers)
     position_layer = _positions(positions, max_len, d_model, pos_key, window)
     return Sequential(
         *([Cast(compute_dtype)] if compute_dtype is not None else []),
