@@ -9,6 +9,7 @@ from . import (
     bench_encoder,
     bench_gqa,
     bench_long,
+    bench_recurrent,
     bench_streaming,
 )
 from .harness import machine
@@ -20,6 +21,7 @@ BENCHMARKS = {
     "deploy": bench_deploy,
     "depth": bench_depth,
     "gqa": bench_gqa,
+    "recurrent": bench_recurrent,
 }
 
 
