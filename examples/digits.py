@@ -12,6 +12,12 @@ Writes `best/` and `last/` checkpoints, `report.json`, `learning_curves.png`,
 `early_decision.png` and `attention.png` (a heat map of the last block's attention on one test
 digit) into `--out`. With an existing `last/` checkpoint of the same run it resumes
 (and, if that run had finished, reuses it).
+
+Then it compares mixers: the same encoder with GRU blocks, minGRU blocks and a mixed stack
+(a minGRU block, then an attention block) in place of the attention blocks, trained alike
+into `--out/compare/` (`--no-compare` skips it). Each one's test accuracy, training time,
+early-decision curve, per-step latency and state bytes per stream go into the report and
+`comparison.png`.
 """
 
 import argparse
@@ -40,21 +46,30 @@ ROOT = pathlib.Path(__file__).resolve().parent
 TARGET_ACCURACY = 0.95
 
 
-def model_config(max_len: int = 8) -> ModelConfig:
-    return ModelConfig(
-        "transformer_encoder",
-        {
-            "n_in": 8,
-            "d_model": 64,
-            "n_heads": 4,
-            "d_ff": 128,
-            "depth": 2,
-            "n_out": 10,
-            "max_len": max_len,
-            "causal": True,
-            "dropout": 0.1,
-        },
-    )
+# The compared models: what mixes the steps in each of the two blocks.
+COMPARED = {
+    "attention": "attention",
+    "GRU": "gru",
+    "minGRU": "mingru",
+    "minGRU + attention": ["mingru", "attention"],
+}
+
+
+def model_config(max_len: int = 8, mixers: str | list[str] = "attention") -> ModelConfig:
+    arguments = {
+        "n_in": 8,
+        "d_model": 64,
+        "n_heads": 4,
+        "d_ff": 128,
+        "depth": 2,
+        "n_out": 10,
+        "max_len": max_len,
+        "causal": True,
+        "dropout": 0.1,
+    }
+    if mixers != "attention":
+        arguments["mixers"] = mixers
+    return ModelConfig("transformer_encoder", arguments)
 
 
 def digits_splits(seed: int = 0) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -133,18 +148,8 @@ def plot(history: list[dict], early: dict, out: pathlib.Path) -> list[pathlib.Pa
     return [curves, early_path]
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1500, help="optimizer steps (default 1500)")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "runs" / "digits")
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    args = parser.parse_args(argv)
-
-    started = time.perf_counter()
-    data = digits_splits(args.seed)
-    config = model_config()
+def train(config: ModelConfig, data: dict, args: argparse.Namespace, out: pathlib.Path):
+    """`fit` of the model of `config` on the training split, checkpoints into `out`."""
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, 2e-3, min(100, args.steps // 10 + 1), args.steps
     )
@@ -154,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
     # optax's schedules mix int and float arrays; run them under standard promotion whatever
     # the caller's setting.
     with jax.numpy_dtype_promotion("standard"):
-        result = fit(
+        return fit(
             config.build(jax.random.PRNGKey(args.seed)),
             optimizer,
             data["train"],
@@ -163,10 +168,143 @@ def main(argv: list[str] | None = None) -> dict:
             seed=args.seed,
             valid=data["valid"],
             eval_every=max(1, args.steps // 20),
-            checkpoint_dir=args.out,
+            checkpoint_dir=out,
             config=config,
             progress=not args.no_progress,
         )
+
+
+def training_seconds(history: list[dict], batch_size: int) -> float:
+    """The time `fit` spent on optimizer steps, from its history (kept across a resume)."""
+    seconds, previous = 0.0, 0
+    for record in history:
+        seconds += (record["step"] - previous) * batch_size / record["samples_per_s"]
+        previous = record["step"]
+    return seconds
+
+
+def state_bytes(model: eqx.Module, capacity: int) -> dict:
+    """One stream's state: its bytes at `capacity`, and the bytes one more step of capacity adds
+    (0 for a state of constant size)."""
+
+    def size(capacity: int) -> int:
+        return sum(a.nbytes for a in jax.tree.leaves(model.init_cache(capacity)))
+
+    return {
+        "state_bytes": size(capacity),
+        "state_bytes_per_step": size(capacity + 1) - size(capacity),
+    }
+
+
+def step_latencies(models: list[eqx.Module], capacity: int, rounds: int = 400) -> list[float]:
+    """Each model's median seconds per jitted `step` of one stream, the models called in turn
+    (A B C D A B ...) so that they share the machine's state."""
+    calls = []
+    for model in models:
+        params, static = eqx.partition(model, eqx.is_array)
+        step = jax.jit(lambda p, x, c, static=static: eqx.combine(p, static).step(x, c))
+        x_t, cache = jnp.zeros(model[0].n_in), model.init_cache(capacity, on_overflow="nan")
+        step(params, x_t, cache)[0].block_until_ready()  # compiles
+        calls.append(lambda step=step, p=params, x=x_t, c=cache: step(p, x, c)[0])
+    times: list[list[float]] = [[] for _ in models]
+    for _ in range(rounds):
+        for call, samples in zip(calls, times, strict=True):
+            tick = time.perf_counter()
+            call().block_until_ready()
+            samples.append(time.perf_counter() - tick)
+    return [float(np.median(samples)) for samples in times]
+
+
+def compare(data: dict, args: argparse.Namespace, attention: dict) -> list[dict]:
+    """Each compared model (the attention one already trained, in `attention`): test accuracy,
+    training time, early decisions, per-step latency and state size."""
+    rows, models = [], []
+    for name, mixers in COMPARED.items():
+        config = model_config(mixers=mixers)
+        if mixers == "attention":
+            history, model, early = attention["history"], attention["model"], attention["early"]
+        else:
+            out = args.out / "compare" / "-".join([mixers] if isinstance(mixers, str) else mixers)
+            print(f"comparison: training the {name} model into {out}", flush=True)
+            history = train(config, data, args, out).history
+            model = load_checkpoint(out / "best").model
+            early = early_decisions(model, *data["test"], capacity=config.arguments["max_len"])
+        rows.append(
+            {
+                "model": name,
+                "mixers": mixers,
+                "parameters": sum(p.value.size for p in model.params()),
+                "test_accuracy": evaluate(model, *data["test"])["accuracy"],
+                "train_seconds": training_seconds(history, args.batch_size),
+                "accuracy_by_rows": early["accuracy_by_rows"],
+                **state_bytes(model, config.arguments["max_len"]),
+            }
+        )
+        models.append(model)
+    for row, seconds in zip(rows, step_latencies(models, 8), strict=True):
+        row["step_seconds"] = seconds
+    return rows
+
+
+def comparison_table(rows: list[dict]) -> str:
+    lines = [
+        "mixers compared (same blocks, same training):",
+        f"  {'model':<20}{'params':>8}{'test acc':>10}{'train s':>9}{'step us':>9}"
+        f"{'state B':>9}{'+B/step':>9}   accuracy after 1..8 rows",
+    ]
+    for r in rows:
+        lines.append(
+            f"  {r['model']:<20}{r['parameters']:>8}{r['test_accuracy']:>10.4f}"
+            f"{r['train_seconds']:>9.1f}{r['step_seconds'] * 1e6:>9.0f}{r['state_bytes']:>9}"
+            f"{r['state_bytes_per_step']:>9}   "
+            + " ".join(f"{a:.2f}" for a in r["accuracy_by_rows"])
+        )
+    return "\n".join(lines)
+
+
+def plot_comparison(rows: list[dict], path: pathlib.Path) -> pathlib.Path:
+    """The early-decision curve of each model, and each one's state bytes per stream."""
+    fig, (curves, state) = plt.subplots(1, 2, figsize=(10.5, 4.0), width_ratios=[3, 2])
+    for r in rows:
+        accuracy = r["accuracy_by_rows"]
+        label = f"{r['model']} ({r['test_accuracy']:.3f}, {r['step_seconds'] * 1e6:.0f} us/step)"
+        curves.plot(range(1, len(accuracy) + 1), accuracy, marker="o", label=label)
+    curves.set_xlabel("rows of the image seen")
+    curves.set_ylabel("test accuracy")
+    curves.set_ylim(0, 1.05)
+    curves.grid(alpha=0.3)
+    curves.legend(loc="lower right", fontsize=8, title="model (test accuracy, step latency)")
+    curves.set_title("Early decisions from each model's cached step")
+    names = [r["model"] for r in rows]
+    state.barh(names, [r["state_bytes"] for r in rows], color="C7")
+    for i, r in enumerate(rows):
+        grows = f"+{r['state_bytes_per_step']} B/step" if r["state_bytes_per_step"] else "constant"
+        state.annotate(f" {r['state_bytes']} B, {grows}", (r["state_bytes"], i), va="center")
+    state.set_xscale("log")
+    state.set_xlim(right=max(r["state_bytes"] for r in rows) * 30)
+    state.invert_yaxis()
+    state.set_xlabel("state bytes per stream after 8 steps (log)")
+    state.set_title("What a stream carries")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=1500, help="optimizer steps (default 1500)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "runs" / "digits")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--no-compare", action="store_true", help="skip the mixer comparison")
+    args = parser.parse_args(argv)
+
+    started = time.perf_counter()
+    data = digits_splits(args.seed)
+    config = model_config()
+    result = train(config, data, args, args.out)
     best = load_checkpoint(args.out / "best").model
     test = evaluate(best, *data["test"])
     early = early_decisions(best, *data["test"], capacity=config.arguments["max_len"])
@@ -182,6 +320,11 @@ def main(argv: list[str] | None = None) -> dict:
             key_labels=[str(r + 1) for r in range(8)],
         )
     )
+    comparison = []
+    if not args.no_compare:
+        attention = {"history": result.history, "model": best, "early": early}
+        comparison = compare(data, args, attention)
+        plots.append(plot_comparison(comparison, args.out / "comparison.png"))
     seconds = time.perf_counter() - started
     report = {
         "test_accuracy": test["accuracy"],
@@ -194,6 +337,7 @@ def main(argv: list[str] | None = None) -> dict:
         "checkpoint": str(args.out / "best"),
         "plots": [str(p) for p in plots],
         "split_sizes": {k: len(v[1]) for k, v in data.items()},
+        "comparison": comparison,
     }
     (args.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(
@@ -206,6 +350,8 @@ def main(argv: list[str] | None = None) -> dict:
         + " ".join(f"{r + 1}:{a:.3f}" for r, a in enumerate(early["accuracy_by_rows"]))
     )
     print(f"max |step - forward| over all prefixes: {early['max_gap_step_vs_forward']:.2e}")
+    if comparison:
+        print(comparison_table(comparison))
     print(f"plots: {', '.join(str(p) for p in plots)}")
     return report
 

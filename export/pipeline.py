@@ -2,7 +2,8 @@
 
     python export/pipeline.py [--steps 1500] [--force-train] [--platforms cpu,cuda,tpu]
 
-1. trains examples/digits.py into examples/runs/digits/ (resuming, or reusing a finished run);
+1. trains examples/digits.py into examples/runs/digits/ (resuming, or reusing a finished run),
+   and the same model with recurrent and mixed blocks for its comparison of mixers;
 2. exports its best checkpoint with the export stage into export/artifacts/ (replacing it);
 3. compiles the static modules with IREE for llvm-cpu (`--iree-targets` for more);
 4. runs the artifacts' standalone checker (`run.py`, jax + numpy + safetensors only) in a fresh
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "test_accuracy": report["test_accuracy"],
         "accuracy_by_rows": report["accuracy_by_rows"],
+        "comparison": report["comparison"],
         "artifact_bytes": sum(sizes.values()),
         "portable_bytes": {k: v for k, v in sizes.items() if k.endswith(".jax_exported")},
         "static_modules": len([k for k in sizes if k.startswith("static/")]),
@@ -109,6 +111,11 @@ def main(argv: list[str] | None = None) -> dict:
     print("\nreport")
     print(f"  test accuracy           {result['test_accuracy']:.4f} (target 0.95)")
     print("  accuracy by rows seen   " + " ".join(f"{a:.2f}" for a in result["accuracy_by_rows"]))
+    for row in result["comparison"]:
+        print(
+            f"    vs {row['model']:<20} test accuracy {row['test_accuracy']:.4f}, "
+            f"{row['step_seconds'] * 1e6:.0f} us per step, {row['state_bytes']} state bytes"
+        )
     print(
         f"  artifacts               {result['artifact_bytes'] / 1024:.0f} KiB in {args.out} "
         f"({result['static_modules']} static module files)"

@@ -48,6 +48,19 @@ def test_digits_quick_run_and_export_pipeline(tmp_path, capsys):
     assert report["split_sizes"] == {"train": 1257, "valid": 180, "test": 360}
     for plot in report["plots"]:
         assert pathlib.Path(plot).read_bytes().startswith(b"\x89PNG")
+    assert (runs / "comparison.png").exists()
+    rows = {row["model"]: row for row in report["comparison"]}
+    assert list(rows) == ["attention", "GRU", "minGRU", "minGRU + attention"]
+    assert rows["attention"]["test_accuracy"] == report["test_accuracy"]
+    # A recurrent state has one size; the attention caches gain a key and a value per block and
+    # step: 2 arrays x 2 blocks x 64 float32 numbers (a mixed stack has one attention block).
+    assert rows["GRU"]["state_bytes_per_step"] == rows["minGRU"]["state_bytes_per_step"] == 0
+    assert rows["attention"]["state_bytes_per_step"] == 2 * 2 * 64 * 4
+    assert rows["minGRU + attention"]["state_bytes_per_step"] == 2 * 64 * 4
+    for row in rows.values():
+        assert 0.0 <= row["test_accuracy"] <= 1.0 and row["train_seconds"] > 0
+        assert len(row["accuracy_by_rows"]) == 8 and row["step_seconds"] > 0
+    assert "minGRU + attention" in printed
     assert (runs / "best" / "weights.safetensors").exists()
     assert max(result["errors"]["jax"].values()) < 1e-4
     assert max(result["errors"]["iree"].values()) < 1e-4

@@ -96,6 +96,19 @@ def test_a_windowed_pre_ln_decoder_runs_in_iree(tmp_path):
     assert "iree step B=2 S=3, 8 steps" in errors
 
 
+def test_a_stack_of_recurrent_and_attention_blocks_runs_in_iree(tmp_path):
+    config = ModelConfig(
+        "transformer_encoder",
+        {**ENCODER.arguments, "depth": 3, "mixers": ["mingru", "attention", "lstm"]},
+    )
+    model = config.build(jax.random.PRNGKey(2))
+    export_model(model, config, tmp_path / "art", platforms=["cpu"], static_shapes=[(2, 5)])
+    compile_artifact(tmp_path / "art", ["llvm-cpu"], jobs=2)
+    errors = check_iree(tmp_path / "art")
+    assert {name.split()[1] for name in errors} == FUNCTIONS
+    assert max(errors.values()) < 1e-5, errors
+
+
 def test_cli_compile_and_refusals(tmp_path, compiled, capsys):
     out, _ = compiled
     model = ENCODER.build(jax.random.PRNGKey(0))
