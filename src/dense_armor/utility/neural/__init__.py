@@ -6,7 +6,6 @@ from .blocked import BLOCKED_MIN_LENGTH as BLOCKED_MIN_LENGTH
 from .blocked import blocked_attention as blocked_attention
 from .blocks import Gate as Gate
 from .blocks import MixerBlock as MixerBlock
-from .blocks import RecurrentBlock as RecurrentBlock
 from .blocks import TransformerBlock as TransformerBlock
 from .cache import Counter as Counter
 from .cache import FixedKVCache as FixedKVCache
@@ -47,6 +46,7 @@ from .recurrent import HiddenState as HiddenState
 from .recurrent import LSTMState as LSTMState
 from .recurrent import MinGRU as MinGRU
 from .recurrent import Recurrent as Recurrent
+from .recurrent_block import RecurrentBlock as RecurrentBlock
 from .self_attention import MultiHeadSelfAttention as MultiHeadSelfAttention
 from .stack import Stack as Stack
 from .stack import stack_layers as stack_layers

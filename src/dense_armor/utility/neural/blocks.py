@@ -1,6 +1,6 @@
 """The blocks: the Transformer encoder block (Vaswani et al. 2017, page 3), the same block around a
-recurrent layer, the decoder block (in `decoder_block`) and the learned gate that can replace their
-residual additions.
+recurrent layer (in `recurrent_block`), the decoder block (in `decoder_block`) and the learned gate
+that can replace their residual additions.
 
 Each block writes its equations once (`MixerBlock`), around a callable that mixes the steps:
 `forward` passes the mixer's forward, `step` and `prefill` pass its `prefill` on the cache.
@@ -28,7 +28,6 @@ from .core import (
     shape_checked,
 )
 from .layers import Dropout, FeedForward, LayerNorm
-from .recurrent import RECURRENT, HiddenState, LSTMState, Recurrent
 from .self_attention import MultiHeadSelfAttention
 
 __all__ = [
@@ -93,6 +92,31 @@ class MixerBlock(Layer):
     @property
     def mixer(self) -> Layer:
         raise NotImplementedError
+
+    def _build_around_mixer(
+        self,
+        d_model: int,
+        d_ff: int,
+        key: PRNGKeyArray,
+        ffn_key: PRNGKeyArray,
+        dropout: float,
+        gate: bool,
+        norm_first: bool,
+        remat: str | None,
+        activation: str,
+        layer_norm_eps: float,
+    ) -> None:
+        """The fields every block has besides its mixer (called from a block's `__init__`)."""
+        self.norm1 = LayerNorm(d_model, layer_norm_eps)
+        self.feed_forward = FeedForward(d_model, d_ff, ffn_key, activation)
+        self.norm2 = LayerNorm(d_model, layer_norm_eps)
+        self.dropout = Dropout(dropout)
+        # Gate keys come from a separate fold, so gate=False models keep their weights.
+        gate_keys = jr.split(jr.fold_in(key, 1), 2)
+        self.gates = tuple(Gate(d_model, k) for k in gate_keys) if gate else ()
+        self.d_model = d_model
+        self.norm_first = norm_first
+        self.remat = _check_remat(remat)
 
     @property
     def causal(self) -> bool:
@@ -208,16 +232,9 @@ class TransformerBlock(MixerBlock):
             use_bias=use_bias,
             attention_dropout=attention_dropout,
         )
-        self.norm1 = LayerNorm(d_model, layer_norm_eps)
-        self.feed_forward = FeedForward(d_model, d_ff, fkey, activation)
-        self.norm2 = LayerNorm(d_model, layer_norm_eps)
-        self.dropout = Dropout(dropout)
-        # Gate keys come from a separate fold, so gate=False models keep their weights.
-        gate_keys = jr.split(jr.fold_in(key, 1), 2)
-        self.gates = tuple(Gate(d_model, k) for k in gate_keys) if gate else ()
-        self.d_model = d_model
-        self.norm_first = norm_first
-        self.remat = _check_remat(remat)
+        self._build_around_mixer(
+            d_model, d_ff, key, fkey, dropout, gate, norm_first, remat, activation, layer_norm_eps
+        )
 
     @property
     def mixer(self) -> MultiHeadSelfAttention:
@@ -252,94 +269,6 @@ class TransformerBlock(MixerBlock):
         self, x_t: Float[Array, " d_model"], cache: KVCache | FixedKVCache | RingKVCache
     ) -> tuple[Float[Array, " d_model"], KVCache | FixedKVCache | RingKVCache]:
         """One causal step of the block; see `MultiHeadSelfAttention.step`."""
-        y, cache = self.prefill(x_t[None], cache)
-        return y[0], cache
-
-
-class RecurrentBlock(MixerBlock):
-    """The block of `TransformerBlock` with a recurrent layer in place of the attention:
-    `y = LayerNorm(x + Dropout(Recurrent(x)))`, then `z = LayerNorm(y + Dropout(FFN(y)))`.
-
-    **Arguments:** `d_model`, `d_ff`, `key`, `mixer="gru"` (`"gru"`, `"lstm"` or `"mingru"`: a
-    `GRU`, `LSTM` or `MinGRU` of `d_model` inputs and `d_model` hidden units), and as in
-    `TransformerBlock`: `dropout=0.0`, `gate=False`, `norm_first=False`, `remat=None` (`"block"`,
-    or `"attention"`, which here recomputes the recurrent layer: one option serves a stack that
-    mixes both kinds of block), `activation="relu"` and `layer_norm_eps=1e-5`.
-
-    `params()` is the recurrent layer's four, then `[gain, bias]`, `[W_1, b_1, W_2, b_2]`,
-    `[gain, bias]`: 12 in all, as a `TransformerBlock`'s. It is causal and streams; its cache is
-    the recurrent layer's state, of one size however long the stream.
-    """
-
-    recurrent: Recurrent
-    norm1: LayerNorm
-    feed_forward: FeedForward
-    norm2: LayerNorm
-    dropout: Dropout
-    gates: "tuple[Gate, ...]"
-    d_model: int = eqx.field(static=True, converter=python_scalar)
-    norm_first: bool = eqx.field(static=True, converter=python_scalar)
-    remat: str | None = eqx.field(static=True, converter=python_scalar)
-
-    def __init__(
-        self,
-        d_model: int,
-        d_ff: int,
-        key: PRNGKeyArray,
-        mixer: str = "gru",
-        dropout: float = 0.0,
-        gate: bool = False,
-        norm_first: bool = False,
-        remat: str | None = None,
-        activation: str = "relu",
-        layer_norm_eps: float = 1e-5,
-    ):
-        require_key(key)
-        require_positive(d_model=d_model, d_ff=d_ff)
-        require_bool(gate=gate, norm_first=norm_first)
-        if mixer not in RECURRENT:
-            raise ValueError(
-                f"`mixer` of a RecurrentBlock must be one of {tuple(RECURRENT)}; received "
-                f"`mixer={mixer!r}`."
-            )
-        rkey, fkey = jr.split(key)
-        self.recurrent = RECURRENT[mixer](d_model, d_model, rkey)
-        self.norm1 = LayerNorm(d_model, layer_norm_eps)
-        self.feed_forward = FeedForward(d_model, d_ff, fkey, activation)
-        self.norm2 = LayerNorm(d_model, layer_norm_eps)
-        self.dropout = Dropout(dropout)
-        gate_keys = jr.split(jr.fold_in(key, 1), 2)
-        self.gates = tuple(Gate(d_model, k) for k in gate_keys) if gate else ()
-        self.d_model = d_model
-        self.norm_first = norm_first
-        self.remat = _check_remat(remat)
-
-    @property
-    def mixer(self) -> Recurrent:
-        return self.recurrent
-
-    @shape_checked
-    def forward(
-        self,
-        x: Float[Array, "T d_model"],
-        *,
-        mask: Bool[Array, " T"] | None = None,
-        key: PRNGKeyArray | None = None,
-    ) -> Float[Array, "T d_model"]:
-        return self._forward(x, mask, key)
-
-    @shape_checked
-    def prefill(
-        self, x: Float[Array, "K d_model"], cache: HiddenState | LSTMState
-    ) -> tuple[Float[Array, "K d_model"], HiddenState | LSTMState]:
-        """`K` steps of the block at once; see `Recurrent.prefill`."""
-        return self._prefill(x, cache)
-
-    @shape_checked
-    def step(
-        self, x_t: Float[Array, " d_model"], cache: HiddenState | LSTMState
-    ) -> tuple[Float[Array, " d_model"], HiddenState | LSTMState]:
-        """One step of the block; after `t+1` steps, row `t` of `forward`."""
         y, cache = self.prefill(x_t[None], cache)
         return y[0], cache
 
@@ -389,5 +318,7 @@ class Gate(Layer):
         return (1 - g) * x + g * y
 
 
-# The decoder block lives in `decoder_block`; its names are the blocks' too.
+# The decoder block lives in `decoder_block`, the recurrent one in `recurrent_block`; their names
+# are the blocks' too.
 from .decoder_block import DecoderCache, TransformerDecoderBlock  # noqa: E402
+from .recurrent_block import RecurrentBlock  # noqa: E402

@@ -7,11 +7,12 @@ from typing import Any
 import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .blocks import RecurrentBlock, TransformerBlock, TransformerDecoderBlock
+from .blocks import TransformerBlock, TransformerDecoderBlock
 from .cache import batch_streams, validate_overflow_mode
 from .core import Layer, require_bool, require_key, require_positive
 from .layers import Cast, Dense, LayerNorm, MeanOverTime
 from .positions import AddPositions, LearnedPositions, PositionalEncoding
+from .recurrent_block import RecurrentBlock
 from .stack import Stack, unstack_layers
 
 __all__ = [

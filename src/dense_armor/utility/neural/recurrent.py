@@ -60,6 +60,23 @@ def _uniform(key: PRNGKeyArray, shape: tuple[int, ...], fan: int) -> Param:
     return Param(jr.uniform(key, shape, minval=-bound, maxval=bound))
 
 
+def _gated_weights(
+    n_in: int, d_hidden: int, gates: int, key: PRNGKeyArray
+) -> tuple[Param, Param, Param, Param]:
+    """`W_i (n_in, gates d_hidden)`, `W_h (d_hidden, gates d_hidden)`, `b_i`, `b_h`, uniform in
+    `[-1/sqrt(d_hidden), 1/sqrt(d_hidden)]`, as PyTorch and Equinox start a GRU or an LSTM."""
+    require_key(key)
+    require_positive(n_in=n_in, d_hidden=d_hidden)
+    ikey, hkey, bikey, bhkey = jr.split(key, 4)
+    width = gates * d_hidden
+    return (
+        _uniform(ikey, (n_in, width), d_hidden),
+        _uniform(hkey, (d_hidden, width), d_hidden),
+        _uniform(bikey, (width,), d_hidden),
+        _uniform(bhkey, (width,), d_hidden),
+    )
+
+
 def _affine(x: Array, weight: Param, bias: Param) -> Array:
     """`x W + b` in the dtype of `x`."""
     y = x @ weight.value.astype(x.dtype)
@@ -187,13 +204,7 @@ class GRU(Recurrent):
     b_h: Param
 
     def __init__(self, n_in: int, d_hidden: int, key: PRNGKeyArray):
-        require_key(key)
-        require_positive(n_in=n_in, d_hidden=d_hidden)
-        ikey, hkey, bikey, bhkey = jr.split(key, 4)
-        self.W_i = _uniform(ikey, (n_in, 3 * d_hidden), d_hidden)
-        self.W_h = _uniform(hkey, (d_hidden, 3 * d_hidden), d_hidden)
-        self.b_i = _uniform(bikey, (3 * d_hidden,), d_hidden)
-        self.b_h = _uniform(bhkey, (3 * d_hidden,), d_hidden)
+        self.W_i, self.W_h, self.b_i, self.b_h = _gated_weights(n_in, d_hidden, 3, key)
         self.n_in = n_in
         self.d_hidden = d_hidden
 
@@ -230,13 +241,7 @@ class LSTM(Recurrent):
     state_type: ClassVar[type] = LSTMState
 
     def __init__(self, n_in: int, d_hidden: int, key: PRNGKeyArray):
-        require_key(key)
-        require_positive(n_in=n_in, d_hidden=d_hidden)
-        ikey, hkey, bikey, bhkey = jr.split(key, 4)
-        self.W_i = _uniform(ikey, (n_in, 4 * d_hidden), d_hidden)
-        self.W_h = _uniform(hkey, (d_hidden, 4 * d_hidden), d_hidden)
-        self.b_i = _uniform(bikey, (4 * d_hidden,), d_hidden)
-        self.b_h = _uniform(bhkey, (4 * d_hidden,), d_hidden)
+        self.W_i, self.W_h, self.b_i, self.b_h = _gated_weights(n_in, d_hidden, 4, key)
         self.n_in = n_in
         self.d_hidden = d_hidden
 
