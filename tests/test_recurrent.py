@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from dense_armor.checkpoint import ModelConfig, load_checkpoint, save_checkpoint
+from dense_armor.checkpoint import CheckpointError, ModelConfig, load_checkpoint, save_checkpoint
 from dense_armor.export import check_golden, export_model, load
 from dense_armor.utility.neural import (
     GRU,
@@ -318,3 +318,19 @@ def test_export_of_a_mixed_stack_matches_its_python_model(tmp_path):
         y_t, cache, overflow = artifact.step(x[:, t], cache)
         assert not bool(overflow.any())
     np.testing.assert_allclose(y_t, expected, atol=1e-5)
+
+
+def test_checkpoints_convert_between_scanned_and_unrolled_recurrent_blocks(tmp_path):
+    config = ModelConfig("transformer_encoder", {**MIXED.arguments, "mixers": "gru"})
+    model = config.build(jax.random.PRNGKey(3))
+    save_checkpoint(tmp_path / "c", model, config)
+    scanned = load_checkpoint(tmp_path / "c", scan_layers=True).model
+    assert sum(type(layer).__name__ == "Stack" for layer in scanned.layers) == 1
+    x = jax.random.normal(jax.random.PRNGKey(1), (8, 3))
+    np.testing.assert_allclose(scanned(x), model(x), atol=1e-6)
+    unrolled = load_checkpoint(tmp_path / "c", scan_layers=False).model
+    np.testing.assert_array_equal(unrolled(x), model(x))
+    # A mixed stack's blocks are not copies of one block: scanned, it cannot be built.
+    save_checkpoint(tmp_path / "m", MIXED.build(jax.random.PRNGKey(3)), MIXED)
+    with pytest.raises(CheckpointError, match="`scan_layers=True` stacks copies of one block"):
+        load_checkpoint(tmp_path / "m", scan_layers=True)

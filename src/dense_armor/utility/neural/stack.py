@@ -106,23 +106,34 @@ class Stack(Layer):
 
 
 def _is_stackable(layer: Any) -> bool:
-    from .blocks import TransformerBlock, TransformerDecoderBlock
+    from .blocks import MixerBlock, TransformerDecoderBlock
 
-    return isinstance(layer, TransformerBlock | TransformerDecoderBlock)
+    return isinstance(layer, MixerBlock | TransformerDecoderBlock)
+
+
+def _alike(layer: Any, other: Any) -> bool:
+    """Copies of one layer: the same class and hyper-parameters (so the same array structure)."""
+    structure = jax.tree.structure(eqx.filter(layer, eqx.is_array))
+    return type(layer) is type(other) and structure == jax.tree.structure(
+        eqx.filter(other, eqx.is_array)
+    )
 
 
 def _restack(layers: Sequence[Any]) -> tuple[Any, ...]:
-    """`layers` with each run of blocks replaced by one `Stack` of them."""
+    """`layers` with each run of alike blocks replaced by one `Stack` of them (a mixed stack's
+    blocks of different kinds stay apart)."""
     out: list[Any] = []
     run: list[Any] = []
     for layer in [*layers, None]:
-        if layer is not None and _is_stackable(layer):
+        if layer is not None and _is_stackable(layer) and (not run or _alike(layer, run[0])):
             run.append(layer)
             continue
         if run:
             out.append(Stack(run))
             run = []
-        if layer is not None:
+        if layer is not None and _is_stackable(layer):
+            run.append(layer)
+        elif layer is not None:
             out.append(layer)
     return tuple(out)
 
