@@ -63,6 +63,19 @@ def test_four_devices_match_one(runs, mode):
     close(runs[mode], runs["single"])
 
 
+def test_evaluate_splits_its_batches_across_the_devices(runs):
+    """The same model evaluated on one device and on four: the same metrics, and each batch's
+    largest part that 4 divides split one row per device (the rest replicated)."""
+    one, four = runs["single"]["evaluate"], runs["single, evaluated on 4"]
+    assert one["shards"] == [] and four["shards"] == [[1, 1, 1, 1]] * 4  # two batches, inputs and labels
+    np.testing.assert_allclose(four["loss"], one["loss"], rtol=1e-6)
+    assert four["accuracy"] == one["accuracy"]
+    # Trained on 4 devices (data parallel, FSDP), evaluated on 4: the single run's metrics.
+    for mode in ("mesh", "fsdp"):
+        np.testing.assert_allclose(runs[mode]["evaluate"]["loss"], one["loss"], rtol=1e-5)
+        assert runs[mode]["evaluate"]["shards"] == four["shards"]
+
+
 def test_checkpoints_move_between_four_devices_and_one(runs):
     """Written on 4 devices, resumed on 1; and written on 1, resumed on 4 with sharded params."""
     resumed_on_one = runs["a: 4 devices, resumed on 1"]
@@ -104,6 +117,11 @@ def test_two_processes_on_loopback_agree_and_match_one(runs, tmp_path):
     assert [r["processes"] for r in results] == [2, 2] and results[0]["devices"] == 4
     assert results[0] == results[1]
     close(results[0], runs["single"])
+    # Evaluation split across both processes' devices: each holds 2 of the 4 devices' rows.
+    assert results[0]["evaluate"]["shards"] == [[1, 1]] * 4
+    np.testing.assert_allclose(
+        results[0]["evaluate"]["loss"], runs["single"]["evaluate"]["loss"], rtol=1e-5
+    )
     assert (tmp_path / "ckpt" / "best" / "weights.safetensors").exists()
 
 

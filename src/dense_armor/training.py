@@ -5,7 +5,6 @@ The fit loop is reproducible from its seed: batch `s` and its dropout key are fu
 """
 
 import dataclasses
-import functools
 import math
 import numbers
 import os
@@ -162,7 +161,9 @@ def evaluate(
     dropout).
 
     With the default loss, `labels` are class indices in `[0, n_out)`. With a `mesh` (a model
-    placed on it), every process passes the same data."""
+    placed on it), every process passes the same data, and each batch is split across the
+    devices of the mesh's `"data"` axis (data-parallel evaluation; the rows of a batch that the
+    axis does not divide are evaluated replicated)."""
     _require_int("evaluate", 1, batch_size=batch_size)
     if loss_fn is cross_entropy_loss:
         check_classification_data("evaluate", model, xs, labels)
@@ -180,21 +181,37 @@ def _evaluate(
     loss_fn: LossFn,
 ) -> dict[str, float]:
     """`evaluate` on data already checked."""
-    put = jnp.asarray if mesh is None else functools.partial(global_replicated, mesh)
     total_loss, correct = 0.0, 0
     for start in range(0, len(xs), batch_size):
-        loss, hits = _batch_metrics(
-            model,
-            put(np.asarray(xs[start : start + batch_size])),
-            put(np.asarray(labels[start : start + batch_size])),
-            loss_fn,
-        )
-        total_loss += float(loss)
-        correct += int(hits)
+        rows = slice(start, min(start + batch_size, len(xs)))
+        for batch_xs, batch_labels in _placed_batches(mesh, xs[rows], labels[rows]):
+            loss, hits = _batch_metrics(model, batch_xs, batch_labels, loss_fn)
+            total_loss += float(loss)
+            correct += int(hits)
     metrics = {"loss": total_loss / len(xs)}
     if loss_fn is cross_entropy_loss:
         metrics["accuracy"] = correct / len(xs)
     return metrics
+
+
+def _placed_batches(mesh: Mesh | None, xs: Any, labels: Any) -> list[tuple[jax.Array, jax.Array]]:
+    """A batch as the arrays to evaluate: as it is without a mesh; with one, its largest part that
+    the mesh's `"data"` axis divides split across the devices (each process passing its share, in
+    process order), and the few rows left replicated."""
+    xs, labels = np.asarray(xs), np.asarray(labels)
+    if mesh is None:
+        return [(jnp.asarray(xs), jnp.asarray(labels))]
+    even = len(xs) - len(xs) % mesh.shape["data"]
+    share = even // jax.process_count()
+    mine = slice(jax.process_index() * share, (jax.process_index() + 1) * share)
+    placed = []
+    if even:
+        split = (global_batch(mesh, xs[:even][mine]), global_batch(mesh, labels[:even][mine]))
+        placed.append(split)
+    if even < len(xs):
+        rest = (global_replicated(mesh, xs[even:]), global_replicated(mesh, labels[even:]))
+        placed.append(rest)
+    return placed
 
 
 @dataclasses.dataclass

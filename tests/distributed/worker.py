@@ -30,9 +30,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+from dense_armor import training  # noqa: E402
 from dense_armor.checkpoint import ModelConfig, fill_tree, tree_arrays  # noqa: E402
-from dense_armor.distributed import data_mesh  # noqa: E402
-from dense_armor.training import fit  # noqa: E402
+from dense_armor.distributed import data_mesh, place  # noqa: E402
+from dense_armor.training import evaluate, fit  # noqa: E402
 
 CONFIG = ModelConfig(
     "transformer_encoder",
@@ -73,6 +74,24 @@ def train(placement: str, steps: int = 8, checkpoint_dir: pathlib.Path | None = 
         )
 
 
+def evaluated(model, mesh) -> dict:
+    """`evaluate` on the 16 validation rows in batches of 7 (with 4 devices: 4 rows split and 3
+    replicated, twice, then 2 replicated), and the row counts each device got of the split parts."""
+    shards = []
+
+    def recording(mesh, rows):
+        array = split(mesh, rows)
+        shards.append([s.data.shape[0] for s in array.addressable_shards])
+        return array
+
+    split, training.global_batch = training.global_batch, recording
+    try:
+        metrics = evaluate(model, xs[48:], labels[48:], batch_size=7, mesh=mesh)
+    finally:
+        training.global_batch = split
+    return {**metrics, "shards": shards}
+
+
 def summary(result) -> dict:
     weights = tree_arrays(result.model)
     leaf = next(x for x in jax.tree.leaves(result.model) if isinstance(x, jax.Array))
@@ -82,6 +101,9 @@ def summary(result) -> dict:
         "train_loss": [r["train_loss"] for r in result.history],
         "valid_loss": [r["valid_loss"] for r in result.history],
         "weight_sum": float(sum(np.abs(w).sum() for w in weights.values())),
+        "evaluate": evaluated(
+            result.model, None if len(leaf.sharding.device_set) == 1 else data_mesh()
+        ),
     }
 
 
@@ -103,7 +125,10 @@ if mode == "multi":
     runs["multi"] = summary(train("mesh", checkpoint_dir=work / "ckpt"))
 else:
     assert jax.device_count() == 4, "run with --xla_force_host_platform_device_count=4"
-    runs["single"] = summary(train("single"))
+    single = train("single")
+    runs["single"] = summary(single)
+    # The same model, evaluated with its batches split over the 4 devices.
+    runs["single, evaluated on 4"] = evaluated(place(single.model, data_mesh()), data_mesh())
     runs["mesh"] = summary(train("mesh"))
     fsdp = train("fsdp")
     runs["fsdp"] = {**summary(fsdp), "identical_exports": identical_exports(fsdp.model)}

@@ -113,7 +113,7 @@ def _is_stackable(layer: Any) -> bool:
 
 def _alike(layer: Any, other: Any) -> bool:
     """Copies of one layer: the same class and hyper-parameters (so the same array structure)."""
-    structure = jax.tree.structure(eqx.filter(layer, eqx.is_array))
+    structure: Any = jax.tree.structure(eqx.filter(layer, eqx.is_array))  # compares, untyped
     return type(layer) is type(other) and structure == jax.tree.structure(
         eqx.filter(other, eqx.is_array)
     )
