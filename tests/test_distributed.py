@@ -67,7 +67,8 @@ def test_evaluate_splits_its_batches_across_the_devices(runs):
     """The same model evaluated on one device and on four: the same metrics, and each batch's
     largest part that 4 divides split one row per device (the rest replicated)."""
     one, four = runs["single"]["evaluate"], runs["single, evaluated on 4"]
-    assert one["shards"] == [] and four["shards"] == [[1, 1, 1, 1]] * 4  # two batches, inputs and labels
+    # two split batches, their inputs and their labels
+    assert one["shards"] == [] and four["shards"] == [[1, 1, 1, 1]] * 4
     np.testing.assert_allclose(four["loss"], one["loss"], rtol=1e-6)
     assert four["accuracy"] == one["accuracy"]
     # Trained on 4 devices (data parallel, FSDP), evaluated on 4: the single run's metrics.

@@ -334,3 +334,15 @@ def test_checkpoints_convert_between_scanned_and_unrolled_recurrent_blocks(tmp_p
     save_checkpoint(tmp_path / "m", MIXED.build(jax.random.PRNGKey(3)), MIXED)
     with pytest.raises(CheckpointError, match="`scan_layers=True` stacks copies of one block"):
         load_checkpoint(tmp_path / "m", scan_layers=True)
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_nan_in_a_padded_step_never_reaches_the_state_or_the_valid_rows(name):
+    layer = LAYERS[name](4, 6, KEY)
+    x = jax.random.normal(jax.random.PRNGKey(1), (6, 4)).at[2].set(jnp.nan).at[5].set(jnp.inf)
+    mask = jnp.array([1, 1, 0, 1, 1, 0], bool)
+    y, state = final_state(layer, x, mask=mask)
+    assert bool(jnp.isfinite(y[mask]).all())
+    assert all(bool(jnp.isfinite(a).all()) for a in jax.tree.leaves(state))
+    y_valid, _ = final_state(layer, x[mask])
+    np.testing.assert_allclose(y[mask], y_valid, atol=1e-6)

@@ -85,6 +85,7 @@ class MixerBlock(Layer):
     norm2: eqx.AbstractVar[LayerNorm]
     dropout: eqx.AbstractVar[Dropout]
     gates: eqx.AbstractVar["tuple[Gate, ...]"]
+    d_model: eqx.AbstractVar[int]
     norm_first: eqx.AbstractVar[bool]
     remat: eqx.AbstractVar[str | None]
     accepts_mask: ClassVar[bool] = True
@@ -139,8 +140,19 @@ class MixerBlock(Layer):
         y = self.norm1(self._join(0, x, a, akey))
         return self.norm2(self._join(1, y, self.feed_forward(y), fkey)), cache
 
+    @shape_checked
+    def forward(
+        self,
+        x: Float[Array, "T d_model"],
+        *,
+        mask: Bool[Array, " T"] | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "T d_model"]:
+        """`(T, d_model) -> (T, d_model)`; `mask` the padding mask of `Layer`, `key` for
+        dropout. The mixer or the whole block is rematerialised as `remat` says."""
+        return self._forward(x, mask, key)
+
     def _forward(self, x: Array, mask: Array | None, key: PRNGKeyArray | None) -> Array:
-        """`forward`, with the mixer or the whole block rematerialised as `remat` says."""
         mixer_key = None if key is None else jr.fold_in(key, 2)  # the others' keys unchanged
         mix = _rematerialised(lambda h: self.mixer(h, mask=mask, key=mixer_key), self.remat)
         run = lambda x: self._apply(x, lambda h: (mix(h), None), key)[0]  # noqa: E731
@@ -239,16 +251,6 @@ class TransformerBlock(MixerBlock):
     @property
     def mixer(self) -> MultiHeadSelfAttention:
         return self.attention
-
-    @shape_checked
-    def forward(
-        self,
-        x: Float[Array, "T d_model"],
-        *,
-        mask: Bool[Array, " T"] | None = None,
-        key: PRNGKeyArray | None = None,
-    ) -> Float[Array, "T d_model"]:
-        return self._forward(x, mask, key)
 
     @shape_checked
     def attention_weights(

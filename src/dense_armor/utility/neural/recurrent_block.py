@@ -3,7 +3,7 @@ or beside `TransformerBlock`s (`transformer_encoder(..., mixers=...)`)."""
 
 import equinox as eqx
 import jax.random as jr
-from jaxtyping import Array, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, Float, PRNGKeyArray
 
 from .blocks import Gate, MixerBlock
 from .core import python_scalar, require_bool, require_key, require_positive, shape_checked
@@ -68,16 +68,6 @@ class RecurrentBlock(MixerBlock):
     @property
     def mixer(self) -> Recurrent:
         return self.recurrent
-
-    @shape_checked
-    def forward(
-        self,
-        x: Float[Array, "T d_model"],
-        *,
-        mask: Bool[Array, " T"] | None = None,
-        key: PRNGKeyArray | None = None,
-    ) -> Float[Array, "T d_model"]:
-        return self._forward(x, mask, key)
 
     @shape_checked
     def prefill(
