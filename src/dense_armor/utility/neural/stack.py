@@ -43,8 +43,7 @@ class Stack(Layer):
         layers = tuple(layers)
         if not layers:
             raise ValueError("Stack needs at least one layer.")
-        structures = {jax.tree.structure(eqx.filter(layer, eqx.is_array)) for layer in layers}
-        if len(structures) > 1 or len({type(layer) for layer in layers}) > 1:
+        if not all(_alike(layer, layers[0]) for layer in layers):
             raise ValueError(
                 "Stack: the layers must be copies of one layer (same class and hyper-parameters)."
             )
