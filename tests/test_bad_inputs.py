@@ -253,6 +253,9 @@ BAD = [
     ("recurrent-state-none", lambda: MinGRU(3, 4, KEY).step(jnp.ones(3), None), ShapeError, r"`cache`: expected HiddenState \| LSTMState, received NoneType"),
     ("recurrent-input-width", lambda: LSTM(3, 4, KEY)(jnp.ones((5, 2))), ShapeError, r"x\.shape=\(5, 2\)`; expected `\(T, n_in=3\)"),
     ("recurrent-mask-length", lambda: GRU(3, 4, KEY).prefill(jnp.ones((3, 3)), GRU(3, 4, KEY).init_cache(), mask=jnp.ones(2, bool)), ShapeError, r"`mask`: expected Bool\['K'\] \| None, received shape \(2,\)"),
+    ("mixers-none", lambda: transformer_encoder(3, 8, 2, 16, 1, 2, KEY, 6, mixers=None), ValueError, r"`mixers` must be one of.*received `mixers=None`"),
+    ("recurrent-capacity-string", lambda: GRU(3, 4, KEY).init_cache("4"), ValueError, r"`capacity` must be a positive integer.*'4'"),
+    ("recurrent-model-capacity-zero", lambda: transformer_encoder(3, 8, 2, 16, 1, 2, KEY, 6, mixers="mingru", positions="none").init_cache(0), ValueError, r"`capacity`.*received `capacity=0`"),
     ("recurrent-on-overflow-unknown", lambda: GRU(3, 4, KEY).init_cache(on_overflow="wrap"), ValueError, r"`on_overflow` must be one of"),
     # configs and checkpoints
     ("load-missing-directory", lambda tmp, _: load_checkpoint(tmp / "none"), CheckpointError, r"no checkpoint directory at .*none"),

@@ -124,7 +124,8 @@ MIXERS = ("attention", "gru", "lstm", "mingru")
 
 def _mixers(mixers: str | Sequence[str], depth: int, scan_layers: bool) -> list[str]:
     """One mixer name per block, from `mixers`: one name for every block, or one per block."""
-    kinds = [mixers] * depth if isinstance(mixers, str) else list(mixers)
+    many = isinstance(mixers, Sequence) and not isinstance(mixers, str)
+    kinds: list[Any] = list(mixers) if many else [mixers] * depth
     if len(kinds) != depth or any(kind not in MIXERS for kind in kinds):
         raise ValueError(
             f"`mixers` must be one of {MIXERS}, or a sequence of {depth} of them (one per block, "
