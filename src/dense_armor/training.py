@@ -194,6 +194,13 @@ def _evaluate(
     return metrics
 
 
+def _this_process(rows: np.ndarray) -> np.ndarray:
+    """This process's share of a global batch's `rows`: the `i`-th of `process_count` equal parts,
+    as `global_batch` takes it."""
+    share = len(rows) // jax.process_count()
+    return rows[jax.process_index() * share : (jax.process_index() + 1) * share]
+
+
 def _placed_batches(mesh: Mesh | None, xs: Any, labels: Any) -> list[tuple[jax.Array, jax.Array]]:
     """A batch as the arrays to evaluate: as it is without a mesh; with one, its largest part that
     the mesh's `"data"` axis divides split across the devices (each process passing its share, in
@@ -202,11 +209,10 @@ def _placed_batches(mesh: Mesh | None, xs: Any, labels: Any) -> list[tuple[jax.A
     if mesh is None:
         return [(jnp.asarray(xs), jnp.asarray(labels))]
     even = len(xs) - len(xs) % mesh.shape["data"]
-    share = even // jax.process_count()
-    mine = slice(jax.process_index() * share, (jax.process_index() + 1) * share)
     placed = []
     if even:
-        split = (global_batch(mesh, xs[:even][mine]), global_batch(mesh, labels[:even][mine]))
+        mine = _this_process(np.arange(even))
+        split = (global_batch(mesh, xs[mine]), global_batch(mesh, labels[mine]))
         placed.append(split)
     if even < len(xs):
         rest = (global_replicated(mesh, xs[even:]), global_replicated(mesh, labels[even:]))
@@ -337,8 +343,7 @@ def fit(
         if mesh is None:
             xb, yb = jnp.asarray(xs[batch]), jnp.asarray(labels[batch])
         else:  # this process's slice of the global batch
-            share = batch_size // jax.process_count()
-            mine = batch[jax.process_index() * share : (jax.process_index() + 1) * share]
+            mine = _this_process(batch)
             xb, yb = global_batch(mesh, xs[mine]), global_batch(mesh, labels[mine])
         model, opt_state, loss = train_step(
             model, opt_state, xb, yb, jax.random.fold_in(root_key, step)
