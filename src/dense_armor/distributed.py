@@ -1,34 +1,61 @@
 """Scale out on JAX's own engine: a device mesh, sharded batches, and several processes.
 
-dense_armor adds no machinery of its own: a mesh is a `jax.sharding.Mesh` with one axis,
-`"data"`; a batch is sharded over it with `NamedSharding(mesh, P("data"))`; parameters are
-replicated (`P()`) or, with `shard_params=True`, split over the mesh along their first axis that it
-divides (FSDP-style); XLA inserts the collectives. Several processes (hosts) join with
-`initialize()`, which calls `jax.distributed.initialize`; each process then feeds its own part of
-every global batch (`jax.make_array_from_process_local_data`). On CPU the collectives between
-processes use gloo.
+dense_armor adds no machinery of its own: a mesh is a `jax.sharding.Mesh` with the axes `"data"`
+and, optionally, `"model"` (`data_mesh()`, `device_mesh(model=2)`); a batch is sharded over
+`"data"` with `NamedSharding(mesh, P("data"))`; every array of a model gets a `PartitionSpec`
+(`partition_specs`) and XLA inserts the collectives.
+
+- `"model"` (tensor parallelism, Megatron-style): each attention layer's heads are split over the
+  axis (W_Q, W_K, W_V and their biases by output columns, a group of whole heads per device;
+  W_O by rows), and each feed-forward's hidden units likewise (the first matrix by columns, the
+  second by rows). A layer says which of its arrays split, and along which axis, in its
+  `tensor_parallel` class attribute; every other array is replicated over `"model"`.
+- `shard_params=True` (FSDP-style) also splits every array over `"data"`, along its first axis
+  that the axis divides and `"model"` does not use (a vector that `"model"` splits is split over
+  both); the arrays that have none are reported
+  (a `ShardingWarning` naming them), not replicated in silence.
+
+Optimizer states are placed like the parameters they belong to (`place_optimizer_state`, through
+`optax.tree_map_params`). Several processes (hosts) join with `initialize()`, which calls
+`jax.distributed.initialize`; each process then feeds its own part of every global batch
+(`jax.make_array_from_process_local_data`). On CPU the collectives between processes use gloo.
 """
 
+import dataclasses
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
 import numpy as np
+import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 __all__ = [
+    "ShardingWarning",
     "data_mesh",
+    "device_mesh",
     "gather_to_host",
     "global_batch",
     "global_replicated",
     "initialize",
+    "partition_specs",
     "place",
+    "optimizer_shardings",
+    "place_optimizer_state",
     "replicated",
+    "shardings",
 ]
+
+AXES = ("data", "model")
+
+
+class ShardingWarning(UserWarning):
+    """Arrays that `shard_params=True` could not split: no axis of theirs divides the mesh."""
 
 
 def initialize(
@@ -117,32 +144,198 @@ def data_mesh(devices: Any = None) -> Mesh:
     return Mesh(np.asarray(devices), ("data",))
 
 
+def device_mesh(model: int = 1, devices: Any = None) -> Mesh:
+    """A two-axis mesh, `("data", "model")`, over `devices` (default: every device of every
+    process): `model` devices split each model's heads and hidden units, and the rest of the
+    factor, `len(devices) // model`, splits the batch. `device_mesh(model=2)` on 4 devices is
+    2 x 2. The devices are taken in order, so each process's devices are whole rows of `"data"`
+    when `model` divides the devices of a process."""
+    devices = list(jax.devices() if devices is None else devices)
+    if isinstance(model, bool) or not isinstance(model, int) or model < 1:
+        raise ValueError(f"device_mesh: `model` must be a positive integer; received {model!r}.")
+    if len(devices) % model:
+        raise ValueError(
+            f"device_mesh: `model={model}` must divide the {len(devices)} devices; "
+            f"divisors: {[d for d in range(1, len(devices) + 1) if len(devices) % d == 0]}."
+        )
+    return Mesh(np.asarray(devices).reshape(len(devices) // model, model), AXES)
+
+
+def check_mesh(caller: str, mesh: Any) -> None:
+    """A `ValueError` unless `mesh` is a `jax.sharding.Mesh` with a `"data"` axis and no axis
+    but `"data"` and `"model"`."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"{caller}: `mesh` must be a jax.sharding.Mesh (`data_mesh()`, `device_mesh()`); "
+            f"received {type(mesh).__name__}."
+        )
+    names = tuple(mesh.axis_names)
+    if "data" not in names or not set(names) <= set(AXES):
+        raise ValueError(
+            f'{caller}: a mesh\'s axes are `"data"` and, optionally, `"model"`; received {names}.'
+        )
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def _leaf_sharding(leaf: Any, mesh: Mesh, shard: bool) -> NamedSharding:
-    if shard:
-        size = mesh.shape["data"]
-        for axis, length in enumerate(leaf.shape):
-            if length % size == 0:
-                return NamedSharding(mesh, P(*([None] * axis), "data"))
-    return replicated(mesh)
+def _axis_size(mesh: Mesh, name: str) -> int:
+    return int(mesh.shape[name]) if name in mesh.axis_names else 1
+
+
+def _split_axes(tree: Any, model: int) -> dict[int, int]:
+    """`{id(array): axis}` for the arrays that tensor parallelism splits over `model` devices, from
+    the `tensor_parallel` declarations of the layers in `tree`; a `ValueError` where the axis
+    cannot be split into whole heads (or units)."""
+    from .utility.neural.core import Layer
+
+    found: dict[int, int] = {}
+
+    def visit(node: Any, where: str) -> None:
+        if isinstance(node, Layer):
+            for path, (axis, groups) in type(node).tensor_parallel.items():
+                param: Any = node
+                for part in path.split("."):
+                    param = getattr(param, part, None)
+                if param is None:  # an optional bias the layer was built without
+                    continue
+                value = param.value
+                count = value.shape[axis] if groups is None else getattr(node, groups)
+                if value.shape[axis] % model or count % model:
+                    what = f"{count} {groups or 'units'}"
+                    raise ValueError(
+                        f"tensor parallelism: {where}.{path} ({type(node).__name__}, {what}) "
+                        f'cannot be split over {model} `"model"` devices; choose a `model` '
+                        f"axis that divides {count}."
+                    )
+                found[id(value)] = axis
+        if isinstance(node, eqx.Module):
+            for field in dataclasses.fields(node):
+                visit(getattr(node, field.name, None), f"{where}.{field.name}")
+        elif isinstance(node, list | tuple):
+            for i, child in enumerate(node):
+                visit(child, f"{where}[{i}]")
+        elif isinstance(node, dict):
+            for name, child in node.items():
+                visit(child, f"{where}[{name!r}]")
+
+    visit(tree, "model")
+    return found
+
+
+def partition_specs(tree: Any, mesh: Mesh, shard_params: bool = False) -> Any:
+    """The `PartitionSpec` of every array of `tree` (a model) on `mesh`, `None` for the other
+    leaves: its tensor-parallel axis (see the module's docstring) on `"model"` when the mesh has
+    that axis, and with `shard_params`, its first other axis that the `"data"` devices divide on
+    `"data"`. Arrays that `shard_params` cannot split stay whole on every device, and a
+    `ShardingWarning` lists them."""
+    check_mesh("partition_specs", mesh)
+    model, data = _axis_size(mesh, "model"), _axis_size(mesh, "data")
+    split = _split_axes(tree, model) if model > 1 else {}
+    whole: list[str] = []
+
+    def spec(path: Any, leaf: Any) -> P | None:
+        if not _is_slot(leaf):
+            return None
+        axes: list[Any] = [None] * leaf.ndim
+        if id(leaf) in split:
+            axes[split[id(leaf)] % leaf.ndim] = "model"
+        if shard_params and data > 1:
+            free = [i for i, n in enumerate(leaf.shape) if axes[i] is None and n % data == 0]
+            both = [i for i, n in enumerate(leaf.shape) if axes[i] and n % (data * model) == 0]
+            if free:
+                axes[free[0]] = "data"
+            elif both:  # a vector split over "model" is split over both axes at once
+                axes[both[0]] = ("model", "data")
+            else:
+                whole.append(f"{jax.tree_util.keystr(path)} {tuple(leaf.shape)}")
+        while axes and axes[-1] is None:  # P("data") rather than P("data", None), as XLA says
+            axes.pop()
+        return P(*axes)
+
+    specs = jax.tree_util.tree_map_with_path(spec, tree, is_leaf=_is_slot)
+    if whole:
+        warnings.warn(
+            f'shard_params: {len(whole)} arrays have no axis that the {data} `"data"` devices '
+            f"divide and stay whole on every device: {', '.join(whole[:8])}"
+            + (" ..." if len(whole) > 8 else ""),
+            ShardingWarning,
+            stacklevel=2,
+        )
+    return specs
+
+
+def _is_slot(leaf: Any) -> bool:
+    """An array, or an abstract one (`jax.ShapeDtypeStruct`, a skeleton's leaf)."""
+    return eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)
+
+
+def shardings(tree: Any, mesh: Mesh, shard_params: bool = False) -> Any:
+    """The `NamedSharding` of every array (or abstract array) of `tree` on `mesh`, by
+    `partition_specs`; `None` for the other leaves."""
+    return jax.tree.map(
+        lambda spec: None if spec is None else NamedSharding(mesh, spec),
+        partition_specs(tree, mesh, shard_params),
+        is_leaf=lambda x: x is None or isinstance(x, P),
+    )
+
+
+def optimizer_shardings(
+    state: Any, optimizer: optax.GradientTransformation, param_shardings: Any, mesh: Mesh
+) -> Any:
+    """The sharding of every array of an optimizer state (or of its `jax.eval_shape`): that of
+    its parameter for an array that mirrors one (Adam's moments; `param_shardings` is the
+    parameters' tree of shardings), replicated for the rest (step counts)."""
+    whole = replicated(mesh)
+    try:
+        return optax.tree_map_params(
+            optimizer,
+            lambda leaf, sharding: sharding if _is_slot(leaf) else None,
+            state,
+            param_shardings,
+            transform_non_params=lambda leaf: whole if _is_slot(leaf) else None,
+            is_leaf=lambda x: x is None,
+        )
+    except (ValueError, TypeError) as error:
+        warnings.warn(
+            f"the optimizer state is replicated on every device: optax cannot map it onto the "
+            f"parameters ({error}).",
+            ShardingWarning,
+            stacklevel=3,
+        )
+        return jax.tree.map(lambda leaf: whole if _is_slot(leaf) else None, state)
+
+
+def _put_all(tree: Any, where: Any) -> Any:
+    return jax.tree.map(
+        lambda leaf, sharding: leaf if sharding is None else _put(leaf, sharding),
+        tree,
+        where,
+        is_leaf=lambda x: x is None,
+    )
+
+
+def _put(leaf: Any, sharding: NamedSharding) -> jax.Array:
+    host = gather_to_host(leaf)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def place(tree: Any, mesh: Mesh, shard_params: bool = False) -> Any:
-    """Put every array of `tree` (a model, an optimizer state) on `mesh`: replicated, or split along
-    its first axis that the mesh divides when `shard_params`. Works across processes: every process
-    holds the same values, and each keeps the shards of its own devices."""
+    """Put every array of `tree` (a model) on `mesh` as `partition_specs` says. Works across
+    processes: every process holds the same values, and each keeps the shards of its own
+    devices."""
+    return _put_all(tree, shardings(tree, mesh, shard_params))
 
-    def put(leaf: Any) -> Any:
-        if not eqx.is_array(leaf):
-            return leaf
-        sharding = _leaf_sharding(leaf, mesh, shard_params)
-        host = gather_to_host(leaf)
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
-    return jax.tree_util.tree_map(put, tree)
+def place_optimizer_state(
+    state: Any, optimizer: optax.GradientTransformation, model: Any, mesh: Mesh
+) -> Any:
+    """Put an optimizer state on `mesh`: each array that mirrors a parameter (Adam's moments)
+    sharded like that parameter of `model` (already placed), the rest (step counts) replicated."""
+    params = eqx.filter(model, eqx.is_inexact_array)
+    where = optimizer_shardings(state, optimizer, jax.tree.map(lambda p: p.sharding, params), mesh)
+    return _put_all(state, where)
 
 
 def global_batch(mesh: Mesh, rows: np.ndarray) -> jax.Array:

@@ -131,6 +131,20 @@ def _check_heads(d_model: int, n_heads: int, n_kv_heads: int | None = None) -> i
     return int(n_kv_heads)
 
 
+# How tensor parallelism splits an attention layer (`Layer.tensor_parallel`): the query, key and
+# value projections (and their biases) by output columns, whole heads per device; the output
+# projection by rows, so each device's heads give a partial sum of the output.
+HEAD_SPLIT: dict[str, tuple[int, str | None]] = {
+    "W_Q": (-1, "n_heads"),
+    "b_Q": (-1, "n_heads"),
+    "W_K": (-1, "n_kv_heads"),
+    "b_K": (-1, "n_kv_heads"),
+    "W_V": (-1, "n_kv_heads"),
+    "b_V": (-1, "n_kv_heads"),
+    "W_O": (-2, "n_heads"),
+}
+
+
 def _rotated(
     layer: "MultiHeadSelfAttention | MultiHeadCrossAttention",
     q: Array,

@@ -9,8 +9,8 @@ import inspect
 import numbers
 import types
 import typing
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, TypeVar
 
 import equinox as eqx
 import jax
@@ -249,6 +249,12 @@ class Layer(eqx.Module):
     `scaled_dot_product_attention` and `attention_weights` take a mask over the scores,
     `(..., T, S)`, as the attention page defines it.)
     """
+
+    # Tensor parallelism (`dense_armor.distributed`): the arrays of this layer that a `"model"`
+    # mesh axis splits, `{"attribute path": (axis, count)}`, the axis counted from the end (so a
+    # stacked layer's leading depth axis changes nothing) and `count` the field that holds how
+    # many heads that axis groups (`None`: its units, split one by one).
+    tensor_parallel: ClassVar[Mapping[str, tuple[int, str | None]]] = {}
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError

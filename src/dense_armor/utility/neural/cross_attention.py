@@ -2,7 +2,8 @@
 "encoder-decoder attention"), whose cache is the context projected once."""
 
 import math
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import ClassVar, NamedTuple
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import jax.random as jr
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from .attention import (
+    HEAD_SPLIT,
     _attend_sequence,
     _biases,
     _check_heads,
@@ -70,6 +72,7 @@ class MultiHeadCrossAttention(Layer):
     b_K: Param | None = None
     b_V: Param | None = None
     b_O: Param | None = None
+    tensor_parallel: ClassVar[Mapping[str, tuple[int, str | None]]] = HEAD_SPLIT
 
     def __init__(
         self,

@@ -5,6 +5,7 @@ leading axes, so they serve both a sequence `(T, features)` and a single step `(
 """
 
 import numbers
+from collections.abc import Mapping
 from typing import ClassVar
 
 import equinox as eqx
@@ -185,6 +186,12 @@ class FeedForward(Pointwise):
     out: Dense
     d_model: int = eqx.field(static=True, converter=python_scalar)
     activation: str = eqx.field(static=True, converter=python_scalar, default="relu")
+    # tensor parallelism splits the hidden units: W_1 and b_1 by columns, W_2 by rows
+    tensor_parallel: ClassVar[Mapping[str, tuple[int, str | None]]] = {
+        "hidden.W": (-1, None),
+        "hidden.b": (-1, None),
+        "out.W": (-2, None),
+    }
 
     def __init__(self, d_model: int, d_ff: int, key: PRNGKeyArray, activation: str = "relu"):
         require_key(key)

@@ -2,6 +2,7 @@
 cache that owns its writes (`cache.update`)."""
 
 import math
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import equinox as eqx
@@ -12,6 +13,7 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from . import blocked
 from .attention import (
+    HEAD_SPLIT,
     _attend_heads,
     _attend_sequence,
     _biases,
@@ -112,6 +114,7 @@ class MultiHeadSelfAttention(Layer):
     b_K: Param | None = None
     b_V: Param | None = None
     b_O: Param | None = None
+    tensor_parallel: ClassVar[Mapping[str, tuple[int, str | None]]] = HEAD_SPLIT
     accepts_mask: ClassVar[bool] = True
 
     def __init__(
