@@ -15,7 +15,7 @@ COVERAGE_FLOOR = 93
 def tests(session: nox.Session) -> None:
     """The test suite (without the benchmarks), on every core, with line and branch coverage of
     src/ (at least COVERAGE_FLOOR percent)."""
-    session.install("-e", ".[test,examples,iree]")
+    session.install("-e", ".[test,examples,iree,scale]")
     session.run(
         "pytest",
         "tests",
@@ -34,7 +34,7 @@ def tests(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def doctest(session: nox.Session) -> None:
     """Only the documentation listings: each must print what its page shows."""
-    session.install("-e", ".[test]")
+    session.install("-e", ".[test,scale]")
     session.run("pytest", "tests/test_docs.py", *session.posargs)
 
 
@@ -51,7 +51,7 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def typecheck(session: nox.Session) -> None:
     """mypy on src/."""
-    session.install("-e", ".[typecheck]")
+    session.install("-e", ".[typecheck,scale]")
     session.run("mypy")
 
 

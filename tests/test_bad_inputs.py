@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import Mesh
 
 from dense_armor import checkpoint
 from dense_armor.checkpoint import (
@@ -30,10 +31,12 @@ from dense_armor.checkpoint import (
     tree_arrays,
 )
 from dense_armor.cli import main as cli
-from dense_armor.distributed import initialize
+from dense_armor.data import ShardSource
+from dense_armor.distributed import device_mesh, initialize
 from dense_armor.export import ArtifactError, export_model, load
 from dense_armor.export.iree import compile_artifact, target_flags
 from dense_armor.interop import InteropError, import_torch
+from dense_armor.sharded_checkpoint import ShardedCheckpoints, to_safetensors
 from dense_armor.training import evaluate, fit
 from dense_armor.utility.neural import (
     GRU,
@@ -130,11 +133,25 @@ def onto_a_file(tmp):
     save_checkpoint(tmp / "file", MODEL, CONFIG)
 
 
-def resume_another_model(tmp):
-    fit_with(checkpoint_dir=tmp / "run", config=CONFIG)
+def resume_another_model(tmp, checkpoint_format="safetensors"):
+    fit_with(checkpoint_dir=tmp / "run", config=CONFIG, checkpoint_format=checkpoint_format)
     other = ModelConfig("transformer_encoder", {**CONFIG.arguments, "d_ff": 32})
     fit(other.build(KEY), ADAM, (XS, LABELS), steps=4, batch_size=4, progress=False,
-        checkpoint_dir=tmp / "run", config=other)  # fmt: skip
+        checkpoint_dir=tmp / "run", config=other, checkpoint_format=checkpoint_format)  # fmt: skip
+
+
+def source_fit(source):
+    return fit(MODEL, ADAM, source, steps=2, batch_size=4, progress=False)
+
+
+def sharded_store(tmp, **options):
+    return ShardedCheckpoints(tmp / "sharded", asynchronous=False, **options)
+
+
+def sharded_with_optimizer_state(tmp):
+    """A sharded checkpoint holding an optimizer state, converted without the optimizer."""
+    fit_with(checkpoint_dir=tmp / "run", config=CONFIG, checkpoint_format="orbax")
+    to_safetensors(tmp / "run" / "sharded", tmp / "single")
 
 
 def artifact_step_without_cache(tmp):
@@ -281,6 +298,22 @@ BAD = [
     ("fit-valid-labels", lambda: fit_with(valid=(XS, LABELS + 2)), ValueError, r"fit \(valid\).*\[0, 2\)"),
     ("fit-resume-another-model", lambda tmp, _: resume_another_model(tmp), CheckpointError, r"holds a run of another model"),
     ("fit-nan-loss-first-step", nan_loss_at_the_first_step, FloatingPointError, r"training loss is nan at step 1"),
+    ("fit-resume-another-model-sharded", lambda tmp, _: resume_another_model(tmp, "orbax"), CheckpointError, r"holds a run of another model"),
+    ("fit-checkpoint-format", lambda: fit_with(checkpoint_format="zip"), ValueError, r"`checkpoint_format` must be one of \('safetensors', 'orbax'\); received 'zip'"),
+    ("fit-train-a-string", lambda: source_fit("train.npz"), TypeError, r"`train` must be `\(xs, labels\)` or a BatchSource.*str"),
+    ("fit-source-wrong-rows", lambda: source_fit(lambda step: (XS[:3], LABELS[:3])), ValueError, r"data source gave 3 inputs and 3 labels for step 0; this process feeds 4 rows"),
+    ("fit-source-bad-labels", lambda: source_fit(lambda step: (XS[:4], LABELS[:4] + 5)), ValueError, r"fit \(data source\).*\[0, 2\)"),
+    ("fit-mesh-a-string", lambda: fit_with(mesh="data"), TypeError, r"`mesh` must be a jax.sharding.Mesh.*str"),
+    ("fit-mesh-axis-names", lambda: fit_with(mesh=Mesh(np.array(jax.devices()[:1]), ("batch",))), ValueError, r"a mesh's axes are `\"data\"` and, optionally, `\"model\"`; received \('batch',\)"),
+    ("device-mesh-model-not-dividing", lambda: device_mesh(model=len(jax.devices()) + 1), ValueError, r"`model=\d+` must divide the \d+ devices"),
+    ("device-mesh-model-zero", lambda: device_mesh(model=0), ValueError, r"`model` must be a positive integer; received 0"),
+    ("shard-source-batch-too-large", lambda: ShardSource(XS, LABELS, 9), ValueError, r"`batch_size=9` must lie in \[1, 8\], the rows this process holds"),
+    ("shard-source-lengths", lambda: ShardSource(XS, LABELS[:3], 2), ValueError, r"8 inputs but 3 labels"),
+    ("sharded-restore-nothing-saved", lambda tmp, _: sharded_store(tmp).restore(), CheckpointError, r"no sharded checkpoint of step None in .*sharded \(saved steps: \[\]\)"),
+    ("sharded-max-to-keep-zero", lambda tmp, _: sharded_store(tmp, max_to_keep=0), ValueError, r"`max_to_keep` must be a positive integer or None; received 0"),
+    ("sharded-keep-best-string", lambda tmp, _: sharded_store(tmp, keep_best="yes"), ValueError, r"`keep_best` must be True or False"),
+    ("sharded-save-another-config", lambda tmp, _: sharded_store(tmp).save(1, MODEL, ModelConfig("transformer_encoder", {**CONFIG.arguments, "d_ff": 32})), CheckpointError, r"the arrays of the model saved to .*sharded at .*hidden.W.value have shape \(8, 16\).*expects shape \(8, 32\)"),
+    ("sharded-to-single-without-optimizer", lambda tmp, _: sharded_with_optimizer_state(tmp), CheckpointError, r"holds an optimizer state; pass the `optimizer`"),
     ("evaluate-length", lambda: evaluate(MODEL, XS, LABELS[:3]), ValueError, r"8 inputs but 3 labels"),
     ("evaluate-batch-size-zero", lambda: evaluate(MODEL, XS, LABELS, batch_size=0), ValueError, r"`batch_size` must be at least 1"),
     ("evaluate-labels-range", lambda: evaluate(MODEL, XS, LABELS - 1), ValueError, r"\[0, 2\)"),

@@ -93,13 +93,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.multiprocess
-def test_two_processes_on_loopback_agree_and_match_one(runs, tmp_path):
+def run_processes(mode, work):
+    """`mode` in two worker processes of two devices each, joined on a free port of 127.0.0.1."""
     port = free_port()
     procs = [
         start(
-            "multi",
-            tmp_path,
+            mode,
+            work,
             devices=2,
             extra_env={
                 "DENSE_ARMOR_COORDINATOR": f"127.0.0.1:{port}",
@@ -110,11 +110,16 @@ def test_two_processes_on_loopback_agree_and_match_one(runs, tmp_path):
         for i in range(2)
     ]
     try:
-        results = [result(p, index=i, timeout=240)["multi"] for i, p in enumerate(procs)]
+        return [result(p, index=i, timeout=240)[mode] for i, p in enumerate(procs)]
     finally:
         for process, _ in procs:
             if process.poll() is None:
                 process.kill()
+
+
+@pytest.mark.multiprocess
+def test_two_processes_on_loopback_agree_and_match_one(runs, tmp_path):
+    results = run_processes("multi", tmp_path)
     assert [r["processes"] for r in results] == [2, 2] and results[0]["devices"] == 4
     assert results[0] == results[1]
     close(results[0], runs["single"])
@@ -124,6 +129,59 @@ def test_two_processes_on_loopback_agree_and_match_one(runs, tmp_path):
         results[0]["evaluate"]["loss"], runs["single"]["evaluate"]["loss"], rtol=1e-5
     )
     assert (tmp_path / "ckpt" / "best" / "weights.safetensors").exists()
+
+
+@pytest.mark.parametrize("mode", ["tp", "tp+fsdp"])
+def test_the_two_by_two_mesh_matches_one_device(runs, mode):
+    """Heads and feed-forward units split over "model" (2), the batch over "data" (2): the
+    single-device losses, and each device holds 1/2 of every head-split matrix (1/4 with FSDP
+    on "data" as well), as the arrays the compiled step returned are laid out."""
+    assert runs[mode]["devices"] == 4
+    close(runs[mode], runs["single"])
+    share = 0.5 if mode == "tp" else 0.25
+    assert runs[mode]["head_split"] == {
+        m: [share] for m in ("W_Q", "W_K", "W_V", "W_O", "W_1", "W_2")
+    }
+    np.testing.assert_allclose(
+        runs[mode]["evaluate"]["loss"], runs["single"]["evaluate"]["loss"], rtol=1e-5
+    )
+
+
+def test_what_cannot_be_split_is_reported(runs):
+    """FSDP over 4 devices: the output bias (2,) has no axis 4 divides, and a warning names it;
+    2 heads over a "model" axis of 4: an error naming the layer and its head count."""
+    (warning,) = runs["reported"]["warnings"]
+    assert "1 arrays have no axis that the 4" in warning and ".layers[4].b.value (2,)" in warning
+    error = runs["reported"]["heads over 4"]
+    assert error is not None and "attention.W_Q (MultiHeadSelfAttention, 2 n_heads)" in error
+    assert "cannot be split over 4" in error
+
+
+@pytest.mark.parametrize("where", ["1", "4x1"])
+def test_orbax_checkpoints_written_on_two_by_two_resume_elsewhere(runs, where):
+    """4 steps on the 2 x 2 mesh, saved sharded with Orbax, resumed to 8 on one device and on
+    4 x 1: the uninterrupted single run's losses and weights."""
+    resumed = runs[f"orbax: 2x2, resumed on {where}"]
+    assert resumed["devices"] == (1 if where == "1" else 4)
+    close(resumed, runs["single"])
+
+
+@pytest.mark.multiprocess
+def test_two_processes_each_reading_its_half_match_one(runs, tmp_path):
+    """Two processes on 127.0.0.1, a 2 x 2 mesh across them (one "data" row each), each reading
+    only its own half of the training data (a ShardSource) and writing its own shards of the
+    Orbax checkpoints: the run of one process fed both halves."""
+    results = run_processes("multi-halves", tmp_path)
+    assert [r["processes"] for r in results] == [2, 2] and results[0]["devices"] == 4
+    close(results[0], runs["halves"])
+    assert results[0]["head_split"] == {
+        m: [0.5] for m in ("W_Q", "W_K", "W_V", "W_O", "W_1", "W_2")
+    }
+    read = [set(r["read"]) for r in results]
+    assert read[0] and read[1] and read[0] <= set(range(24)) and read[1] <= set(range(24, 48))
+    # the latest step (8) kept, each process's shards written by itself
+    model = tmp_path / "orbax" / "sharded" / "8" / "model"
+    assert {p.name for p in model.glob("ocdbt.process_*")} == {"ocdbt.process_0", "ocdbt.process_1"}
 
 
 def test_a_model_trained_sharded_exports_like_its_single_device_copy(runs):

@@ -10,6 +10,7 @@ from . import (
     bench_gqa,
     bench_long,
     bench_recurrent,
+    bench_sharding,
     bench_streaming,
 )
 from .harness import machine
@@ -22,6 +23,7 @@ BENCHMARKS = {
     "depth": bench_depth,
     "gqa": bench_gqa,
     "recurrent": bench_recurrent,
+    "sharding": bench_sharding,
 }
 
 

@@ -8,8 +8,15 @@ checkpoints between 4 devices and 1 ("a": 4 steps on the mesh, resumed to 8 with
 steps without a mesh, resumed to 8 with sharded parameters); and exports the FSDP-trained model
 and a single-device copy of it, comparing the files. One process compiles the shared pieces once.
 
+The 2-D mesh runs: "tp" (2 x 2, data x model: heads and feed-forward units split over "model"),
+"tp+fsdp" (the same with sharded parameters); sharded Orbax checkpoints written on 2 x 2 and
+resumed on one device and on 4 x 1; "halves" trains from two `ShardSource`s, one per half of the
+data, concatenated (what two processes, each holding one half, feed together).
+
 MODE "multi" joins a multi-process run from the DENSE_ARMOR_* variables first, then trains on the
-mesh of every device of every process, checkpointing into WORK_DIR/ckpt.
+mesh of every device of every process, checkpointing into WORK_DIR/ckpt; MODE "multi-halves"
+trains on the 2 x 2 mesh with each process reading only its half of the data (a `ShardSource`),
+with sharded Orbax checkpoints in WORK_DIR/orbax.
 
 Writes `{run name: {devices, processes, train_loss, valid_loss, weight_sum}, ...}` as JSON to
 OUT_JSON.<process index>.
@@ -17,11 +24,13 @@ OUT_JSON.<process index>.
 
 import json
 import pathlib
+import shutil
 import sys
+import warnings
 
 mode, out, work = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])
 
-if mode == "multi":
+if mode.startswith("multi"):
     from dense_armor.distributed import initialize
 
     initialize()
@@ -30,9 +39,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from dense_armor import training  # noqa: E402
+from dense_armor import train_step  # noqa: E402
 from dense_armor.checkpoint import ModelConfig, fill_tree, tree_arrays  # noqa: E402
-from dense_armor.distributed import data_mesh, place  # noqa: E402
+from dense_armor.data import ShardSource  # noqa: E402
+from dense_armor.distributed import data_mesh, device_mesh, place  # noqa: E402
 from dense_armor.training import evaluate, fit  # noqa: E402
 
 CONFIG = ModelConfig(
@@ -54,13 +64,30 @@ xs = rng.normal(size=(64, 6, 3)).astype(np.float32)
 labels = (xs[:, :, 0].sum(axis=1) > 0).astype(np.int32)
 
 
-def train(placement: str, steps: int = 8, checkpoint_dir: pathlib.Path | None = None):
-    """`fit` with no mesh ("single"), on every device ("mesh"), or with sharded params ("fsdp")."""
+MESHES = {
+    "single": lambda: None,
+    "mesh": data_mesh,
+    "fsdp": data_mesh,
+    "tp": lambda: device_mesh(model=2),
+    "tp+fsdp": lambda: device_mesh(model=2),
+    "4x1": lambda: device_mesh(model=1),
+}
+
+
+def train(
+    placement: str,
+    steps: int = 8,
+    checkpoint_dir: pathlib.Path | None = None,
+    data=None,
+    checkpoint_format: str = "safetensors",
+):
+    """`fit` with no mesh ("single"), on every device ("mesh"), with sharded params ("fsdp"), on
+    the 2 x 2 mesh ("tp", "tp+fsdp") or on 4 x 1."""
     with jax.numpy_dtype_promotion("standard"):
         return fit(
             CONFIG.build(jax.random.PRNGKey(0)),
             optax.adam(3e-3),
-            (xs[:48], labels[:48]),
+            (xs[:48], labels[:48]) if data is None else data,
             steps=steps,
             batch_size=16,
             seed=1,
@@ -69,9 +96,50 @@ def train(placement: str, steps: int = 8, checkpoint_dir: pathlib.Path | None = 
             checkpoint_dir=checkpoint_dir,
             config=CONFIG if checkpoint_dir else None,
             progress=False,
-            mesh=None if placement == "single" else data_mesh(),
-            shard_params=placement == "fsdp",
+            mesh=MESHES[placement](),
+            shard_params=placement.endswith("fsdp"),
+            checkpoint_format=checkpoint_format,
         )
+
+
+class Recorded:
+    """A `ShardSource` over rows `first..first+24` of the training data that records the rows it
+    hands out (as indices into the whole data)."""
+
+    def __init__(self, half: int, rows: int = 8):
+        self.first = 24 * half
+        part = slice(self.first, self.first + 24)
+        self.source = ShardSource(xs[part], labels[part], rows, seed=1, part=half)
+        self.read: set[int] = set()
+
+    def __call__(self, step):
+        batch_xs, batch_labels = self.source(step)
+        for row in batch_xs:
+            self.read.add(int(np.flatnonzero((xs == row).all(axis=(1, 2)))[0]))
+        return batch_xs, batch_labels
+
+
+def both_halves(step):
+    """What two processes, each with its own half, feed together: half 0's rows, then half 1's."""
+    parts = [Recorded(half)(step) for half in (0, 1)]
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+def head_split(model) -> dict:
+    """For each head-split matrix of the first block: the fraction of it each device holds."""
+    block = model.layers[2]
+    arrays = {
+        "W_Q": block.attention.W_Q.value,
+        "W_K": block.attention.W_K.value,
+        "W_V": block.attention.W_V.value,
+        "W_O": block.attention.W_O.value,
+        "W_1": block.feed_forward.hidden.W.value,
+        "W_2": block.feed_forward.out.W.value,
+    }
+    return {
+        name: sorted({s.data.size / a.size for s in a.addressable_shards})
+        for name, a in arrays.items()
+    }
 
 
 def evaluated(model, mesh) -> dict:
@@ -84,11 +152,11 @@ def evaluated(model, mesh) -> dict:
         shards.append([s.data.shape[0] for s in array.addressable_shards])
         return array
 
-    split, training.global_batch = training.global_batch, recording
+    split, train_step.global_batch = train_step.global_batch, recording
     try:
         metrics = evaluate(model, xs[48:], labels[48:], batch_size=7, mesh=mesh)
     finally:
-        training.global_batch = split
+        train_step.global_batch = split
     return {**metrics, "shards": shards}
 
 
@@ -120,9 +188,37 @@ def identical_exports(model) -> bool:
     )
 
 
+def reported() -> dict:
+    """What is reported rather than done in silence: FSDP's arrays that no axis of which the 4
+    devices divide (a warning), and heads that a "model" axis of 4 cannot split (an error)."""
+    from dense_armor.distributed import ShardingWarning, partition_specs
+
+    model = CONFIG.build()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        partition_specs(model, data_mesh(), shard_params=True)
+    try:
+        partition_specs(model, device_mesh(model=4))
+        error = None
+    except ValueError as raised:
+        error = str(raised)
+    return {
+        "warnings": [str(w.message) for w in caught if w.category is ShardingWarning],
+        "heads over 4": error,
+    }
+
+
 runs = {}
 if mode == "multi":
     runs["multi"] = summary(train("mesh", checkpoint_dir=work / "ckpt"))
+elif mode == "multi-halves":
+    mine = Recorded(jax.process_index())
+    result = train("tp", data=mine, checkpoint_dir=work / "orbax", checkpoint_format="orbax")
+    runs["multi-halves"] = {
+        **summary(result),
+        "read": sorted(mine.read),
+        "head_split": head_split(result.model),
+    }
 else:
     assert jax.device_count() == 4, "run with --xla_force_host_platform_device_count=4"
     single = train("single")
@@ -132,9 +228,23 @@ else:
     runs["mesh"] = summary(train("mesh"))
     fsdp = train("fsdp")
     runs["fsdp"] = {**summary(fsdp), "identical_exports": identical_exports(fsdp.model)}
+    for placement in ("tp", "tp+fsdp"):
+        result = train(placement)
+        runs[placement] = {**summary(result), "head_split": head_split(result.model)}
     train("mesh", steps=4, checkpoint_dir=work / "a")
     runs["a: 4 devices, resumed on 1"] = summary(train("single", checkpoint_dir=work / "a"))
     train("single", steps=4, checkpoint_dir=work / "b")
     runs["b: 1 device, resumed on 4"] = summary(train("fsdp", checkpoint_dir=work / "b"))
+    # Sharded (Orbax) checkpoints written on 2 x 2, resumed on one device and on 4 x 1.
+    train("tp", steps=4, checkpoint_dir=work / "o", checkpoint_format="orbax")
+    shutil.copytree(work / "o", work / "o41")
+    runs["orbax: 2x2, resumed on 1"] = summary(
+        train("single", checkpoint_dir=work / "o", checkpoint_format="orbax")
+    )
+    runs["orbax: 2x2, resumed on 4x1"] = summary(
+        train("4x1", checkpoint_dir=work / "o41", checkpoint_format="orbax")
+    )
+    runs["halves"] = summary(train("single", data=both_halves))
+    runs["reported"] = reported()
 with open(f"{out}.{jax.process_index()}", "w") as handle:
     json.dump(runs, handle)

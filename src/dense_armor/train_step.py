@@ -1,0 +1,206 @@
+"""The pieces of training with optax on Equinox models: the loss, a jitted train step (with
+gradient accumulation), and evaluation (data-parallel on a mesh). `fit` (training.py) drives
+them."""
+
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from .data import process_rows
+from .distributed import check_mesh, global_batch, global_replicated
+
+__all__ = [
+    "LossFn",
+    "check_classification_data",
+    "cross_entropy_loss",
+    "evaluate",
+    "make_train_step",
+]
+
+LossFn = Callable[[Any, jax.Array, jax.Array, jax.Array | None], jax.Array]
+
+
+def cross_entropy_loss(
+    model: Any, xs: jax.Array, labels: jax.Array, key: jax.Array | None = None
+) -> jax.Array:
+    """Mean softmax cross-entropy of `model` on a batch `xs (B, T, n_in)` with integer `labels`.
+
+    With a `key`, each sample gets its own dropout key.
+    """
+    if key is None:
+        logits = jax.vmap(model)(xs)
+    else:
+        keys = jax.random.split(key, xs.shape[0])
+        logits = jax.vmap(lambda x, k: model(x, key=k))(xs, keys)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def make_train_step(
+    optimizer: optax.GradientTransformation,
+    loss_fn: LossFn = cross_entropy_loss,
+    accumulate: int = 1,
+) -> Callable[..., tuple[Any, Any, jax.Array]]:
+    """A jitted `step(model, opt_state, xs, labels, key) -> (model, opt_state, loss)`.
+
+    `accumulate=k`: the batch is split into `k` equal micro-batches whose gradients are summed
+    one after the other (a `jax.lax.scan`, so only one micro-batch's activations are alive at a
+    time) and averaged: one optimizer update equal to that of the whole batch, to float32
+    round-off, for a loss that is a mean over the batch. With dropout, each micro-batch draws its
+    own masks."""
+    require_int("make_train_step", 1, accumulate=accumulate)
+
+    def value_and_grad(model: Any, xs: jax.Array, labels: jax.Array, key: jax.Array) -> Any:
+        if accumulate == 1:
+            return eqx.filter_value_and_grad(loss_fn)(model, xs, labels, key)
+        if xs.shape[0] % accumulate:
+            raise ValueError(
+                f"accumulate={accumulate} needs a batch it divides; received {xs.shape[0]}."
+            )
+
+        def micro(xs: jax.Array) -> jax.Array:
+            return xs.reshape(accumulate, xs.shape[0] // accumulate, *xs.shape[1:])
+
+        def one(total: Any, batch: Any) -> tuple[Any, None]:
+            x, y, k = batch
+            loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x, y, k)
+            return jax.tree.map(jnp.add, total, (loss, grads)), None
+
+        start = (
+            jnp.zeros(()),
+            jax.tree.map(jnp.zeros_like, eqx.filter(model, eqx.is_inexact_array)),
+        )
+        batches = (micro(xs), micro(labels), jax.random.split(key, accumulate))
+        (loss, grads), _ = jax.lax.scan(one, start, batches)
+        return loss / accumulate, jax.tree.map(lambda g: g / accumulate, grads)
+
+    @eqx.filter_jit
+    def step(model: Any, opt_state: Any, xs: jax.Array, labels: jax.Array, key: jax.Array) -> Any:
+        loss, grads = value_and_grad(model, xs, labels, key)
+        params = eqx.filter(model, eqx.is_inexact_array)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    return step
+
+
+@eqx.filter_jit
+def _batch_metrics(
+    model: Any, xs: jax.Array, labels: jax.Array, loss_fn: LossFn
+) -> tuple[jax.Array, jax.Array]:
+    """The batch's summed loss (`loss_fn`'s mean times the batch size) and its correct argmax
+    predictions (meaningful for the default classification loss)."""
+    loss = loss_fn(model, xs, labels, None) * xs.shape[0]
+    if loss_fn is not cross_entropy_loss:
+        return loss, jnp.zeros((), jnp.int32)
+    return loss, (jax.vmap(model)(xs).argmax(axis=-1) == labels).sum()
+
+
+def require_int(caller: str, minimum: int, **values: Any) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(
+                f"{caller}: `{name}` must be an integer; received `{name}={value!r}` "
+                f"({type(value).__name__})."
+            )
+        if value < minimum:
+            raise ValueError(f"{caller}: `{name}` must be at least {minimum}; received {value}.")
+
+
+def check_classification_data(caller: str, model: Any, xs: Any, labels: Any) -> None:
+    """Raise `ValueError` unless `labels` are `len(xs)` integers in `[0, n_out)`, where `n_out`
+    is the width of `model`'s output (a label outside would train silently: optax takes -1 as the
+    last class)."""
+    if len(xs) == 0:
+        raise ValueError(f"{caller}: received an empty data set.")
+    if len(xs) != len(labels):
+        raise ValueError(f"{caller}: {len(xs)} inputs but {len(labels)} labels.")
+    labels = np.asarray(labels)
+    if labels.ndim != 1:
+        raise ValueError(
+            f"{caller}: `labels` must have shape (N,), one class index per input; received shape "
+            f"{labels.shape}."
+            + (" Flatten them: `labels.reshape(-1)`." if labels.size == len(xs) else "")
+        )
+    if not np.issubdtype(labels.dtype, np.integer):
+        raise ValueError(f"{caller}: `labels` must be integers; received dtype {labels.dtype}.")
+    n_out = eqx.filter_eval_shape(model, jnp.asarray(xs[0])).shape[-1]
+    low, high = int(labels.min()), int(labels.max())
+    if low < 0 or high >= n_out:
+        raise ValueError(
+            f"{caller}: `labels` must lie in [0, {n_out}) for a model of {n_out} outputs; "
+            f"received labels from {low} to {high}."
+        )
+
+
+def evaluate(
+    model: Any,
+    xs: Any,
+    labels: Any,
+    batch_size: int = 512,
+    mesh: Mesh | None = None,
+    loss_fn: LossFn = cross_entropy_loss,
+) -> dict[str, float]:
+    """Mean loss (of `loss_fn`, the one `fit` trains with; default the cross-entropy) and, with
+    the default loss, the accuracy of `model` over `(xs, labels)`, in batches (inference: no
+    dropout).
+
+    With the default loss, `labels` are class indices in `[0, n_out)`. With a `mesh` (a model
+    placed on it), every process passes the same data, and each batch is split across the
+    devices of the mesh's `"data"` axis (data-parallel evaluation; the rows of a batch that the
+    axis does not divide are evaluated replicated)."""
+    require_int("evaluate", 1, batch_size=batch_size)
+    if mesh is not None:
+        check_mesh("evaluate", mesh)
+    if loss_fn is cross_entropy_loss:
+        check_classification_data("evaluate", model, xs, labels)
+    elif len(xs) == 0 or len(xs) != len(labels):
+        raise ValueError(f"evaluate: {len(xs)} inputs and {len(labels)} labels.")
+    return evaluate_checked(model, xs, labels, batch_size, mesh, loss_fn)
+
+
+def evaluate_checked(
+    model: Any,
+    xs: Any,
+    labels: Any,
+    batch_size: int,
+    mesh: Mesh | None,
+    loss_fn: LossFn,
+) -> dict[str, float]:
+    """`evaluate` on data already checked."""
+    total_loss, correct = 0.0, 0
+    for start in range(0, len(xs), batch_size):
+        rows = slice(start, min(start + batch_size, len(xs)))
+        for batch_xs, batch_labels in _placed_batches(mesh, xs[rows], labels[rows]):
+            loss, hits = _batch_metrics(model, batch_xs, batch_labels, loss_fn)
+            total_loss += float(loss)
+            correct += int(hits)
+    metrics = {"loss": total_loss / len(xs)}
+    if loss_fn is cross_entropy_loss:
+        metrics["accuracy"] = correct / len(xs)
+    return metrics
+
+
+def _placed_batches(mesh: Mesh | None, xs: Any, labels: Any) -> list[tuple[jax.Array, jax.Array]]:
+    """A batch as the arrays to evaluate: as it is without a mesh; with one, its largest part that
+    the mesh's `"data"` axis divides split across the devices (each process passing its share, in
+    process order), and the few rows left replicated."""
+    xs, labels = np.asarray(xs), np.asarray(labels)
+    if mesh is None:
+        return [(jnp.asarray(xs), jnp.asarray(labels))]
+    even = len(xs) - len(xs) % mesh.shape["data"]
+    placed = []
+    if even:
+        mine = process_rows(mesh, even)
+        split = (global_batch(mesh, xs[mine]), global_batch(mesh, labels[mine]))
+        placed.append(split)
+    if even < len(xs):
+        rest = (global_replicated(mesh, xs[even:]), global_replicated(mesh, labels[even:]))
+        placed.append(rest)
+    return placed
