@@ -20,6 +20,14 @@ from environment import child_env
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [*sorted((ROOT / "docs").glob("**/*.md")), ROOT / "README.md"]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+# A page may name the environment its listings run with (the forced host devices of a page on
+# meshes, which JAX reads once, at its start): <!-- listings run with: NAME=value ... -->
+ENVIRONMENT = re.compile(r"<!-- listings run with: (.*?) -->")
+
+
+def page_env(page: pathlib.Path) -> dict[str, str]:
+    found = ENVIRONMENT.search(page.read_text())
+    return dict(pair.split("=", 1) for pair in found.group(1).split()) if found else {}
 
 
 def listings(page: pathlib.Path) -> list[tuple[str, str | None]]:
@@ -74,7 +82,7 @@ def page_results(tmp_path_factory):
                 text=True,
                 timeout=900,
                 cwd=tmp_path_factory.mktemp(page.stem),
-                env=child_env(),
+                env=child_env(**page_env(page)),
             )
             assert ran.returncode == 0 and report.exists(), ran.stderr
             ran_listings = json.loads(report.read_text())

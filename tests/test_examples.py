@@ -82,28 +82,27 @@ def test_digits_quick_run_and_export_pipeline(tmp_path, capsys):
     assert (runs / "last" / "weights.safetensors").stat().st_mtime_ns == saved
 
 
-def test_data_parallel_example_runs_over_a_mesh(tmp_path):
+@pytest.mark.parametrize(
+    "options, mesh, saved",
+    [
+        ([], "2 devices (2 data x 1 model", "best/weights.safetensors"),
+        (["--model-axis", "2", "--orbax"], "4 devices (2 data x 2 model", "sharded/6/model"),
+    ],
+    ids=["data parallel, 2 devices", "2 x 2 mesh, sharded checkpoints"],
+)
+def test_data_parallel_example_runs_over_a_mesh(tmp_path, options, mesh, saved):
     import subprocess
     import sys
 
+    devices = "4" if "--model-axis" in options else "2"
     result = subprocess.run(
-        [
-            sys.executable,
-            str(EXAMPLES / "data_parallel.py"),
-            "--cpu-devices",
-            "2",
-            "--steps",
-            "6",
-            "--batch-size",
-            "16",
-            "--out",
-            str(tmp_path / "run"),
-        ],
+        [sys.executable, str(EXAMPLES / "data_parallel.py"), "--cpu-devices", devices,
+         "--steps", "6", "--batch-size", "16", "--out", str(tmp_path / "run"), *options],
         capture_output=True,
         text=True,
         env=child_env(),
         timeout=600,
-    )
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert "mesh: 2 devices" in result.stdout and "test accuracy" in result.stdout
-    assert (tmp_path / "run" / "best" / "weights.safetensors").exists()
+    assert f"mesh: {mesh}" in result.stdout and "test accuracy" in result.stdout
+    assert (tmp_path / "run" / saved).exists()

@@ -32,7 +32,7 @@ import jax
 import numpy as np
 import optax
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 __all__ = [
@@ -162,9 +162,9 @@ def device_mesh(model: int = 1, devices: Any = None) -> Mesh:
 
 
 def check_mesh(caller: str, mesh: Any) -> None:
-    """A `ValueError` unless `mesh` is a `jax.sharding.Mesh` with a `"data"` axis and no axis
-    but `"data"` and `"model"`."""
-    if not isinstance(mesh, Mesh):
+    """A `ValueError` unless `mesh` is a `jax.sharding.Mesh` (or, to plan without devices, an
+    `AbstractMesh`) with a `"data"` axis and no axis but `"data"` and `"model"`."""
+    if not isinstance(mesh, Mesh | AbstractMesh):
         raise TypeError(
             f"{caller}: `mesh` must be a jax.sharding.Mesh (`data_mesh()`, `device_mesh()`); "
             f"received {type(mesh).__name__}."
@@ -180,7 +180,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def _axis_size(mesh: Mesh, name: str) -> int:
+def _axis_size(mesh: Mesh | AbstractMesh, name: str) -> int:
     return int(mesh.shape[name]) if name in mesh.axis_names else 1
 
 
@@ -224,12 +224,13 @@ def _split_axes(tree: Any, model: int) -> dict[int, int]:
     return found
 
 
-def partition_specs(tree: Any, mesh: Mesh, shard_params: bool = False) -> Any:
-    """The `PartitionSpec` of every array of `tree` (a model) on `mesh`, `None` for the other
-    leaves: its tensor-parallel axis (see the module's docstring) on `"model"` when the mesh has
-    that axis, and with `shard_params`, its first other axis that the `"data"` devices divide on
-    `"data"`. Arrays that `shard_params` cannot split stay whole on every device, and a
-    `ShardingWarning` lists them."""
+def partition_specs(tree: Any, mesh: Mesh | AbstractMesh, shard_params: bool = False) -> Any:
+    """The `PartitionSpec` of every array (or `jax.ShapeDtypeStruct`) of `tree` (a model) on
+    `mesh` (a `Mesh`, or an `AbstractMesh((2, 2), ("data", "model"))` to plan without the
+    devices), `None` for the other leaves: its tensor-parallel axis (see the module's
+    docstring) on `"model"` when the mesh has that axis, and with `shard_params`, its first
+    other axis that the `"data"` devices divide on `"data"`. Arrays that `shard_params` cannot
+    split stay whole on every device, and a `ShardingWarning` lists them."""
     check_mesh("partition_specs", mesh)
     model, data = _axis_size(mesh, "model"), _axis_size(mesh, "data")
     split = _split_axes(tree, model) if model > 1 else {}
@@ -297,7 +298,7 @@ def optimizer_shardings(
             transform_non_params=lambda leaf: whole if _is_slot(leaf) else None,
             is_leaf=lambda x: x is None,
         )
-    except (ValueError, TypeError) as error:
+    except (ValueError, TypeError, IndexError, AttributeError) as error:
         warnings.warn(
             f"the optimizer state is replicated on every device: optax cannot map it onto the "
             f"parameters ({error}).",
