@@ -148,6 +148,24 @@ def sharded_store(tmp, **options):
     return ShardedCheckpoints(tmp / "sharded", asynchronous=False, **options)
 
 
+def orbax_not_installed(tmp):
+    """`checkpoint_format="orbax"` where orbax-checkpoint cannot be imported."""
+    hidden = {name: sys.modules.pop(name) for name in list(sys.modules)
+              if name == "dense_armor.sharded_checkpoint" or name.startswith("orbax")}  # fmt: skip
+    sys.modules["orbax"] = None  # type: ignore[assignment]
+    try:
+        fit_with(checkpoint_dir=tmp / "run", config=CONFIG, checkpoint_format="orbax")
+    finally:
+        del sys.modules["orbax"]
+        sys.modules.update(hidden)
+
+
+def sharded_restore_missing_step(tmp):
+    with sharded_store(tmp) as store:
+        store.save(1, MODEL, CONFIG)
+        store.restore(9)
+
+
 def sharded_with_optimizer_state(tmp):
     """A sharded checkpoint holding an optimizer state, converted without the optimizer."""
     fit_with(checkpoint_dir=tmp / "run", config=CONFIG, checkpoint_format="orbax")
@@ -309,6 +327,11 @@ BAD = [
     ("device-mesh-model-zero", lambda: device_mesh(model=0), ValueError, r"`model` must be a positive integer; received 0"),
     ("shard-source-batch-too-large", lambda: ShardSource(XS, LABELS, 9), ValueError, r"`batch_size=9` must lie in \[1, 8\], the rows this process holds"),
     ("shard-source-lengths", lambda: ShardSource(XS, LABELS[:3], 2), ValueError, r"8 inputs but 3 labels"),
+    ("fit-orbax-not-installed", lambda tmp, _: orbax_not_installed(tmp), ImportError, r"`checkpoint_format=\"orbax\"` needs Orbax: pip install 'dense-armor\[scale\]'"),
+    ("sharded-directory-is-a-file", lambda tmp, _: ShardedCheckpoints(tmp / "afile") if (tmp / "afile").write_text("x") else None, CheckpointError, r"afile is a file, not a checkpoint directory"),
+    ("sharded-save-negative-step", lambda tmp, _: sharded_store(tmp).save(-1, MODEL, CONFIG), ValueError, r"`step` must be an integer >= 0; got -1"),
+    ("sharded-save-config-a-dict", lambda tmp, _: sharded_store(tmp).save(1, MODEL, dict(CONFIG.arguments)), TypeError, r"`config` must be a ModelConfig; received dict"),
+    ("sharded-restore-a-step-not-saved", lambda tmp, _: sharded_restore_missing_step(tmp), CheckpointError, r"no sharded checkpoint of step 9 .*\(saved steps: \[1\]\)"),
     ("sharded-restore-nothing-saved", lambda tmp, _: sharded_store(tmp).restore(), CheckpointError, r"no sharded checkpoint of step None in .*sharded \(saved steps: \[\]\)"),
     ("sharded-max-to-keep-zero", lambda tmp, _: sharded_store(tmp, max_to_keep=0), ValueError, r"`max_to_keep` must be a positive integer or None; received 0"),
     ("sharded-keep-best-string", lambda tmp, _: sharded_store(tmp, keep_best="yes"), ValueError, r"`keep_best` must be True or False"),

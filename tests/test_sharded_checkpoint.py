@@ -227,3 +227,54 @@ def test_an_optimizer_state_that_cannot_be_mapped_is_replicated_with_a_warning()
             mesh=device_mesh(), progress=False,
         )  # fmt: skip
     assert np.isfinite(result.history[-1]["train_loss"])
+
+
+# A writer killed at any moment loses nothing complete
+
+WRITER = """
+import sys
+import jax
+from dense_armor.checkpoint import ModelConfig
+from dense_armor.sharded_checkpoint import ShardedCheckpoints
+config = ModelConfig("transformer_encoder", {"n_in": 3, "d_model": 256, "n_heads": 8,
+    "d_ff": 1024, "depth": 2, "n_out": 2, "max_len": 6})
+model = config.build()
+store = ShardedCheckpoints(sys.argv[1], max_to_keep=2)  # asynchronous
+for step in range(1, 1000):
+    store.save(step, jax.tree.map(lambda a: a + step, model), config)
+    print("saved", step, flush=True)
+"""
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.03, 0.2])
+def test_a_writer_killed_mid_save_leaves_the_last_complete_step(tmp_path, delay):
+    """SIGKILL while asynchronous saves are being written: the directory opens, its latest
+    complete step restores, and holds exactly what was saved as that step."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from environment import child_env
+
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(tmp_path / "s")],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=child_env(),
+    )  # fmt: skip
+    try:
+        for line in writer.stdout:
+            if line.strip() == "saved 4":
+                break
+        time.sleep(delay)
+        writer.send_signal(signal.SIGKILL)
+    finally:
+        writer.kill()
+        writer.wait(timeout=60)
+        writer.stdout.close()
+    with ShardedCheckpoints(tmp_path / "s") as store:
+        back = store.restore()
+    assert back.step >= 3
+    config = back.config
+    expected = jax.tree.map(lambda a: a + back.step, config.build())
+    for path, array in tree_arrays(expected).items():
+        np.testing.assert_array_equal(tree_arrays(back.model)[path], array)

@@ -76,8 +76,13 @@ class _Checkpoints:
         self.best = pathlib.Path(directory) / "best"
         self.store: Any = None
         if checkpoint_format == "orbax":
-            from .sharded_checkpoint import ShardedCheckpoints
-
+            try:
+                from .sharded_checkpoint import ShardedCheckpoints
+            except ImportError as error:
+                raise ImportError(
+                    'fit: `checkpoint_format="orbax"` needs Orbax: pip install '
+                    f"'dense-armor[scale]' (orbax-checkpoint). ({error})"
+                ) from None
             self.store = ShardedCheckpoints(pathlib.Path(directory) / "sharded", keep_best=True)
 
     def saved(self) -> bool:
