@@ -160,6 +160,16 @@ def orbax_not_installed(tmp):
         sys.modules.update(hidden)
 
 
+def resume_from_a_model_alone(tmp, checkpoint_format):
+    """A checkpoint directory whose latest checkpoint holds a model but no training run."""
+    if checkpoint_format == "orbax":
+        with ShardedCheckpoints(tmp / "run" / "sharded", asynchronous=False) as store:
+            store.save(1, MODEL, CONFIG)
+    else:
+        save_checkpoint(tmp / "run" / "last", MODEL, CONFIG)
+    fit_with(checkpoint_dir=tmp / "run", config=CONFIG, checkpoint_format=checkpoint_format)
+
+
 def sharded_restore_missing_step(tmp):
     with sharded_store(tmp) as store:
         store.save(1, MODEL, CONFIG)
@@ -332,6 +342,8 @@ BAD = [
     ("sharded-save-negative-step", lambda tmp, _: sharded_store(tmp).save(-1, MODEL, CONFIG), ValueError, r"`step` must be an integer >= 0; got -1"),
     ("sharded-save-config-a-dict", lambda tmp, _: sharded_store(tmp).save(1, MODEL, dict(CONFIG.arguments)), TypeError, r"`config` must be a ModelConfig; received dict"),
     ("sharded-restore-a-step-not-saved", lambda tmp, _: sharded_restore_missing_step(tmp), CheckpointError, r"no sharded checkpoint of step 9 .*\(saved steps: \[1\]\)"),
+    ("fit-resume-a-model-alone", lambda tmp, _: resume_from_a_model_alone(tmp, "safetensors"), CheckpointError, r"latest checkpoint in .*run is not a training run's"),
+    ("fit-resume-a-model-alone-sharded", lambda tmp, _: resume_from_a_model_alone(tmp, "orbax"), CheckpointError, r"latest checkpoint in .*run is not a training run's"),
     ("sharded-restore-nothing-saved", lambda tmp, _: sharded_store(tmp).restore(), CheckpointError, r"no sharded checkpoint of step None in .*sharded \(saved steps: \[\]\)"),
     ("sharded-max-to-keep-zero", lambda tmp, _: sharded_store(tmp, max_to_keep=0), ValueError, r"`max_to_keep` must be a positive integer or None; received 0"),
     ("sharded-keep-best-string", lambda tmp, _: sharded_store(tmp, keep_best="yes"), ValueError, r"`keep_best` must be True or False"),

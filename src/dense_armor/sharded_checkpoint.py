@@ -198,8 +198,8 @@ class ShardedCheckpoints:
         )
         config = _config(meta["config"], self.directory)
         model_like = skeleton(config)
+        one = SingleDeviceSharding(jax.local_devices()[0])  # without a mesh, every array here
         if mesh is None:
-            one = SingleDeviceSharding(jax.local_devices()[0])
             where = jax.tree.map(
                 lambda leaf: one if isinstance(leaf, jax.ShapeDtypeStruct) else None,
                 model_like,
@@ -219,7 +219,6 @@ class ShardedCheckpoints:
                 is_leaf=lambda x: x is None,
             )
             if mesh is None:
-                one = SingleDeviceSharding(jax.local_devices()[0])
                 opt_where = jax.tree.map(lambda _: one, opt_like)
             else:
                 opt_where = optimizer_shardings(opt_like, optimizer, param_where, mesh)

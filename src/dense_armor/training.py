@@ -97,9 +97,11 @@ class _Checkpoints:
         if self.store is not None:
             self._check(ModelConfig.from_json(self.store.config_json()))
             restored = self.store.restore(mesh=mesh, shard_params=shard_params, optimizer=optimizer)
+            self._check_run(restored.state, restored.opt_state is not None)
             return restored.model, restored.opt_state, restored.state
         saved = load_checkpoint(self.last)
         self._check(saved.config)
+        self._check_run(saved.state, bool(saved.state_arrays))
         model = saved.model
         saved_opt = fill_tree(opt_state, saved.state_arrays, what="optimizer state")
         if mesh is not None:  # read whole, as the single file holds it
@@ -113,6 +115,16 @@ class _Checkpoints:
                 f"fit: {self.last.parent} holds a run of another model ({saved}); this run's "
                 f"is {self.config}. Use another checkpoint_dir, or resume=False to start over "
                 "(its checkpoints are then replaced)."
+            )
+
+    def _check_run(self, state: dict[str, Any], has_optimizer_state: bool) -> None:
+        """A checkpoint to resume from holds a training run: its step, history and optimizer
+        state (a model saved alone, or converted without its optimizer, does not)."""
+        if not has_optimizer_state or "step" not in state or "history" not in state:
+            raise CheckpointError(
+                f"fit: the latest checkpoint in {self.last.parent} is not a training run's (no "
+                "optimizer state, step and history to resume from); use another checkpoint_dir, "
+                "or resume=False to start over."
             )
 
     def start_over(self) -> None:
