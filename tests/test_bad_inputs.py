@@ -355,6 +355,7 @@ BAD = [
     ("evaluate-empty", lambda: evaluate(MODEL, XS[:0], LABELS[:0]), ValueError, r"empty data set"),
     # streams and artifacts
     ("full-cache-under-jax-jit", full_cache_under_jax_jit, ValueError, r"the key/value cache is full \(capacity 1\)"),
+    ("export-matmul-precision", lambda tmp, _: export_model(MODEL, CONFIG, tmp / "art", matmul_precision="tf32"), ArtifactError, r"matmul_precision must be one of \('highest', 'default'\); got 'tf32'"),
     ("artifact-step-without-cache", lambda tmp, _: artifact_step_without_cache(tmp), ArtifactError, r"`cache` must be the list of arrays.*NoneType"),
     ("cli-out-below-a-file", cli_out_below_a_file, SystemExit, r"dense-armor export: error: .*afile"),
     # several processes

@@ -272,6 +272,30 @@ def test_every_platform_lowers_from_this_machine(every_platform, model):
     assert max(check_golden(artifact).values()) < 1e-5  # the cpu lowering of the 3, run here
 
 
+def test_float32_products_are_exported_at_full_precision(every_platform, model, tmp_path):
+    """Every matrix product of every module (the portable and the static, for cuda as for cpu)
+    asks for full float32 (a GPU would otherwise run it in TF32, ~1e-3 from the golden
+    outputs); `matmul_precision="default"` leaves the platform its own choice."""
+    artifact = load(every_platform)
+    assert artifact.manifest["matmul_precision"] == "highest"
+    texts = {**module_texts(every_platform)}
+    texts.update({name: f.mlir_module() for name, f in artifact.functions.items()})
+    with_products = 0
+    for name, text in texts.items():
+        products = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+        assert all("precision = [HIGHEST, HIGHEST]" in p for p in products), name
+        with_products += bool(products)
+    assert with_products >= 6  # forward, step and prefill of both kinds (init_cache has none)
+    platform_own = export_model(
+        model, CONFIG, tmp_path / "own", platforms=["cuda"], static_shapes=[(1, 4)],
+        matmul_precision="default",
+    )  # fmt: skip
+    assert platform_own.manifest["matmul_precision"] == "default"
+    own = module_texts(tmp_path / "own")
+    forward = next(text for name, text in own.items() if name.startswith("forward."))
+    assert "stablehlo.dot_general" in forward and "HIGHEST" not in forward
+
+
 def test_weights_are_arguments_not_constants(artifact_dir, model):
     artifact = load(artifact_dir)
     n_weights = len(model.params())

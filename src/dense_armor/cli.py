@@ -110,6 +110,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ex.add_argument("--capacity", type=int, help="cache capacity of the step (default: max_len)")
     ex.add_argument("--platforms", type=_platforms, default=["cpu", "cuda", "tpu"])
     ex.add_argument("--force", action="store_true", help="replace --out if it exists")
+    ex.add_argument(
+        "--matmul-precision",
+        choices=["highest", "default"],
+        default="highest",
+        help="float32 products: full precision everywhere (highest), or the platform's own "
+        "(default: TF32 on NVIDIA GPUs)",
+    )
 
     co = commands.add_parser(
         "compile", help="compile an artifact's static modules with IREE and check them"
@@ -150,6 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 platforms=args.platforms,
                 static_shapes=args.static,
                 force=args.force,
+                matmul_precision=args.matmul_precision,
             )
             print(summary)
         elif args.command == "compile":

@@ -60,6 +60,10 @@ from .standalone import FORMAT, FORMAT_VERSION, MANIFEST, ArtifactError
 __all__ = ["PLATFORMS", "ExportSummary", "export_checkpoint", "export_model"]
 
 PLATFORMS = ("cpu", "cuda", "tpu")
+# float32 products in the exported functions: "highest" (full float32 on every platform, so an
+# artifact gives the golden outputs on a GPU as on the CPU) or "default" (the platform's own
+# choice: TF32 on recent NVIDIA GPUs, bfloat16 passes on TPUs; faster, about 1e-3 apart).
+MATMUL_PRECISIONS = ("highest", "default")
 OVERFLOW = (
     "a stream that steps (or prefills) past the cache capacity (or past max_len) gets NaN in "
     "those rows of its output and true in `overflow`; its cache rows are never overwritten, and "
@@ -99,6 +103,7 @@ def export_model(
     static_shapes: Sequence[tuple[int, ...]] | None = None,
     force: bool = False,
     seed: int = 0,
+    matmul_precision: str = "highest",
 ) -> ExportSummary:
     """Export `model` (built from `config`) to the directory `out`.
 
@@ -112,6 +117,10 @@ def export_model(
     - `capacity` may not pass `max_len` unless the model has a `window` (its positions stop
       at `max_len`, so a larger cache could never fill).
     - `force`: replace `out` if it exists (otherwise that is an error).
+    - `matmul_precision`: the precision of float32 matrix products in every exported function,
+      `"highest"` (default: full float32, so the artifact matches its golden outputs on GPUs and
+      TPUs as on CPUs) or `"default"` (the platform's own: TF32 on NVIDIA GPUs since Ampere,
+      faster, about 1e-3 apart); recorded in the manifest.
 
     Nothing is left half-written: the directory is assembled beside `out` and renamed into place.
     """
@@ -119,6 +128,10 @@ def export_model(
     target = pathlib.Path(out)
     if target.exists() and not force:
         raise ArtifactError(f"{target} exists; pass force=True (`--force`) to replace it.")
+    if matmul_precision not in MATMUL_PRECISIONS:
+        raise ArtifactError(
+            f"matmul_precision must be one of {MATMUL_PRECISIONS}; got {matmul_precision!r}."
+        )
     unknown = sorted(set(platforms) - set(PLATFORMS))
     if unknown or not platforms:
         raise ArtifactError(
@@ -216,6 +229,7 @@ def export_model(
             lowering, functions, exported, config, causal_config, platforms, static_entries
         )
         manifest["golden"] = golden_plan
+        manifest["matmul_precision"] = matmul_precision
         manifest["debug_locations"] = "stripped" if all(stripped) else "kept"
         manifest["files"] = standalone.file_table(tmp)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -223,7 +237,9 @@ def export_model(
 
     if target.exists() and not target.is_dir():
         raise ArtifactError(f"{target} exists and is not a directory.")
-    with exporting():  # the golden outputs too: a cuDNN model computes them as XLA's
+    # the golden outputs too: a cuDNN model computes them as XLA's; every product traced (and
+    # so written into the modules) at `matmul_precision`
+    with exporting(), jax.default_matmul_precision(matmul_precision):
         _atomic.write_directory(target, fill)
     files = {str(p.relative_to(target)): p.stat().st_size for p in target.rglob("*") if p.is_file()}
     return ExportSummary(target, files, time.perf_counter() - started, summary["manifest"])

@@ -528,10 +528,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     worst = max(errors.values())
     tolerance = args.tolerance
     if tolerance is None:  # half precision is compared with half-precision round-off
-        compute = read_manifest(pathlib.Path(args.directory))["model"]["arguments"].get(
-            "compute_dtype"
-        )
+        manifest = read_manifest(pathlib.Path(args.directory))
+        compute = manifest["model"]["arguments"].get("compute_dtype")
         tolerance = 1e-4 if compute in (None, "float32") else 5e-2
+        # products at the platform's own precision (TF32 on a GPU) are about 1e-3 apart
+        on_accelerator = not args.iree and jax.default_backend() != "cpu"
+        if manifest.get("matmul_precision") == "default" and on_accelerator:
+            tolerance = max(tolerance, 2e-2)
     if args.report is not None:
         args.report.write_text(json.dumps({"errors": errors, "max": worst}, indent=2) + "\n")
     print(f"  {'all':<36} max |error| = {worst:.3e} ({'ok' if worst <= tolerance else 'FAILED'})")
