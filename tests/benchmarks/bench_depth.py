@@ -9,6 +9,7 @@ its first call after that. Memory is XLA's own `memory_analysis` of the
 compiled step (temporaries), depth 12, T 2048, B 1, attention scores materialised.
 """
 
+import os
 import statistics
 import time
 
@@ -24,7 +25,8 @@ from .harness import interleaved, table
 
 B, T, N_IN, D, H, D_FF, N_OUT = 8, 128, 16, 256, 8, 1024, 10
 DEPTHS = (2, 8, 24)
-COMPILE_ROUNDS = 3
+# fewer on a machine lent for minutes (an accelerator): DENSE_ARMOR_BENCH_COMPILE_ROUNDS=1
+COMPILE_ROUNDS = int(os.environ.get("DENSE_ARMOR_BENCH_COMPILE_ROUNDS", "3"))
 
 
 def _loss(logits, labels):

@@ -137,15 +137,15 @@ class Recurrent(Layer):
         """Every step's output (in the input's dtype) and the final state, one step at a
         time."""
         u = self._inputs(x)
-        valid = jnp.ones(x.shape[0], bool) if mask is None else mask
 
-        def tick(state: Any, inputs: tuple[Array, Array]) -> tuple[Any, Array]:
+        def tick(state: Any, inputs: tuple[Array, Array | None]) -> tuple[Any, Array]:
             u_t, keep = inputs
             new = self._cell(u_t, state, x.dtype)
-            state = jax.tree.map(lambda n, o: jnp.where(keep, n, o), new, state)
-            return state, state.h
+            if keep is not None:  # a padded step keeps the state (no select without a mask)
+                new = jax.tree.map(lambda n, o: jnp.where(keep, n, o), new, state)
+            return new, new.h
 
-        state, h = jax.lax.scan(tick, state, (u, valid))
+        state, h = jax.lax.scan(tick, state, (u, mask))
         return h.astype(x.dtype), state
 
     @shape_checked
