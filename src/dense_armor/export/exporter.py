@@ -50,8 +50,8 @@ from ..checkpoint import (
     tree_arrays,
 )
 from ..families import FAMILIES
-from ..utility.neural.attention import exporting
 from ..utility.neural.cache import portable_writes
+from ..utility.neural.kernels import exporting
 from . import standalone
 from .golden import golden
 from .lowering import Function, Lowering, spec, strip_locations

@@ -17,7 +17,6 @@ from .attention import (
     _check_heads,
     _dropped,
     _projected,
-    resolve_implementation,
 )
 from .core import (
     Layer,
@@ -29,6 +28,7 @@ from .core import (
     require_rate,
     shape_checked,
 )
+from .kernels import resolve_implementation
 
 __all__ = ["ContextCache", "MultiHeadCrossAttention"]
 

@@ -27,7 +27,6 @@ from .attention import (
     _rotated,
     _sequence_mask,
     attention_weights,
-    resolve_implementation,
 )
 from .blocked import use_blocked
 from .cache import Counter, FixedKVCache, KVCache, RingKVCache, validate_overflow_mode
@@ -41,6 +40,7 @@ from .core import (
     require_rate,
     shape_checked,
 )
+from .kernels import resolve_implementation
 
 __all__ = ["MultiHeadSelfAttention"]
 
