@@ -35,7 +35,7 @@ from safetensors.numpy import load_file, save_file
 
 from . import _atomic
 from ._atomic import WRITE_STEPS, sha256
-from .distributed import gather_to_host
+from .distributed import gather_to_host, is_slot
 from .families import FAMILIES
 from .utility.neural.core import python_scalar, require_bool
 from .utility.neural.stack import stack_layers, unstack_layers
@@ -132,18 +132,12 @@ def tree_arrays(tree: Any) -> dict[str, np.ndarray]:
     return {jax.tree_util.keystr(path): gather_to_host(leaf) for path, leaf in leaves}
 
 
-def _is_slot(leaf: Any) -> bool:
-    """An array leaf, or the abstract one (`jax.ShapeDtypeStruct`) of an `eqx.filter_eval_shape`
-    skeleton."""
-    return eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)
-
-
 def _slots(tree: Any) -> dict[str, jax.ShapeDtypeStruct]:
-    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=_is_slot)
+    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_slot)
     return {
         jax.tree_util.keystr(path): jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
         for path, leaf in leaves
-        if _is_slot(leaf)
+        if is_slot(leaf)
     }
 
 
@@ -189,9 +183,9 @@ def fill_tree(skeleton: Any, arrays: Mapping[str, np.ndarray], what: str = "weig
     each array leaf replaced by `arrays[path]`; structure, shape and dtype are checked, and every
     mismatch is named."""
     check_arrays(_slots(skeleton), arrays, what)
-    paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(skeleton, is_leaf=_is_slot)
+    paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(skeleton, is_leaf=is_slot)
     leaves = [
-        jax.numpy.asarray(arrays[jax.tree_util.keystr(path)]) if _is_slot(leaf) else leaf
+        jax.numpy.asarray(arrays[jax.tree_util.keystr(path)]) if is_slot(leaf) else leaf
         for path, leaf in paths_and_leaves
     ]
     return jax.tree_util.tree_unflatten(treedef, leaves)

@@ -237,7 +237,7 @@ def partition_specs(tree: Any, mesh: Mesh | AbstractMesh, shard_params: bool = F
     whole: list[str] = []
 
     def spec(path: Any, leaf: Any) -> P | None:
-        if not _is_slot(leaf):
+        if not is_slot(leaf):
             return None
         axes: list[Any] = [None] * leaf.ndim
         if id(leaf) in split:
@@ -255,7 +255,7 @@ def partition_specs(tree: Any, mesh: Mesh | AbstractMesh, shard_params: bool = F
             axes.pop()
         return P(*axes)
 
-    specs = jax.tree_util.tree_map_with_path(spec, tree, is_leaf=_is_slot)
+    specs = jax.tree_util.tree_map_with_path(spec, tree, is_leaf=is_slot)
     if whole:
         warnings.warn(
             f'shard_params: {len(whole)} arrays have no axis that the {data} `"data"` devices '
@@ -267,8 +267,9 @@ def partition_specs(tree: Any, mesh: Mesh | AbstractMesh, shard_params: bool = F
     return specs
 
 
-def _is_slot(leaf: Any) -> bool:
-    """An array, or an abstract one (`jax.ShapeDtypeStruct`, a skeleton's leaf)."""
+def is_slot(leaf: Any) -> bool:
+    """An array, or an abstract one (`jax.ShapeDtypeStruct`: a leaf of an `eqx.filter_eval_shape`
+    skeleton), the leaves that placement and checkpoints fill."""
     return eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)
 
 
@@ -292,10 +293,10 @@ def optimizer_shardings(
     try:
         return optax.tree_map_params(
             optimizer,
-            lambda leaf, sharding: sharding if _is_slot(leaf) else None,
+            lambda leaf, sharding: sharding if is_slot(leaf) else None,
             state,
             param_shardings,
-            transform_non_params=lambda leaf: whole if _is_slot(leaf) else None,
+            transform_non_params=lambda leaf: whole if is_slot(leaf) else None,
             is_leaf=lambda x: x is None,
         )
     except (ValueError, TypeError, IndexError, AttributeError) as error:
@@ -305,7 +306,7 @@ def optimizer_shardings(
             ShardingWarning,
             stacklevel=3,
         )
-        return jax.tree.map(lambda leaf: whole if _is_slot(leaf) else None, state)
+        return jax.tree.map(lambda leaf: whole if is_slot(leaf) else None, state)
 
 
 def _put_all(tree: Any, where: Any) -> Any:

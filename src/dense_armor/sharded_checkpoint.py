@@ -40,7 +40,7 @@ from .checkpoint import (
     skeleton,
     tree_arrays,
 )
-from .distributed import check_mesh, optimizer_shardings, shardings
+from .distributed import check_mesh, is_slot, optimizer_shardings, shardings
 from .utility.neural.core import require_bool
 
 __all__ = ["ShardedCheckpoints", "ShardedRestore", "from_safetensors", "to_safetensors"]
@@ -201,9 +201,7 @@ class ShardedCheckpoints:
         one = SingleDeviceSharding(jax.local_devices()[0])  # without a mesh, every array here
         if mesh is None:
             where = jax.tree.map(
-                lambda leaf: one if isinstance(leaf, jax.ShapeDtypeStruct) else None,
-                model_like,
-                is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct),
+                lambda leaf: one if is_slot(leaf) else None, model_like, is_leaf=is_slot
             )
         else:
             check_mesh("ShardedCheckpoints.restore", mesh)
