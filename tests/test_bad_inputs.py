@@ -32,7 +32,7 @@ from dense_armor.checkpoint import (
 )
 from dense_armor.cli import main as cli
 from dense_armor.data import ShardSource
-from dense_armor.distributed import device_mesh, initialize
+from dense_armor.distributed import device_mesh, initialize, partition_specs
 from dense_armor.export import ArtifactError, export_model, load
 from dense_armor.export.iree import compile_artifact, target_flags
 from dense_armor.interop import InteropError, import_torch
@@ -327,6 +327,9 @@ BAD = [
     ("fit-resume-another-model", lambda tmp, _: resume_another_model(tmp), CheckpointError, r"holds a run of another model"),
     ("fit-nan-loss-first-step", nan_loss_at_the_first_step, FloatingPointError, r"training loss is nan at step 1"),
     ("fit-resume-another-model-sharded", lambda tmp, _: resume_another_model(tmp, "orbax"), CheckpointError, r"holds a run of another model"),
+    ("fit-shard-params-a-string", lambda: fit_with(shard_params="false"), ValueError, r"`shard_params` must be True or False; received `shard_params='false'` \(str\)"),
+    ("fit-resume-a-string", lambda: fit_with(resume="no"), ValueError, r"`resume` must be True or False; received `resume='no'`"),
+    ("partition-specs-shard-params-a-string", lambda: partition_specs(MODEL, Mesh(np.array(jax.devices()[:1]), ("data",)), "yes"), ValueError, r"`shard_params` must be True or False"),
     ("fit-checkpoint-format", lambda: fit_with(checkpoint_format="zip"), ValueError, r"`checkpoint_format` must be one of \('safetensors', 'orbax'\); received 'zip'"),
     ("fit-train-a-string", lambda: source_fit("train.npz"), TypeError, r"`train` must be `\(xs, labels\)` or a BatchSource.*str"),
     ("fit-source-wrong-rows", lambda: source_fit(lambda step: (XS[:3], LABELS[:3])), ValueError, r"data source gave 3 inputs and 3 labels for step 0; this process feeds 4 rows"),

@@ -35,6 +35,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .utility.neural.core import Layer, require_bool
+
 __all__ = [
     "ShardingWarning",
     "data_mesh",
@@ -188,8 +190,6 @@ def _split_axes(tree: Any, model: int) -> dict[int, int]:
     """`{id(array): axis}` for the arrays that tensor parallelism splits over `model` devices, from
     the `tensor_parallel` declarations of the layers in `tree`; a `ValueError` where the axis
     cannot be split into whole heads (or units)."""
-    from .utility.neural.core import Layer
-
     found: dict[int, int] = {}
 
     def visit(node: Any, where: str) -> None:
@@ -232,6 +232,7 @@ def partition_specs(tree: Any, mesh: Mesh | AbstractMesh, shard_params: bool = F
     other axis that the `"data"` devices divide on `"data"`. Arrays that `shard_params` cannot
     split stay whole on every device, and a `ShardingWarning` lists them."""
     check_mesh("partition_specs", mesh)
+    require_bool(shard_params=shard_params)
     model, data = _axis_size(mesh, "model"), _axis_size(mesh, "data")
     split = _split_axes(tree, model) if model > 1 else {}
     whole: list[str] = []

@@ -41,6 +41,7 @@ from .train_step import (
     make_train_step,
     require_int,
 )
+from .utility.neural.core import require_bool
 
 __all__ = [
     "CHECKPOINT_FORMATS",
@@ -248,6 +249,7 @@ def fit(
     """
     require_int("fit", 0, steps=steps, seed=seed)
     require_int("fit", 1, batch_size=batch_size, eval_every=eval_every, accumulate=accumulate)
+    require_bool(resume=resume, progress=progress, shard_params=shard_params)
     if mesh is not None:
         check_mesh("fit", mesh)
     if checkpoint_format not in CHECKPOINT_FORMATS:
