@@ -39,6 +39,14 @@ def doctest(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def pages_on_other_cpus(session: nox.Session) -> None:
+    """Every page's listings with XLA's CPU code limited to AVX2 and to SSE4.2 (as on CPUs
+    without AVX-512): lists each printed value whose digits or sign then differ from the page."""
+    session.install("-e", ".[test,scale]")
+    session.run("python", "tests/pages_on_other_cpus.py", *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check."""
     session.install("ruff>=0.6")

@@ -13,6 +13,7 @@ from safetensors.numpy import load_file
 
 from dense_armor.checkpoint import CheckpointError, ModelConfig, load_checkpoint, save_checkpoint
 from dense_armor.export import check_golden, export_model, load
+from dense_armor.export.golden import GOLDEN_STEPS
 from dense_armor.utility.neural import (
     GRU,
     LSTM,
@@ -318,6 +319,26 @@ def test_export_of_a_mixed_stack_matches_its_python_model(tmp_path):
         y_t, cache, overflow = artifact.step(x[:, t], cache)
         assert not bool(overflow.any())
     np.testing.assert_allclose(y_t, expected, atol=1e-5)
+
+
+def test_a_huge_capacity_exports_with_a_bounded_golden_stream(tmp_path):
+    """A recurrent state does not grow with the capacity, so a capacity of a million slots is a
+    fair export; its golden stream, stepped in Python one step at a time, stops at
+    GOLDEN_STEPS and still checks init_cache, prefill, step and reset."""
+    config = ModelConfig(
+        "transformer_encoder",
+        {**MIXED.arguments, "depth": 1, "mixers": "gru", "positions": "none"},
+    )
+    model = config.build(jax.random.PRNGKey(3))
+    export_model(model, config, tmp_path / "art", capacity=10**6, platforms=["cpu"],
+                 static_shapes=[])  # fmt: skip
+    artifact = load(tmp_path / "art")
+    assert artifact.manifest["streaming"]["capacity"] == 10**6
+    stream = artifact.manifest["golden"]["stream"]
+    assert stream["steps"] == GOLDEN_STEPS and stream["prefill"] < stream["reset_at"] < 10**6
+    errors = check_golden(artifact)
+    assert {"init_cache", f"reset at step {stream['reset_at']}"} <= set(errors)
+    assert max(errors.values()) < 1e-5
 
 
 def test_checkpoints_convert_between_scanned_and_unrolled_recurrent_blocks(tmp_path):

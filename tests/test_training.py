@@ -168,5 +168,5 @@ def test_accumulated_micro_batches_train_like_the_whole_batch():
     with pytest.raises(ValueError, match=r"`accumulate=3` micro-batches must divide"):
         fit(config.build(jax.random.PRNGKey(0)), optax.adam(1e-3), (xs, labels), steps=1,
             batch_size=32, accumulate=3, progress=False)  # fmt: skip
-    with pytest.raises(TypeError, match=r"`accumulate` must be an integer"):
+    with pytest.raises(TypeError, match=r"`accumulate` must be a positive integer"):
         make_train_step(optax.adam(1e-3), accumulate="2")

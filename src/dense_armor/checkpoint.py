@@ -83,8 +83,9 @@ class ModelConfig:
                 f"a model config's `arguments` must be a dict of the factory's arguments; "
                 f"received {type(self.arguments).__name__}."
             )
-        # NumPy scalars (np.int64(8)) are welcome, stored as the Python values JSON can hold.
-        plain = {name: python_scalar(value) for name, value in self.arguments.items()}
+        # NumPy scalars (np.int64(8)) are welcome, stored as the Python values JSON can hold,
+        # and tuples as lists: a config equals itself read back from its JSON.
+        plain = {name: _json_value(value) for name, value in self.arguments.items()}
         object.__setattr__(self, "arguments", plain)
 
     def build(self, key: jax.Array | None = None) -> Any:
@@ -123,6 +124,15 @@ class ModelConfig:
         if missing:
             raise CheckpointError(f"the checkpoint config lacks {', '.join(map(repr, missing))}.")
         return cls(data["factory"], data["arguments"])
+
+
+def _json_value(value: Any) -> Any:
+    """`value` as JSON reads it back: NumPy scalars as Python ones, tuples as lists."""
+    if isinstance(value, tuple | list):
+        return [_json_value(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _json_value(v) for k, v in value.items()}
+    return python_scalar(value)
 
 
 def tree_arrays(tree: Any) -> dict[str, np.ndarray]:
@@ -230,13 +240,45 @@ def save_checkpoint(
         )
     target = pathlib.Path(directory)
     weights = tree_arrays(model)
-    check_fits(config, weights, what=f"arrays of the model saved to {target}")
+    expected = _slots(skeleton(config))
+    try:
+        check_arrays(expected, weights, what=f"arrays of the model saved to {target}")
+    except CheckpointError as error:
+        culprits = _culprits(config, expected, weights)
+        raise CheckpointError(
+            f"save_checkpoint: the config disagrees with the model{culprits}: {error}"
+        ) from None
     if jax.process_count() > 1:
         if jax.process_index() == 0:
             _write_checkpoint(target, weights, config, state_arrays, state)
         multihost_utils.sync_global_devices(f"dense_armor checkpoint {target}")
         return target
     return _write_checkpoint(target, weights, config, state_arrays, state)
+
+
+def _culprits(config: ModelConfig, expected: Mapping[str, Any], arrays: Mapping[str, Any]) -> str:
+    """Which of `config`'s integer arguments a shape mismatch points at: those whose value is a
+    size the config builds where the model has another (" (likely `d_model=16`; the model has 8
+    there)"), or "" when no argument stands out."""
+    for path, want in expected.items():
+        got = arrays.get(path)
+        if got is None or tuple(got.shape) == tuple(want.shape) or got.ndim != len(want.shape):
+            continue
+        differing = [(w, g) for w, g in zip(want.shape, got.shape, strict=True) if w != g]
+        named = [
+            f"`{name}={value}`"
+            for name, value in sorted(config.arguments.items())
+            if isinstance(value, int)
+            and not isinstance(value, bool)
+            and any(value == w for w, _ in differing)
+        ]
+        if named:
+            return (
+                f" (likely in {' or '.join(named)}: the model has {differing[0][1]} where the "
+                f"config builds {differing[0][0]})"
+            )
+        return ""
+    return ""
 
 
 def _is_checkpoint(path: pathlib.Path) -> bool:
@@ -323,7 +365,10 @@ def load_checkpoint(
     if not path.is_dir():
         raise CheckpointError(f"no checkpoint directory at {directory}")
     data = _read_json(path / "config.json")
-    config = ModelConfig.from_json(data)
+    try:
+        config = ModelConfig.from_json(data)
+    except CheckpointError as error:
+        raise CheckpointError(f"{path / 'config.json'}: {error}") from None
     _verify_files(path, data.get("files"))
     model = fill_tree(skeleton(config), _read_safetensors(path / "weights.safetensors"))
     state_arrays = (

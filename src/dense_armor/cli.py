@@ -178,7 +178,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .interop import import_torch
 
             data = _read_config(args.config)
-            config = ModelConfig(str(data.get("factory")), data.get("arguments", {}))
+            missing = [key for key in ("factory", "arguments") if key not in data]
+            if missing:
+                raise InteropError(
+                    f"{args.config}: the config lacks {', '.join(map(repr, missing))}; it must "
+                    'be {"factory": ..., "arguments": {...}}.'
+                )
+            try:
+                config = ModelConfig(data["factory"], data["arguments"])
+            except CheckpointError as error:
+                raise InteropError(f"{args.config}: {error}") from None
             model = import_torch(args.state, config, {"embed": args.embed, "head": args.head})
             print(f"imported {args.state} into {save_checkpoint(args.out, model, config)}")
         else:

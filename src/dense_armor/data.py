@@ -26,6 +26,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .utility.neural.core import require_int
+
 __all__ = ["ArraySource", "BatchSource", "ShardSource", "process_rows"]
 
 
@@ -73,10 +75,17 @@ class ArraySource:
     def __init__(
         self, xs: Any, labels: Any, batch_size: int, seed: int = 0, mesh: Mesh | None = None
     ):
-        if not 1 <= batch_size <= len(xs):
-            raise ValueError(f"`batch_size={batch_size}` must lie in [1, {len(xs)}].")
+        if len(xs) != len(labels):
+            raise ValueError(f"ArraySource: {len(xs)} inputs but {len(labels)} labels.")
+        require_int(1, caller="ArraySource", batch_size=batch_size)
+        require_int(0, caller="ArraySource", seed=seed)
+        if not batch_size <= len(xs):
+            raise ValueError(
+                f"ArraySource: `batch_size={batch_size}` must lie in [1, {len(xs)}], the rows "
+                "of the data set."
+            )
         self.xs, self.labels = xs, labels
-        self.batch_size, self.seed, self.mesh = batch_size, seed, mesh
+        self.batch_size, self.seed, self.mesh = int(batch_size), int(seed), mesh
 
     def __call__(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         batch = epoch_batch(self.seed, step, len(self.xs), self.batch_size)
@@ -95,15 +104,18 @@ class ShardSource:
     ):
         if len(xs) != len(labels):
             raise ValueError(f"ShardSource: {len(xs)} inputs but {len(labels)} labels.")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int):
-            raise TypeError(f"ShardSource: `batch_size` must be an integer; got {batch_size!r}.")
-        if not 1 <= batch_size <= len(xs):
+        require_int(1, caller="ShardSource", batch_size=batch_size)
+        require_int(0, caller="ShardSource", seed=seed)
+        if part is not None:
+            require_int(0, caller="ShardSource", part=part)
+        if not batch_size <= len(xs):
             raise ValueError(
                 f"ShardSource: `batch_size={batch_size}` must lie in [1, {len(xs)}], the rows "
                 "this process holds."
             )
-        self.xs, self.labels, self.batch_size, self.seed = xs, labels, batch_size, seed
-        self.part = jax.process_index() if part is None else part
+        self.xs, self.labels = xs, labels
+        self.batch_size, self.seed = int(batch_size), int(seed)
+        self.part = jax.process_index() if part is None else int(part)
 
     def __call__(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         batch = epoch_batch([self.seed, self.part], step, len(self.xs), self.batch_size)

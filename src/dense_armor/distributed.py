@@ -22,6 +22,7 @@ Optimizer states are placed like the parameters they belong to (`place_optimizer
 """
 
 import dataclasses
+import numbers
 import os
 import warnings
 from collections.abc import Sequence
@@ -35,7 +36,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .utility.neural.core import Layer, require_bool
+from .utility.neural.core import Layer, require_bool, require_int
 
 __all__ = [
     "ShardingWarning",
@@ -80,15 +81,17 @@ def initialize(
     coordinator listens on, when it differs from the address the others reach it at; JAX's
     `coordinator_bind_address`) and `local_device_ids` (the devices this process uses, when
     several processes share a host)."""
-    if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 1:
+    if not _integer(timeout) or timeout < 1:
         raise ValueError(
             f"initialize: `timeout` must be a positive number of seconds; got {timeout!r}."
         )
+    timeout = int(timeout)
     if bind_address is not None:
         _check_address(bind_address, "bind_address")
     if local_device_ids is not None:
-        ids = [local_device_ids] if isinstance(local_device_ids, int) else list(local_device_ids)
-        if not ids or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        many = isinstance(local_device_ids, Sequence) and not isinstance(local_device_ids, str)
+        ids: list[Any] = list(local_device_ids) if many else [local_device_ids]  # type: ignore[arg-type]
+        if not ids or any(not _integer(i) or i < 0 for i in ids):
             raise ValueError(
                 "initialize: `local_device_ids` must be a device index or a non-empty list of "
                 f"them; got {local_device_ids!r}."
@@ -142,8 +145,21 @@ def _env_int(name: str, minimum: int) -> int:
 
 def data_mesh(devices: Any = None) -> Mesh:
     """A one-axis mesh, `"data"`, over `devices` (default: every device of every process)."""
-    devices = jax.devices() if devices is None else devices
-    return Mesh(np.asarray(devices), ("data",))
+    return Mesh(np.asarray(_devices("data_mesh", devices)), ("data",))
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
+
+
+def _devices(caller: str, devices: Any) -> list[Any]:
+    """`devices` as a list (default: every device of every process), refused when empty."""
+    devices = list(jax.devices() if devices is None else devices)
+    if not devices:
+        raise ValueError(
+            f"{caller}: `devices` is empty; give at least one device (default: jax.devices())."
+        )
+    return devices
 
 
 def device_mesh(model: int = 1, devices: Any = None) -> Mesh:
@@ -152,9 +168,9 @@ def device_mesh(model: int = 1, devices: Any = None) -> Mesh:
     factor, `len(devices) // model`, splits the batch. `device_mesh(model=2)` on 4 devices is
     2 x 2. The devices are taken in order, so each process's devices are whole rows of `"data"`
     when `model` divides the devices of a process."""
-    devices = list(jax.devices() if devices is None else devices)
-    if isinstance(model, bool) or not isinstance(model, int) or model < 1:
-        raise ValueError(f"device_mesh: `model` must be a positive integer; received {model!r}.")
+    devices = _devices("device_mesh", devices)
+    require_int(1, caller="device_mesh", model=model)
+    model = int(model)
     if len(devices) % model:
         raise ValueError(
             f"device_mesh: `model={model}` must divide the {len(devices)} devices; "
@@ -176,6 +192,8 @@ def check_mesh(caller: str, mesh: Any) -> None:
         raise ValueError(
             f'{caller}: a mesh\'s axes are `"data"` and, optionally, `"model"`; received {names}.'
         )
+    if 0 in dict(mesh.shape).values():
+        raise ValueError(f"{caller}: the mesh holds no device (its shape is {dict(mesh.shape)}).")
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

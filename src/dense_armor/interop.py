@@ -45,11 +45,49 @@ def read_state_dict(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
         raise InteropError(f"cannot read the state dict {path}: {error}") from None
 
 
-def _rows(start: int, stop: int, transpose: bool) -> Any:
-    def take(a: np.ndarray) -> np.ndarray:
-        return a[start:stop].T if transpose else a[start:stop]
+def _tensor(name: Any, value: Any) -> np.ndarray:
+    """A state dict's tensor as float32 NumPy, refused (naming it) unless it is a finite array
+    of numbers."""
+    if not isinstance(name, str):
+        raise InteropError(f"a state dict's keys are tensor names; received the key {name!r}.")
+    if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+        raise InteropError(
+            f"the state dict's {name!r} must be an array; received {type(value).__name__}."
+        )
+    try:
+        array = np.asarray(value, np.float32)
+    except (TypeError, ValueError) as error:
+        raise InteropError(
+            f"the state dict's {name!r} is not an array of numbers: {error}"
+        ) from None
+    if not np.isfinite(array).all():
+        bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
+        raise InteropError(
+            f"the state dict's {name!r} holds {bad} non-finite value(s) (NaN or infinity): "
+            "refusing to import weights that would make every output NaN."
+        )
+    return array
 
-    return take
+
+class _Rows:
+    """Rows `[start, stop)` of a `(total, ...)` tensor (one of PyTorch's stacked query, key and
+    value projections), transposed for a weight."""
+
+    def __init__(self, start: int, stop: int, total: int, transpose: bool):
+        self.start, self.stop, self.total, self.transpose = start, stop, total, transpose
+
+    def __call__(self, a: np.ndarray) -> np.ndarray:
+        rows = a[self.start : self.stop]
+        return rows.T if self.transpose else rows
+
+
+def _source_shape(convert: Any, ours: tuple[int, ...]) -> tuple[int, ...]:
+    """The whole shape that the tensor converted by `convert` into an array of shape `ours` must
+    have."""
+    if isinstance(convert, _Rows):
+        inner = ours[::-1] if convert.transpose else ours
+        return (convert.total, *inner[1:])
+    return ours[::-1] if convert is np.transpose else ours
 
 
 def _attention(prefix: str, d_model: int) -> dict[str, tuple[str, Any]]:
@@ -57,8 +95,9 @@ def _attention(prefix: str, d_model: int) -> dict[str, tuple[str, Any]]:
     parts: dict[str, tuple[str, Any]] = {}
     for i, which in enumerate("QKV"):
         start, stop = i * d_model, (i + 1) * d_model
-        parts[f"W_{which}"] = (f"{prefix}.in_proj_weight", _rows(start, stop, transpose=True))
-        parts[f"b_{which}"] = (f"{prefix}.in_proj_bias", _rows(start, stop, transpose=False))
+        weight, bias = _Rows(start, stop, 3 * d_model, True), _Rows(start, stop, 3 * d_model, False)
+        parts[f"W_{which}"] = (f"{prefix}.in_proj_weight", weight)
+        parts[f"b_{which}"] = (f"{prefix}.in_proj_bias", bias)
     parts["W_O"] = (f"{prefix}.out_proj.weight", np.transpose)
     parts["b_O"] = (f"{prefix}.out_proj.bias", np.asarray)
     return parts
@@ -98,9 +137,18 @@ def import_torch(
 ) -> Any:
     """The model `config` builds, with the weights of the PyTorch state dict `state` (a mapping
     of arrays, or the path of a safetensors file); see the module's docstring for the names."""
+    if not isinstance(config, ModelConfig):
+        raise InteropError(
+            f"`config` must be a ModelConfig (the model to import into); received "
+            f"{type(config).__name__}."
+        )
+    try:  # one validation of the config: it must build a model, before any tensor is read
+        model = skeleton(config)
+    except CheckpointError as error:
+        raise InteropError(str(error)) from None
     if not isinstance(state, Mapping):
         state = read_state_dict(state)
-    state = {k: np.asarray(v, np.float32) for k, v in state.items()}
+    state = {str(k): _tensor(k, v) for k, v in state.items()}
     names = {"embed": "embed", "head": "head", **(names or {})}
     if config.arguments.get("scan_layers"):
         raise InteropError(
@@ -131,8 +179,7 @@ def import_torch(
             f"the state dict's stack has layers {layers}; the model has depth {depth}."
         )
 
-    model = skeleton(config)
-    ours = list(_slots(model))  # every array path of the model
+    ours = _slots(model)  # every array path of the model, with its shape
     if decoder:
         embed, head, blocks, final = (
             ".embed",
@@ -159,12 +206,18 @@ def import_torch(
         plan[f"{final}.{path}.value"] = source
 
     arrays, used = {}, set()
-    for path in ours:
+    for path, slot in ours.items():
         if path not in plan:
             raise InteropError(f"no PyTorch tensor maps to the model's {path}.")
         name, convert = plan[path]
         if name not in state:
             raise InteropError(f"the state dict lacks {name!r} (for the model's {path}).")
+        want = _source_shape(convert, tuple(slot.shape))
+        if state[name].shape != want:  # the whole tensor, not only the rows taken
+            raise InteropError(
+                f"the state dict's {name!r} has shape {state[name].shape}; the model "
+                f"({path}) needs shape {want}."
+            )
         arrays[path] = np.ascontiguousarray(convert(state[name]))
         used.add(name)
     unused = sorted(set(state) - used)

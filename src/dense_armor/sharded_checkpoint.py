@@ -41,7 +41,7 @@ from .checkpoint import (
     tree_arrays,
 )
 from .distributed import check_mesh, is_slot, optimizer_shardings, shardings
-from .utility.neural.core import require_bool
+from .utility.neural.core import require_bool, require_int
 
 __all__ = ["ShardedCheckpoints", "ShardedRestore", "from_safetensors", "to_safetensors"]
 
@@ -84,13 +84,9 @@ class ShardedCheckpoints:
         keep_best: bool = False,
         asynchronous: bool = True,
     ):
-        if max_to_keep is not None and (
-            isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
-        ):
-            raise ValueError(
-                f"ShardedCheckpoints: `max_to_keep` must be a positive integer or None; "
-                f"received {max_to_keep!r}."
-            )
+        if max_to_keep is not None:
+            require_int(1, caller="ShardedCheckpoints (or None)", max_to_keep=max_to_keep)
+            max_to_keep = int(max_to_keep)
         require_bool(keep_best=keep_best, asynchronous=asynchronous)
         self.directory = pathlib.Path(directory).absolute()
         if self.directory.is_file():
@@ -154,10 +150,8 @@ class ShardedCheckpoints:
         """Save `model` (and an optimizer state, a JSON-able training state, and the `score`
         that `keep_best` ranks by) as `step`. Every process calls it; each writes the shards of
         its own devices."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(
-                f"ShardedCheckpoints.save: `step` must be an integer >= 0; got {step!r}."
-            )
+        require_int(0, caller="ShardedCheckpoints.save", step=step)
+        step = int(step)
         if not isinstance(config, ModelConfig):
             raise TypeError(
                 f"ShardedCheckpoints.save: `config` must be a ModelConfig; received "

@@ -2,7 +2,6 @@
 gradient accumulation), and evaluation (data-parallel on a mesh). `fit` (training.py) drives
 them."""
 
-import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -15,10 +14,12 @@ from jax.sharding import Mesh
 
 from .data import process_rows
 from .distributed import check_mesh, global_batch, global_replicated
+from .utility.neural.core import require_int
 
 __all__ = [
     "LossFn",
     "check_classification_data",
+    "check_labels",
     "cross_entropy_loss",
     "evaluate",
     "make_train_step",
@@ -54,7 +55,7 @@ def make_train_step(
     time) and averaged: one optimizer update equal to that of the whole batch, to float32
     round-off, for a loss that is a mean over the batch. With dropout, each micro-batch draws its
     own masks."""
-    require_int("make_train_step", 1, accumulate=accumulate)
+    require_int(1, caller="make_train_step", accumulate=accumulate)
 
     def value_and_grad(model: Any, xs: jax.Array, labels: jax.Array, key: jax.Array) -> Any:
         if accumulate == 1:
@@ -102,17 +103,6 @@ def _batch_metrics(
     return loss, (jax.vmap(model)(xs).argmax(axis=-1) == labels).sum()
 
 
-def require_int(caller: str, minimum: int, **values: Any) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(
-                f"{caller}: `{name}` must be an integer; received `{name}={value!r}` "
-                f"({type(value).__name__})."
-            )
-        if value < minimum:
-            raise ValueError(f"{caller}: `{name}` must be at least {minimum}; received {value}.")
-
-
 def check_classification_data(caller: str, model: Any, xs: Any, labels: Any) -> None:
     """Raise `ValueError` unless `labels` are `len(xs)` integers in `[0, n_out)`, where `n_out`
     is the width of `model`'s output (a label outside would train silently: optax takes -1 as the
@@ -121,21 +111,35 @@ def check_classification_data(caller: str, model: Any, xs: Any, labels: Any) -> 
         raise ValueError(f"{caller}: received an empty data set.")
     if len(xs) != len(labels):
         raise ValueError(f"{caller}: {len(xs)} inputs but {len(labels)} labels.")
+    check_labels(caller, labels, output_width(model, xs), len(xs))
+
+
+def output_width(model: Any, xs: Any) -> int:
+    """The width of `model`'s output on one sample of `xs` (traced once, never run)."""
+    return int(eqx.filter_eval_shape(model, jnp.asarray(xs[0])).shape[-1])
+
+
+def check_labels(caller: str, labels: Any, n_out: int, n: int, where: str = "") -> None:
+    """Raise `ValueError` unless `labels` are `n` integers (shape `(n,)`) in `[0, n_out)`;
+    `where` (e.g. " at step 3") ends the message. A host-side pass over the labels alone."""
     labels = np.asarray(labels)
     if labels.ndim != 1:
         raise ValueError(
             f"{caller}: `labels` must have shape (N,), one class index per input; received shape "
-            f"{labels.shape}."
-            + (" Flatten them: `labels.reshape(-1)`." if labels.size == len(xs) else "")
+            f"{labels.shape}{where}."
+            + (" Flatten them: `labels.reshape(-1)`." if labels.size == n else "")
         )
     if not np.issubdtype(labels.dtype, np.integer):
-        raise ValueError(f"{caller}: `labels` must be integers; received dtype {labels.dtype}.")
-    n_out = eqx.filter_eval_shape(model, jnp.asarray(xs[0])).shape[-1]
+        raise ValueError(
+            f"{caller}: `labels` must be integers; received dtype {labels.dtype}{where}."
+        )
+    if labels.size == 0:
+        return
     low, high = int(labels.min()), int(labels.max())
     if low < 0 or high >= n_out:
         raise ValueError(
             f"{caller}: `labels` must lie in [0, {n_out}) for a model of {n_out} outputs; "
-            f"received labels from {low} to {high}."
+            f"received labels from {low} to {high}{where}."
         )
 
 
@@ -155,7 +159,7 @@ def evaluate(
     placed on it), every process passes the same data, and each batch is split across the
     devices of the mesh's `"data"` axis (data-parallel evaluation; the rows of a batch that the
     axis does not divide are evaluated replicated)."""
-    require_int("evaluate", 1, batch_size=batch_size)
+    require_int(1, caller="evaluate", batch_size=batch_size)
     if mesh is not None:
         check_mesh("evaluate", mesh)
     if loss_fn is cross_entropy_loss:

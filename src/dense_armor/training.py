@@ -35,13 +35,14 @@ from .distributed import check_mesh, global_batch, place, place_optimizer_state
 from .train_step import (
     LossFn,
     check_classification_data,
+    check_labels,
     cross_entropy_loss,
     evaluate,
     evaluate_checked,
     make_train_step,
-    require_int,
+    output_width,
 )
-from .utility.neural.core import require_bool
+from .utility.neural.core import require_bool, require_int
 
 __all__ = [
     "CHECKPOINT_FORMATS",
@@ -184,19 +185,28 @@ def _source(
 
 
 def _checked_batch(
-    source: BatchSource, step: int, rows: int, model: Any, loss_fn: LossFn, first: bool
+    source: BatchSource, step: int, rows: int, n_out: int | None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """`source(step)`, refused unless it holds the `rows` this process feeds (the first batch is
-    checked as data too)."""
-    xs, labels = source(step)
-    xs, labels = np.asarray(xs), np.asarray(labels)
-    if len(xs) != rows or len(labels) != rows:
-        raise ValueError(
-            f"fit: the data source gave {len(xs)} inputs and {len(labels)} labels for step "
-            f"{step}; this process feeds {rows} rows of each batch."
+    """`source(step)`, refused unless it is a pair `(xs, labels)` of the `rows` this process
+    feeds, with (`n_out` given: a source's batches under the classification loss) integer labels
+    in `[0, n_out)`: every batch is checked, on the host, before it is sent."""
+    batch = source(step)
+    if not isinstance(batch, tuple | list) or len(batch) != 2:
+        raise TypeError(
+            f"fit: a data source must return this process's `(xs, labels)` of the batch it is "
+            f"asked for (two arrays of as many rows); at step {step} it returned "
+            f"{type(batch).__name__}"
+            + (f" of {len(batch)} items." if isinstance(batch, tuple | list) else ".")
         )
-    if first and loss_fn is cross_entropy_loss and not isinstance(source, ArraySource):
-        check_classification_data("fit (data source)", model, xs, labels)
+    xs, labels = np.asarray(batch[0]), np.asarray(batch[1])
+    if xs.ndim == 0 or labels.ndim == 0 or len(xs) != rows or len(labels) != rows:
+        raise ValueError(
+            f"fit: the data source gave {len(xs) if xs.ndim else 'a scalar as'} inputs and "
+            f"{len(labels) if labels.ndim else 'a scalar as'} labels for step {step}; this "
+            f"process feeds {rows} rows of each batch."
+        )
+    if n_out is not None:
+        check_labels("fit (data source)", labels, n_out, rows, f" at step {step}")
     return xs, labels
 
 
@@ -247,8 +257,10 @@ def fit(
     before one optimizer update (`make_train_step`): the same training as the whole batch, with
     the activations of one micro-batch in memory at a time.
     """
-    require_int("fit", 0, steps=steps, seed=seed)
-    require_int("fit", 1, batch_size=batch_size, eval_every=eval_every, accumulate=accumulate)
+    require_int(0, caller="fit", steps=steps, seed=seed)
+    require_int(
+        1, caller="fit", batch_size=batch_size, eval_every=eval_every, accumulate=accumulate
+    )
     require_bool(resume=resume, progress=progress, shard_params=shard_params)
     if mesh is not None:
         check_mesh("fit", mesh)
@@ -293,6 +305,9 @@ def fit(
         elif not resume:
             checkpoints.start_over()
 
+    n_out = None  # a source's labels are checked batch by batch (arrays were checked whole)
+    if loss_fn is cross_entropy_loss and not isinstance(source, ArraySource) and start_step < steps:
+        n_out = output_width(model, _checked_batch(source, start_step, rows, None)[0])
     train_step = make_train_step(optimizer, loss_fn, accumulate)
     root_key = jax.random.PRNGKey(seed)
     losses: list[jax.Array] = []
@@ -306,7 +321,7 @@ def fit(
     tick = time.perf_counter()
     try:
         for step in range(start_step, steps):
-            xs, labels = _checked_batch(source, step, rows, model, loss_fn, step == start_step)
+            xs, labels = _checked_batch(source, step, rows, n_out)
             if mesh is None:
                 xb, yb = jnp.asarray(xs), jnp.asarray(labels)
             else:  # this process's rows of the global batch

@@ -51,6 +51,7 @@ from ..checkpoint import (
 )
 from ..families import FAMILIES
 from ..utility.neural.cache import portable_writes
+from ..utility.neural.core import require_bool, require_int
 from ..utility.neural.kernels import exporting
 from . import standalone
 from .golden import golden
@@ -125,6 +126,16 @@ def export_model(
     Nothing is left half-written: the directory is assembled beside `out` and renamed into place.
     """
     started = time.perf_counter()
+    try:  # a string such as "false" would be a true `force`, and replace the user's directory
+        require_bool(force=force)
+    except ValueError as error:
+        raise ArtifactError(f"export_model: {error}") from None
+    require_int(0, caller="export_model", error=ArtifactError, seed=seed)
+    if isinstance(platforms, str) or not isinstance(platforms, Sequence):
+        raise ArtifactError(
+            f"export_model: `platforms` must be a list of platform names from {PLATFORMS}, e.g. "
+            f'["cpu"]; received {platforms!r}.'
+        )
     target = pathlib.Path(out)
     if target.exists() and not force:
         raise ArtifactError(f"{target} exists; pass force=True (`--force`) to replace it.")
@@ -139,8 +150,8 @@ def export_model(
         )
     max_len = int(config.arguments["max_len"])
     capacity = max_len if capacity is None else capacity
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-        raise ArtifactError(f"capacity must be a positive integer; got {capacity!r}.")
+    require_int(1, caller="export_model", error=ArtifactError, capacity=capacity)
+    capacity = int(capacity)
     # rotary positions, or none: no table that ends at max_len
     bounded = config.arguments.get("positions", "sinusoidal") not in ("rope", "none")
     if bounded and config.arguments.get("window") is None and capacity > max_len:
@@ -246,11 +257,17 @@ def export_model(
 
 
 def _static_sizes(shape: Sequence[int], max_len: int, with_context: bool) -> dict[str, int]:
-    if len(shape) not in (2, 3) or (len(shape) == 3 and not with_context):
-        raise ArtifactError(
-            f"a static shape is B,T{' or B,T,S' if with_context else ''}; got {tuple(shape)}."
-        )
-    b, t, *rest = shape
+    form = f"(B, T){' or (B, T, S)' if with_context else ''}"
+    if (
+        isinstance(shape, str)
+        or not isinstance(shape, Sequence)
+        or len(shape) not in (2, 3)
+        or (len(shape) == 3 and not with_context)
+    ):
+        raise ArtifactError(f"a static shape is {form}, a tuple of integers; got {shape!r}.")
+    for name, size in zip("BTS", shape, strict=False):
+        require_int(1, caller=f"static shape {tuple(shape)}", error=ArtifactError, **{name: size})
+    b, t, *rest = (int(size) for size in shape)
     s = rest[0] if rest else max_len
     if b < 1 or not 1 <= t <= max_len or s < 1:
         raise ArtifactError(

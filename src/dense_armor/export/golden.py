@@ -16,7 +16,12 @@ import numpy as np
 
 from .lowering import Function, Lowering, concrete
 
-__all__ = ["golden"]
+__all__ = ["GOLDEN_STEPS", "golden"]
+
+# The golden stream's length: the cache's capacity, up to this many steps. The Python model
+# computes it one step at a time, so a capacity of a million slots would cost minutes; the
+# streaming path is the same code at step 256 as at step 10**6.
+GOLDEN_STEPS = 256
 
 
 def _run(lowering: Lowering, xs: np.ndarray, context: Sequence[np.ndarray]) -> np.ndarray:
@@ -38,9 +43,9 @@ def golden(
     static_entries: Sequence[dict[str, Any]],
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """The golden arrays and their plan for the manifest: three forward shapes, and a stream of
-    two: `init_cache`, `prefill` of the first steps, `step` over the rest with stream 1 reset
-    part-way (to a new context, for a family with one); and a case for every static module's
-    function and shape (`_static_cases`)."""
+    two, `min(capacity, GOLDEN_STEPS)` steps long: `init_cache`, `prefill` of the first steps,
+    `step` over the rest with stream 1 reset part-way (to a new context, for a family with one);
+    and a case for every static module's function and shape (`_static_cases`)."""
     key = jax.random.PRNGKey(seed)
     arrays: dict[str, np.ndarray] = {}
 
@@ -69,7 +74,7 @@ def golden(
         )
         forward_cases.append({"inputs": inputs, "output": f"forward{i}.y", "B": b, "T": t})
 
-    b, n = 2, lowering.capacity
+    b, n = 2, min(lowering.capacity, GOLDEN_STEPS)
     prefilled, reset_at = max(1, n // 3), max(1, n // 3, (2 * n) // 3)
     xs = normal(100, (b, n, lowering.n_in))
     arrays["stream.x"] = xs
@@ -124,8 +129,9 @@ def _static_cases(
 ) -> list[dict[str, Any]]:
     """For each function and static shape: its inputs (all but the weights, in the manifest's
     order) and what the function returns for them in Python, for runtimes other than JAX to
-    reproduce with the static module. A step case is a stream of `capacity` steps from an empty
-    cache, the cache fed back; its `x_t` input holds every step's, `(B, steps, n_in)`."""
+    reproduce with the static module. A step case is a stream of steps from an empty
+    cache, the cache fed back (`capacity` steps, at most `GOLDEN_STEPS`); its `x_t` input holds
+    every step's, `(B, steps, n_in)`."""
     cases = []
     done = set()
     for n, entry in enumerate(entries):
@@ -156,7 +162,7 @@ def _static_cases(
         elif name == "init_cache":
             inputs, outputs = init_inputs, cache
         elif name == "step":
-            steps = lowering.capacity
+            steps = min(lowering.capacity, GOLDEN_STEPS)
             xs = normal(2, (b, steps, lowering.n_in))
             step, ys, state = jax.jit(lowering.step), [], cache
             for t in range(steps):
@@ -170,7 +176,7 @@ def _static_cases(
         else:  # reset: a cache part-way through a stream, every other stream reset
             _, state, _ = jax.jit(lowering.prefill)(
                 lowering.weights,
-                normal(4, (b, max(1, lowering.capacity // 2), lowering.n_in)),
+                normal(4, (b, max(1, min(lowering.capacity, GOLDEN_STEPS) // 2), lowering.n_in)),
                 cache,
             )
             inputs = [np.arange(b) % 2 == 1, *context, *state]

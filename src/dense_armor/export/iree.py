@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import _atomic
+from ..utility.neural.core import require_int
 from .standalone import MANIFEST, ArtifactError, file_table, read_manifest, verify_files
 
 __all__ = ["TARGETS", "CompileSummary", "compile_artifact", "target_flags"]
@@ -100,7 +101,9 @@ def compile_artifact(
             f"{target} has no static modules to compile: export it with static shapes "
             "(`static_shapes=[(B, T)]`, `--static B,T`)."
         )
-    jobs = jobs or os.cpu_count() or 1
+    if jobs is not None:
+        require_int(1, caller="compile_artifact (or None)", error=ArtifactError, jobs=jobs)
+    jobs = int(jobs or os.cpu_count() or 1)
 
     def fill(tmp: pathlib.Path) -> None:
         shutil.copytree(target, tmp, dirs_exist_ok=True)

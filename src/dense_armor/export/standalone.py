@@ -25,6 +25,7 @@ import functools
 import hashlib
 import json
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -162,6 +163,11 @@ class Artifact:
     """
 
     def __init__(self, directory: str | pathlib.Path, verify: bool = True):
+        if not isinstance(verify, bool):  # "false" would verify; a string is a mistake
+            raise ArtifactError(
+                f"load: `verify` must be True or False; received `verify={verify!r}` "
+                f"({type(verify).__name__})."
+            )
         self.directory = pathlib.Path(directory)
         previous = self.directory.with_name(self.directory.name + ".previous")
         if not self.directory.exists() and previous.is_dir():
@@ -338,12 +344,22 @@ def _error(a: Any, b: Any) -> float:
     return float(np.where(np.isnan(diff), np.inf, diff).max(initial=0.0))
 
 
+def _check_steps(steps: Any) -> None:
+    integral = isinstance(steps, int | np.integer) and not isinstance(steps, bool)
+    if steps is not None and (not integral or steps < 1):
+        raise ArtifactError(
+            f"`steps` must be a positive integer (the golden steps to run) or None for all; "
+            f"received {steps!r}."
+        )
+
+
 def check_golden(artifact: Artifact, steps: int | None = None) -> dict[str, float]:
     """Run the golden inputs through every exported function; return the largest absolute errors.
 
     The stream: `init_cache`, `prefill` over its first steps, then `step` over the rest (the first
     `steps` in all), with stream 1 reset part-way; the golden outputs were computed one stream at
     a time from its own empty cache."""
+    _check_steps(steps)
     golden = _load_safetensors(artifact.directory / artifact.manifest["golden"]["file"])
     errors = {}
     for case in artifact.manifest["golden"]["forward"]:
@@ -416,9 +432,15 @@ def run_iree(
     results = []
     for file, spec in zip(files, outputs, strict=True):
         if file.suffix == ".bin":
-            shape = tuple(sizes[d] if isinstance(d, str) else d for d in spec["shape"])
+            shape = tuple(sizes.get(d, -1) if isinstance(d, str) else d for d in spec["shape"])
             bits = np.fromfile(file, np.uint16).astype(np.uint32) << 16
-            results.append(bits.view(np.float32).reshape(shape))
+            try:
+                results.append(bits.view(np.float32).reshape(shape))
+            except ValueError:
+                raise ArtifactError(
+                    f"{module.name}: output {spec['name']!r} holds {bits.size} values, not the "
+                    f"shape {tuple(spec['shape'])} that the manifest gives it (manifest edited?)."
+                ) from None
         else:
             results.append(np.load(file))
     return results
@@ -437,10 +459,73 @@ def _run_kept(
     return run_iree(runner, module, [every[i] for i in kept], outputs, sizes, work)
 
 
+# StableHLO's element types, by the names the manifest gives them.
+MLIR_DTYPES = {
+    "f64": "float64",
+    "f32": "float32",
+    "f16": "float16",
+    "bf16": "bfloat16",
+    "i1": "bool",
+    "i8": "int8",
+    "i16": "int16",
+    "i32": "int32",
+    "i64": "int64",
+    "ui8": "uint8",
+    "ui32": "uint32",
+}
+
+
+def _tensor_type(text: str) -> tuple[list[int], str]:
+    """`1x2x6x4xf32` -> ([1, 2, 6, 4], "float32"); `i1` -> ([], "bool")."""
+    *dims, element = text.split("x")
+    return [int(d) if d.isdigit() else -1 for d in dims], MLIR_DTYPES.get(element, element)
+
+
+def module_signature(text: str) -> tuple[list[tuple[list[int], str]], list[tuple[list[int], str]]]:
+    """The (shape, dtype) of each argument and result of a static module's `@main`, read from
+    its StableHLO text."""
+    found = re.search(r"func\.func public @main\((.*?)\) -> (.*?)\{?\s*$", text, re.M)
+    if found is None:
+        raise ArtifactError("a static module has no `func.func public @main`: not jax's export.")
+    arguments = re.findall(r"%arg\d+: tensor<([^>]*)>", found.group(1))
+    results = re.findall(r"tensor<([^>]*)>", found.group(2))
+    return [_tensor_type(a) for a in arguments], [_tensor_type(r) for r in results]
+
+
+def check_static_signature(
+    directory: pathlib.Path, manifest: dict[str, Any], entry: dict[str, Any]
+) -> None:
+    """The manifest must say what a static module takes and returns: each kept input and each
+    output (shape, its named dimensions at the module's sizes, and dtype), as in the module's own
+    StableHLO text (what `Artifact` checks against the exported module on the JAX path)."""
+    function = manifest["functions"][entry["function"]]
+    sizes, where = entry["shape"], f"{entry['text']} ({entry['function']} {entry['shape']})"
+    arguments, results = module_signature((directory / entry["text"]).read_text())
+    kept = [function["inputs"][i] for i in entry["kept_inputs"] if i < len(function["inputs"])]
+    for side, specs, types in (
+        ("input", kept, arguments),
+        ("output", function["outputs"], results),
+    ):
+        if len(specs) != len(types) or len(kept) != len(entry["kept_inputs"]):
+            raise ArtifactError(
+                f"{where}: the manifest lists {len(specs)} {side}s of this module; the module "
+                f"has {len(types)} (manifest edited?)."
+            )
+        for spec, (shape, dtype) in zip(specs, types, strict=True):
+            claimed = [sizes.get(d, d) if isinstance(d, str) else d for d in spec["shape"]]
+            if claimed != shape or spec["dtype"] != dtype:
+                raise ArtifactError(
+                    f"{where}: the manifest says {side} {spec['name']!r} has shape "
+                    f"{tuple(claimed)} and dtype {spec['dtype']}; the module has {tuple(shape)} "
+                    f"and {dtype} (manifest edited?)."
+                )
+
+
 def check_iree(directory: str | pathlib.Path, steps: int | None = None) -> dict[str, float]:
     """Run every `llvm-cpu` module of the artifact on its golden case with `iree-run-module` and
     return the largest absolute error of each against the Python model's outputs. A step case is
     a stream: `steps` (default all) calls, the cache fed back."""
+    _check_steps(steps)
     directory = pathlib.Path(directory)
     manifest = read_manifest(directory)
     verify_files(directory, manifest)
@@ -452,6 +537,9 @@ def check_iree(directory: str | pathlib.Path, steps: int | None = None) -> dict[
             f"{directory} has no IREE llvm-cpu modules: compile them first "
             f"(dense-armor compile {directory} --target llvm-cpu)."
         )
+    for entry in manifest["static"]:  # a manifest that misdescribes a module: before any run
+        if entry["bytecode"] in compiled:
+            check_static_signature(directory, manifest, entry)
     runner = _runner()
     stored = _load_safetensors(directory / manifest["weights"]["file"])
     weights = [stored[n] for n in manifest["weights"]["names"]]

@@ -75,6 +75,16 @@ def validate_overflow_mode(on_overflow: str) -> None:
         )
 
 
+# What an overflow error says to do, after what happened (one text for every cache).
+OVERFLOW_REMEDY = (
+    ": the stream stepped past the last slot. Give `init_cache` a larger capacity, build the "
+    "layer with a `window` (a ring cache that never fills), `reset` the stream, or pass "
+    "`on_overflow='nan'` for NaN rows and a set `overflow` flag instead of this error (under plain "
+    "`jax.jit` it arrives as a ValueError beginning 'INTERNAL: CpuCallback error'; "
+    "`eqx.filter_jit` raises it cleanly)"
+)
+
+
 class Counter(eqx.Module):
     """A stream's step counter: the index of the next step, whether a step ever went past the
     limit, and what a step past it does (`on_overflow`: "raise" or "nan")."""
@@ -105,7 +115,7 @@ class Counter(eqx.Module):
         """`y (steps, ...)`, with each row that did not fit failed as `on_overflow` says: the
         step raises `equinox.EquinoxRuntimeError`, or its row is NaN."""
         if self.on_overflow == "raise":
-            return eqx.error_if(y, ~fits.all(), message)
+            return eqx.error_if(y, ~fits.all(), message + OVERFLOW_REMEDY)
         rows = fits.reshape(fits.shape + (1,) * (y.ndim - 1))
         return jnp.where(rows, y, jnp.asarray(jnp.nan, y.dtype))
 

@@ -21,12 +21,15 @@ from jaxtyping import Array, TypeCheckError, jaxtyped
 
 __all__ = [
     "CannotStream",
+    "NotAnInteger",
     "Layer",
     "Param",
     "Pointwise",
+    "check_steps",
     "ShapeError",
     "require_bool",
     "require_key",
+    "require_int",
     "require_positive",
     "require_rate",
     "python_scalar",
@@ -63,16 +66,37 @@ def python_scalar(value: Any) -> Any:
     return value
 
 
-def require_positive(**sizes: int) -> None:
-    """Raise `ValueError` naming the first size that is not a positive integer (a Python or
-    NumPy integer; never a bool, a float or a string)."""
-    for name, size in sizes.items():
-        integral = isinstance(size, numbers.Integral) and not isinstance(size, bool | np.bool_)
-        if not integral or size < 1:
-            raise ValueError(
-                f"`{name}` must be a positive integer; received `{name}={size!r}` "
-                f"({type(size).__name__})."
+class NotAnInteger(TypeError, ValueError):
+    """A size, count or index that is not an integer at all (a float, a string, a bool): both a
+    `TypeError` and a `ValueError`, as NumPy's `AxisError` is both a `ValueError` and an
+    `IndexError`, so that either `except` clause catches it."""
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
+
+
+def require_int(
+    minimum: int = 1, *, caller: str = "", error: type[Exception] = ValueError, **values: Any
+) -> None:
+    """The package's one integer check: raise naming the first of `values` that is not an
+    integer (a Python or NumPy integer, never a bool, a float or a string) of at least
+    `minimum`. The error is `error` (default `ValueError`; `NotAnInteger`, a `TypeError` too,
+    for a value that is no integer at all), its message prefixed by `caller` when given. Store
+    the value with `int(value)` (or a `python_scalar` field) once it has passed."""
+    prefix = f"{caller}: " if caller else ""
+    wanted = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+    for name, value in values.items():
+        if not _is_integer(value) or value < minimum:
+            raise (NotAnInteger if error is ValueError and not _is_integer(value) else error)(
+                f"{prefix}`{name}` must be {wanted}; received `{name}={value!r}` "
+                f"({type(value).__name__})."
             )
+
+
+def require_positive(**sizes: Any) -> None:
+    """`require_int(1, **sizes)`: each size a positive integer."""
+    require_int(1, **sizes)
 
 
 def require_bool(**flags: bool) -> None:
@@ -152,6 +176,12 @@ def _mismatch(owner: str, signature: inspect.Signature, arguments: dict[str, Any
             received = f"shape {tuple(shape)} dtype {value.dtype}"
         elif value is None and "None" in expected.split(" | "):
             continue
+        elif expected == type(value).__name__:  # the right kind, arrays of other shapes
+            received = (
+                f"a {expected} whose arrays have other shapes (a batch of streams from "
+                "`init_streams`, with a leading axis on every array? step it with "
+                "`jax.vmap(model.step)(x_t, caches)`)"
+            )
         else:
             received = type(value).__name__
         lines.append(f"`{name}`: expected {expected}, received {received}")
@@ -159,6 +189,30 @@ def _mismatch(owner: str, signature: inspect.Signature, arguments: dict[str, Any
         f"{owner}: the array arguments do not fit together ("
         + "; ".join(lines)
         + "). A named axis must have one size across the arguments."
+    )
+
+
+def check_steps(owner: str, name: str, x: Any, n_in: int | None, one_step: bool) -> None:
+    """A model's own check of what its `step` (`one_step`: `x_t (n_in,)`) or `prefill` (`x (K,
+    n_in)`) receives, so that a wrong input is named as the caller passed it, not as an inner
+    layer saw it. `n_in=None`: any width. Runs at trace time."""
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    want = ("" if one_step else "K, ") + ("n_in" if n_in is None else f"n_in={n_in}")
+    form = f"({want},)" if one_step else f"({want})"
+    rank = 1 if one_step else 2
+    floating = dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+    width_ok = shape is not None and len(shape) == rank and n_in in (None, shape[-1])
+    if floating and width_ok:
+        return
+    received = type(x).__name__ if shape is None else f"`{name}.shape={tuple(shape)}` dtype {dtype}"
+    hint = (
+        " A batch of streams goes through `jax.vmap(model.step)(x_t, caches)`."
+        if one_step and shape is not None and len(shape) == 2
+        else ""
+    )
+    raise ShapeError(
+        f"{owner}: `{name}` must be {'one step' if one_step else 'K steps'} of shape {form}, "
+        f"floating point; received {received}.{hint}"
     )
 
 

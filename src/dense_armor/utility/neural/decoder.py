@@ -8,7 +8,7 @@ from jaxtyping import Array, PRNGKeyArray
 
 from .blocks import TransformerDecoderBlock
 from .cache import validate_overflow_mode
-from .core import Layer, require_bool, require_key, require_positive
+from .core import Layer, check_steps, require_bool, require_key, require_positive
 from .layers import Dense, LayerNorm
 from .models import _positions, _rope_base
 from .positions import PositionalEncoding
@@ -74,6 +74,7 @@ class TransformerDecoder(Layer):
         )
 
     def step(self, x_t: Array, cache: tuple[Any, ...]) -> tuple[Array, tuple[Any, ...]]:
+        check_steps("TransformerDecoder.step", "x_t", x_t, self.embed.n_in, one_step=True)
         y, cache = self.prefill(x_t[None], cache)
         return y[0], cache
 
@@ -84,6 +85,7 @@ class TransformerDecoder(Layer):
                 f"TransformerDecoder.step: expected the tuple of {1 + len(self.blocks)} caches "
                 "from `init_cache(context, ...)`."
             )
+        check_steps("TransformerDecoder.prefill", "x", x, self.embed.n_in, one_step=False)
         h, position_cache = self.embed(x), cache[0]
         if self.positions is not None:
             h, position_cache = self.positions.prefill(h, position_cache)

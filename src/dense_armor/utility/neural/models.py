@@ -10,7 +10,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .blocks import TransformerBlock
 from .cache import batch_streams, validate_overflow_mode
-from .core import Layer, require_bool, require_key, require_positive
+from .core import Layer, check_steps, require_bool, require_key, require_positive
 from .layers import Cast, Dense, LayerNorm, MeanOverTime
 from .positions import AddPositions, LearnedPositions, PositionalEncoding
 from .recurrent_block import RecurrentBlock
@@ -82,13 +82,20 @@ class Sequential(Layer):
     def step(self, x_t: Array, cache: tuple[Any, ...]) -> tuple[Array, tuple[Any, ...]]:
         """One step through every layer; after `t+1` steps, `forward` on those steps."""
         self._check_caches(cache, "step")
+        check_steps("Sequential.step", "x_t", x_t, self._n_in(), one_step=True)
         y, cache = self.prefill(x_t[None], cache)
         return y[0], cache
+
+    def _n_in(self) -> int | None:
+        """The input width, where the first layer says it (a `Dense`); else None."""
+        width = getattr(self.layers[0], "n_in", None)
+        return width if isinstance(width, int) else None
 
     def prefill(self, x: Array, cache: tuple[Any, ...]) -> tuple[Array, tuple[Any, ...]]:
         """`K` steps at once through every layer, `x (K, features)`: what `K` calls of `step`
         return, stacked (a model that pools over time returns its output after each step)."""
         self._check_caches(cache, "prefill")
+        check_steps("Sequential.prefill", "x", x, self._n_in(), one_step=False)
         new = []
         for layer, layer_cache in zip(self.layers, cache, strict=True):
             x, layer_cache = layer.prefill(x, layer_cache)

@@ -20,6 +20,7 @@ from .core import (
     Param,
     ShapeError,
     python_scalar,
+    require_int,
     require_key,
     require_positive,
     shape_checked,
@@ -55,9 +56,8 @@ def sinusoidal_positions(length: int, d_model: int) -> Float[Array, "length d_mo
 
     Row 1 of `sinusoidal_positions(4, 4)` is `[sin(1), cos(1), sin(0.01), cos(0.01)]`.
     """
-    if isinstance(length, bool) or not isinstance(length, int) or length < 0:
-        raise ValueError(f"`length` must be a non-negative integer; received `length={length!r}`.")
-    return sinusoidal_encoding(jnp.arange(length), d_model)
+    require_int(0, length=length)
+    return sinusoidal_encoding(jnp.arange(int(length)), d_model)
 
 
 class PositionalEncoding(Layer):

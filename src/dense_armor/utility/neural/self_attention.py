@@ -2,6 +2,7 @@
 cache that owns its writes (`cache.update`)."""
 
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -9,6 +10,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from . import blocked
@@ -48,10 +50,11 @@ __all__ = ["MultiHeadSelfAttention"]
 def _check_rope(rope_base: float | None, d_head: int) -> None:
     if rope_base is None:
         return
-    if isinstance(rope_base, bool) or not isinstance(rope_base, int | float) or rope_base <= 1:
+    real = isinstance(rope_base, numbers.Real) and not isinstance(rope_base, bool | np.bool_)
+    if not real or not math.isfinite(rope_base) or rope_base <= 1:
         raise ValueError(
-            f"`rope_base` must be a number above 1 (10000 in RoFormer), or None for no rotary "
-            f"positions; received `rope_base={rope_base!r}`."
+            f"`rope_base` must be a finite number above 1 (10000 in RoFormer), or None for no "
+            f"rotary positions; received `rope_base={rope_base!r}`."
         )
     if d_head % 2:
         raise ValueError(

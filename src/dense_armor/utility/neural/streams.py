@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool
 
-from .core import ShapeError
+from .core import ShapeError, require_int
 
 __all__ = ["batch_streams", "reset"]
 
@@ -29,8 +29,8 @@ def batch_streams(cache: Any, batch: int) -> Any:
     """`cache` repeated for `batch` streams: every array with a leading batch axis, ready for
     `jax.vmap(model.step)(x_t, caches)`."""
     _refuse_growing(cache, "batch_streams")
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"`batch` must be a positive integer; received `batch={batch!r}`.")
+    require_int(1, batch=batch)
+    batch = int(batch)
     return jax.tree.map(lambda a: jnp.broadcast_to(a, (batch, *jnp.shape(a))).copy(), cache)
 
 
