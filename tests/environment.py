@@ -7,7 +7,9 @@ process instead of compiled again, in this run and in the next one, like the vir
 nox keeps. The cache changes no result: its key is the computation, the compile options and the
 jax/jaxlib versions. It lives in the user's cache directory (`$XDG_CACHE_HOME`, default
 `~/.cache`, then `dense_armor/jax-tests`), or where `DENSE_ARMOR_TEST_JAX_CACHE` says; delete it
-at will. A session that finds it over 1 GiB empties it first (JAX's own size cap takes a file lock
+at will. IREE's compiled modules have a cache of their own beside it (`-iree`), read and written by
+`compile_artifact` through `DENSE_ARMOR_IREE_CACHE`. A session that finds either over 1 GiB empties
+it first (JAX's own size cap takes a file lock
 on every access, which slowed the suite by a third).
 """
 
@@ -19,28 +21,36 @@ USER_CACHE = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home(
 CACHE_DIR = pathlib.Path(
     os.environ.get("DENSE_ARMOR_TEST_JAX_CACHE") or USER_CACHE / "dense_armor" / "jax-tests"
 )
+# IREE's compiled modules, likewise (`compile_artifact`'s cache, keyed by module, flags, compiler
+# version and CPU): beside JAX's.
+IREE_CACHE_DIR = CACHE_DIR.with_name(CACHE_DIR.name + "-iree")
 CACHE_SETTINGS = {
     "JAX_COMPILATION_CACHE_DIR": str(CACHE_DIR),
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    "DENSE_ARMOR_IREE_CACHE": str(IREE_CACHE_DIR),
 }
 MAX_BYTES = 2**30
 
 
 def trim_compilation_cache() -> None:
-    """Empty the cache when it has grown past `MAX_BYTES` (entries of code long changed)."""
-    if not CACHE_DIR.is_dir():
-        return
-    entries = list(os.scandir(CACHE_DIR))
-    if sum(e.stat().st_size for e in entries if e.is_file()) > MAX_BYTES:
-        shutil.rmtree(CACHE_DIR, ignore_errors=True)
+    """Empty a cache that has grown past `MAX_BYTES` (entries of code long changed)."""
+    for directory in (CACHE_DIR, IREE_CACHE_DIR):
+        if not directory.is_dir():
+            continue
+        entries = list(os.scandir(directory))
+        if sum(e.stat().st_size for e in entries if e.is_file()) > MAX_BYTES:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def enable_compilation_cache() -> None:
-    """Turn the shared cache on in this process (before its first compilation)."""
+    """Turn the shared caches on in this process (before its first compilation)."""
     import jax
 
     for name, value in CACHE_SETTINGS.items():
+        if not name.startswith("JAX_"):
+            os.environ[name] = value
+            continue
         option = name.lower()
         jax.config.update(option, value if option.endswith("dir") else int(value))
 

@@ -4,6 +4,7 @@ with the cache fed back included."""
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -57,6 +58,27 @@ def test_every_static_module_compiles_and_is_listed_with_its_sha256(compiled):
         assert "aliasing_output" not in text and "buffer_donor" not in text
         # and no scatter: a batched row write lowers to one, which IREE rejects
         assert "scatter" not in text and "dynamic_update_slice" not in text
+
+
+def test_the_compile_cache_gives_the_compilers_own_bytes(compiled, tmp_path, monkeypatch):
+    out, _ = compiled
+    shutil.copytree(out, tmp_path / "art")
+    cache = tmp_path / "cache"
+    first = compile_artifact(tmp_path / "art", ["llvm-cpu"], jobs=2, cache=cache)  # stores
+    stored = {f.read_bytes() for f in cache.glob("*.vmfb")}
+    assert len(stored) == 5 and not list(cache.glob(".*"))  # whole entries, nothing partial
+    written = {(tmp_path / "art" / name).read_bytes() for name in first.files}
+    assert written == stored  # (iree-compile's bytes differ from one run to the next)
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr("iree.compiler.tools.compile_file", no_compiler)
+    again = compile_artifact(tmp_path / "art", ["llvm-cpu"], jobs=2, cache=cache)  # every hit
+    assert {(tmp_path / "art" / name).read_bytes() for name in again.files} == stored
+    assert max(check_iree(tmp_path / "art").values()) < 1e-5
+    with pytest.raises(AssertionError, match="compiled again"):  # another CPU: another key
+        compile_artifact(tmp_path / "art", ["llvm-cpu"], cpu="generic", cache=cache)
 
 
 def test_iree_runner_reproduces_the_golden_outputs(compiled):

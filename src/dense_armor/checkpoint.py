@@ -153,7 +153,24 @@ def _slots(tree: Any) -> dict[str, jax.ShapeDtypeStruct]:
 
 def skeleton(config: ModelConfig) -> Any:
     """The model `config` builds, with abstract arrays (`eqx.filter_eval_shape`: no weights are
-    computed), to fill with `fill_tree`."""
+    computed), to fill with `fill_tree`. Traced once per config (a training run checks every
+    checkpoint it saves against it); the skeleton holds no array, so one serves every caller."""
+    try:
+        # 64-bit mode changes the dtypes a factory's initialisers give
+        key = json.dumps([config.to_json(), bool(jax.config.jax_enable_x64)], sort_keys=True)
+    except TypeError:  # an argument JSON cannot hold: built each time (and refused when saved)
+        return _build_skeleton(config)
+    if key not in _SKELETONS:
+        if len(_SKELETONS) >= 64:
+            _SKELETONS.pop(next(iter(_SKELETONS)))
+        _SKELETONS[key] = _build_skeleton(config)
+    return _SKELETONS[key]
+
+
+_SKELETONS: dict[str, Any] = {}  # by the config's JSON and the x64 mode; the oldest goes past 64
+
+
+def _build_skeleton(config: ModelConfig) -> Any:
     try:
         return eqx.filter_eval_shape(config.build, jax.random.PRNGKey(0))
     except (TypeError, ValueError) as error:

@@ -15,10 +15,14 @@ first, in the order of `weights.names`), and feed the returned cache back into t
 
 import concurrent.futures
 import dataclasses
+import functools
+import hashlib
 import json
 import os
 import pathlib
+import platform
 import shutil
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -83,10 +87,17 @@ def compile_artifact(
     cpu: str = "host",
     cuda_arch: str = "sm_80",
     jobs: int | None = None,
+    cache: str | os.PathLike[str] | None = None,
 ) -> CompileSummary:
     """Compile every static module of the artifact at `directory` for each of `targets` (any of
     `TARGETS`), `jobs` at a time (default: one per CPU). Compiling again replaces the modules of
-    the targets asked for and keeps the others."""
+    the targets asked for and keeps the others.
+
+    `cache`: a directory of compiled modules to reuse (default: `$DENSE_ARMOR_IREE_CACHE`, if
+    set; else none). An entry is keyed by the module's bytes, the target's flags, the compiler's
+    version and, for `cpu="host"`, this machine's CPU, so a hit is what the compiler wrote for
+    the same input (its bytes vary from one run to the next, its code does not); entries are
+    written whole (renamed into place) and may be deleted at any time."""
     started = time.perf_counter()
     target = pathlib.Path(directory)
     if isinstance(targets, str) or not targets:
@@ -104,6 +115,8 @@ def compile_artifact(
     if jobs is not None:
         require_int(1, caller="compile_artifact (or None)", error=ArtifactError, jobs=jobs)
     jobs = int(jobs or os.cpu_count() or 1)
+    cache = os.environ.get("DENSE_ARMOR_IREE_CACHE") if cache is None else cache
+    store = pathlib.Path(cache) if cache else None
 
     def fill(tmp: pathlib.Path) -> None:
         shutil.copytree(target, tmp, dirs_exist_ok=True)
@@ -116,12 +129,20 @@ def compile_artifact(
         def one(item: tuple[str, str]) -> dict[str, Any]:
             module, t = item
             out = module.removesuffix(".mlirbc") + f".{t}.vmfb"
-            try:
-                tools.compile_file(
-                    str(tmp / module), output_file=str(tmp / out), extra_args=flags[t]
-                )
-            except tools.CompilerToolError as error:
-                raise ArtifactError(f"iree-compile failed on {module} for {t}: {error}") from None
+            entry = None if store is None else store / f"{_cache_key(tmp / module, flags[t])}.vmfb"
+            if entry is not None and entry.is_file():
+                shutil.copyfile(entry, tmp / out)
+            else:
+                try:
+                    tools.compile_file(
+                        str(tmp / module), output_file=str(tmp / out), extra_args=flags[t]
+                    )
+                except tools.CompilerToolError as error:
+                    raise ArtifactError(
+                        f"iree-compile failed on {module} for {t}: {error}"
+                    ) from None
+                if entry is not None:
+                    _store(tmp / out, entry)
             return {"module": module, "target": t, "file": out, "flags": flags[t]}
 
         with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
@@ -140,6 +161,36 @@ def compile_artifact(
     return CompileSummary(target, files, time.perf_counter() - started)
 
 
+def _host_cpu() -> str:
+    """What an `llvm-cpu` module tuned for `host` depends on: the CPU's model and features."""
+    try:
+        lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(sorted({line for line in lines if line.startswith(wanted)}))
+
+
+def _cache_key(module: pathlib.Path, flags: list[str]) -> str:
+    digest = hashlib.sha256(module.read_bytes())
+    digest.update("\0".join([*flags, _compiler_version()]).encode())
+    if any(flag.endswith("-target-cpu=host") for flag in flags):
+        digest.update(_host_cpu().encode())
+    return digest.hexdigest()
+
+
+def _store(compiled: pathlib.Path, entry: pathlib.Path) -> None:
+    """Put a compiled module into the cache whole: written beside, then renamed into place."""
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        partial = entry.with_name(f".{entry.name}.{os.getpid()}.{threading.get_ident()}")
+        shutil.copyfile(compiled, partial)
+        os.replace(partial, entry)
+    except OSError:  # a cache that cannot be written is no cache, not a failed compile
+        pass
+
+
+@functools.cache
 def _compiler_version() -> str:
     try:
         from importlib.metadata import version
