@@ -157,7 +157,9 @@ def skeleton(config: ModelConfig) -> Any:
     checkpoint it saves against it); the skeleton holds no array, so one serves every caller."""
     try:
         # 64-bit mode changes the dtypes a factory's initialisers give
-        key = json.dumps([config.to_json(), bool(jax.config.read("jax_enable_x64"))], sort_keys=True)
+        key = json.dumps(
+            [config.to_json(), bool(jax.config.read("jax_enable_x64"))], sort_keys=True
+        )
     except TypeError:  # an argument JSON cannot hold: built each time (and refused when saved)
         return _build_skeleton(config)
     if key not in _SKELETONS:
