@@ -680,6 +680,23 @@ def test_blocked_and_materialised_mark_the_same_rows_that_see_a_nan(window):
     np.testing.assert_allclose(dense[~sees], blocked[~sees], atol=2e-6)
 
 
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])
+def test_without_a_mask_a_non_finite_value_makes_every_row_nan(bad):
+    """No mask: every query sees every key, so one non-finite value gives NaN rows (not inf,
+    not a mixture), in each sequence of a batch that holds one and in no other; values shared
+    by broadcasting over a leading axis of the queries too."""
+    q = jax.random.normal(KEY, (2, 3, 5, 4))
+    k = jax.random.normal(jax.random.fold_in(KEY, 1), (3, 6, 4))
+    v = jax.random.normal(jax.random.fold_in(KEY, 2), (3, 6, 2)).at[1, 4, 0].set(bad)
+    out = scaled_dot_product_attention(q, k, v)
+    assert out.shape == (2, 3, 5, 2)
+    assert bool(jnp.isnan(out[:, 1]).all())
+    clean = np.asarray(jnp.delete(out, 1, axis=1))
+    assert np.isfinite(clean).all()
+    ref = scaled_dot_product_attention(q[:, ::2], k[::2], v[::2])  # without the bad sequence
+    np.testing.assert_allclose(clean, ref, rtol=1e-6)
+
+
 def test_a_visible_nan_still_propagates():
     q = k = jnp.ones((3, 4))
     v = jnp.ones((3, 2)).at[1, 0].set(jnp.nan)
