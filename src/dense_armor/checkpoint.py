@@ -276,9 +276,9 @@ def save_checkpoint(
 
 
 def _culprits(config: ModelConfig, expected: Mapping[str, Any], arrays: Mapping[str, Any]) -> str:
-    """Which of `config`'s integer arguments a shape mismatch points at: those whose value is a
-    size the config builds where the model has another (" (likely `d_model=16`; the model has 8
-    there)"), or "" when no argument stands out."""
+    """Which of `config`'s integer arguments the first shape mismatch points at: those whose
+    value is a size the config builds where the model has another (" (likely in `d_model=12`:
+    the model has 8 where the config builds 12)"), or "" when no argument stands out."""
     for path, want in expected.items():
         got = arrays.get(path)
         if got is None or tuple(got.shape) == tuple(want.shape) or got.ndim != len(want.shape):
