@@ -22,7 +22,6 @@ Optimizer states are placed like the parameters they belong to (`place_optimizer
 """
 
 import dataclasses
-import numbers
 import os
 import warnings
 from collections.abc import Sequence
@@ -36,7 +35,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .utility.neural.core import Layer, require_bool, require_int
+from .utility.neural.core import Layer, is_integer, require_bool, require_int
 
 __all__ = [
     "ShardingWarning",
@@ -81,7 +80,7 @@ def initialize(
     coordinator listens on, when it differs from the address the others reach it at; JAX's
     `coordinator_bind_address`) and `local_device_ids` (the devices this process uses, when
     several processes share a host)."""
-    if not _integer(timeout) or timeout < 1:
+    if not is_integer(timeout) or timeout < 1:
         raise ValueError(
             f"initialize: `timeout` must be a positive number of seconds; got {timeout!r}."
         )
@@ -91,7 +90,7 @@ def initialize(
     if local_device_ids is not None:
         many = isinstance(local_device_ids, Sequence) and not isinstance(local_device_ids, str)
         ids: list[Any] = list(local_device_ids) if many else [local_device_ids]  # type: ignore[arg-type]
-        if not ids or any(not _integer(i) or i < 0 for i in ids):
+        if not ids or any(not is_integer(i) or i < 0 for i in ids):
             raise ValueError(
                 "initialize: `local_device_ids` must be a device index or a non-empty list of "
                 f"them; got {local_device_ids!r}."
@@ -146,10 +145,6 @@ def _env_int(name: str, minimum: int) -> int:
 def data_mesh(devices: Any = None) -> Mesh:
     """A one-axis mesh, `"data"`, over `devices` (default: every device of every process)."""
     return Mesh(np.asarray(_devices("data_mesh", devices)), ("data",))
-
-
-def _integer(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
 
 
 def _devices(caller: str, devices: Any) -> list[Any]:

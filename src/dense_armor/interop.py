@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import CheckpointError, ModelConfig, _slots, fill_tree, skeleton
+from .checkpoint import ModelConfig
+from .trees import CheckpointError, fill_tree, skeleton, slots
 
 __all__ = ["InteropError", "import_torch", "read_state_dict"]
 
@@ -179,7 +180,7 @@ def import_torch(
             f"the state dict's stack has layers {layers}; the model has depth {depth}."
         )
 
-    ours = _slots(model)  # every array path of the model, with its shape
+    ours = slots(model)  # every array path of the model, with its shape
     if decoder:
         embed, head, blocks, final = (
             ".embed",

@@ -184,12 +184,9 @@ def _source(
     return ArraySource(xs, labels, batch_size, seed, mesh)
 
 
-def _checked_batch(
-    source: BatchSource, step: int, rows: int, n_out: int | None
-) -> tuple[np.ndarray, np.ndarray]:
+def _checked_batch(source: BatchSource, step: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
     """`source(step)`, refused unless it is a pair `(xs, labels)` of the `rows` this process
-    feeds, with (`n_out` given: a source's batches under the classification loss) integer labels
-    in `[0, n_out)`: every batch is checked, on the host, before it is sent."""
+    feeds (checked on the host, before the batch is sent)."""
     batch = source(step)
     if not isinstance(batch, tuple | list) or len(batch) != 2:
         raise TypeError(
@@ -205,8 +202,6 @@ def _checked_batch(
             f"{len(labels) if labels.ndim else 'a scalar as'} labels for step {step}; this "
             f"process feeds {rows} rows of each batch."
         )
-    if n_out is not None:
-        check_labels("fit (data source)", labels, n_out, rows, f" at step {step}")
     return xs, labels
 
 
@@ -305,9 +300,9 @@ def fit(
         elif not resume:
             checkpoints.start_over()
 
-    n_out = None  # a source's labels are checked batch by batch (arrays were checked whole)
-    if loss_fn is cross_entropy_loss and not isinstance(source, ArraySource) and start_step < steps:
-        n_out = output_width(model, _checked_batch(source, start_step, rows, None)[0])
+    # a source's labels are checked batch by batch (arrays were checked whole, in `_source`)
+    check_source = loss_fn is cross_entropy_loss and not isinstance(source, ArraySource)
+    n_out = None
     train_step = make_train_step(optimizer, loss_fn, accumulate)
     root_key = jax.random.PRNGKey(seed)
     losses: list[jax.Array] = []
@@ -321,7 +316,10 @@ def fit(
     tick = time.perf_counter()
     try:
         for step in range(start_step, steps):
-            xs, labels = _checked_batch(source, step, rows, n_out)
+            xs, labels = _checked_batch(source, step, rows)
+            if check_source:
+                n_out = output_width(model, xs) if n_out is None else n_out  # traced once
+                check_labels("fit (data source)", labels, n_out, rows, f" at step {step}")
             if mesh is None:
                 xb, yb = jnp.asarray(xs), jnp.asarray(labels)
             else:  # this process's rows of the global batch

@@ -26,6 +26,7 @@ __all__ = [
     "Param",
     "Pointwise",
     "check_steps",
+    "is_integer",
     "ShapeError",
     "require_bool",
     "require_key",
@@ -72,7 +73,8 @@ class NotAnInteger(TypeError, ValueError):
     `IndexError`, so that either `except` clause catches it."""
 
 
-def _is_integer(value: Any) -> bool:
+def is_integer(value: Any) -> bool:
+    """A Python or NumPy integer, never a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
 
 
@@ -87,8 +89,8 @@ def require_int(
     prefix = f"{caller}: " if caller else ""
     wanted = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
     for name, value in values.items():
-        if not _is_integer(value) or value < minimum:
-            raise (NotAnInteger if error is ValueError and not _is_integer(value) else error)(
+        if not is_integer(value) or value < minimum:
+            raise (NotAnInteger if error is ValueError and not is_integer(value) else error)(
                 f"{prefix}`{name}` must be {wanted}; received `{name}={value!r}` "
                 f"({type(value).__name__})."
             )
