@@ -79,6 +79,15 @@ def test_the_compile_cache_gives_the_compilers_own_bytes(compiled, tmp_path, mon
     assert max(check_iree(tmp_path / "art").values()) < 1e-5
     with pytest.raises(AssertionError, match="compiled again"):  # another CPU: another key
         compile_artifact(tmp_path / "art", ["llvm-cpu"], cpu="generic", cache=cache)
+    # a truncated entry is no entry: compiled again (here, the compiler refusing), never copied
+    entry = next(cache.glob("*.vmfb"))
+    entry.write_bytes(entry.read_bytes()[:-10])
+    with pytest.raises(AssertionError, match="compiled again"):
+        compile_artifact(tmp_path / "art", ["llvm-cpu"], jobs=2, cache=cache)
+    assert not entry.exists()
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ArtifactError, match=r"the compile cache .*afile is a file"):
+        compile_artifact(tmp_path / "art", ["llvm-cpu"], cache=tmp_path / "afile")
 
 
 def test_iree_runner_reproduces_the_golden_outputs(compiled):

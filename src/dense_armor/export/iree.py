@@ -97,7 +97,8 @@ def compile_artifact(
     set; else none). An entry is keyed by the module's bytes, the target's flags, the compiler's
     version and, for `cpu="host"`, this machine's CPU, so a hit is what the compiler wrote for
     the same input (its bytes vary from one run to the next, its code does not); entries are
-    written whole (renamed into place) and may be deleted at any time."""
+    written whole (renamed into place), checked against the sha256 in their name when read (a
+    corrupted one is compiled again), and may be deleted at any time."""
     started = time.perf_counter()
     target = pathlib.Path(directory)
     if isinstance(targets, str) or not targets:
@@ -117,6 +118,8 @@ def compile_artifact(
     jobs = int(jobs or os.cpu_count() or 1)
     cache = os.environ.get("DENSE_ARMOR_IREE_CACHE") if cache is None else cache
     store = pathlib.Path(cache) if cache else None
+    if store is not None and store.is_file():
+        raise ArtifactError(f"the compile cache {store} is a file, not a directory.")
 
     def fill(tmp: pathlib.Path) -> None:
         shutil.copytree(target, tmp, dirs_exist_ok=True)
@@ -129,10 +132,8 @@ def compile_artifact(
         def one(item: tuple[str, str]) -> dict[str, Any]:
             module, t = item
             out = module.removesuffix(".mlirbc") + f".{t}.vmfb"
-            entry = None if store is None else store / f"{_cache_key(tmp / module, flags[t])}.vmfb"
-            if entry is not None and entry.is_file():
-                shutil.copyfile(entry, tmp / out)
-            else:
+            key = None if store is None else _cache_key(tmp / module, flags[t])
+            if store is None or key is None or not _cached(store, key, tmp / out):
                 try:
                     tools.compile_file(
                         str(tmp / module), output_file=str(tmp / out), extra_args=flags[t]
@@ -141,8 +142,8 @@ def compile_artifact(
                     raise ArtifactError(
                         f"iree-compile failed on {module} for {t}: {error}"
                     ) from None
-                if entry is not None:
-                    _store(tmp / out, entry)
+                if store is not None and key is not None:
+                    _store(tmp / out, store, key)
             return {"module": module, "target": t, "file": out, "flags": flags[t]}
 
         with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
@@ -179,12 +180,28 @@ def _cache_key(module: pathlib.Path, flags: list[str]) -> str:
     return digest.hexdigest()
 
 
-def _store(compiled: pathlib.Path, entry: pathlib.Path) -> None:
-    """Put a compiled module into the cache whole: written beside, then renamed into place."""
+def _cached(store: pathlib.Path, key: str, out: pathlib.Path) -> bool:
+    """Copy the cache's entry for `key` to `out`, if it has one whose bytes match the sha256 in
+    its name (`<key>.<sha256>.vmfb`); a truncated or edited entry is no entry: it is compiled
+    again and replaced."""
+    for entry in store.glob(f"{key}.*.vmfb"):
+        data = entry.read_bytes()
+        if hashlib.sha256(data).hexdigest() == entry.name.split(".")[1]:
+            out.write_bytes(data)
+            return True
+        entry.unlink(missing_ok=True)
+    return False
+
+
+def _store(compiled: pathlib.Path, store: pathlib.Path, key: str) -> None:
+    """Put a compiled module into the cache whole, named by its key and its own sha256: written
+    beside, then renamed into place."""
     try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        partial = entry.with_name(f".{entry.name}.{os.getpid()}.{threading.get_ident()}")
-        shutil.copyfile(compiled, partial)
+        store.mkdir(parents=True, exist_ok=True)
+        data = compiled.read_bytes()
+        entry = store / f"{key}.{hashlib.sha256(data).hexdigest()}.vmfb"
+        partial = store / f".{entry.name}.{os.getpid()}.{threading.get_ident()}"
+        partial.write_bytes(data)
         os.replace(partial, entry)
     except OSError:  # a cache that cannot be written is no cache, not a failed compile
         pass
