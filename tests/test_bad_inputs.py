@@ -698,6 +698,35 @@ def test_without_a_mask_a_non_finite_value_makes_every_row_nan(bad):
     np.testing.assert_allclose(clean, ref, rtol=1e-6)
 
 
+def test_a_full_cache_under_jax_jit_is_the_first_line_logged(caplog):
+    """Under plain `jax.jit` JAX logs a failed callback before XLA's wrapper: for an overflow the
+    logged line is the message itself, and the exception still carries it."""
+    with (
+        caplog.at_level("ERROR", logger="jax._src.callback"),
+        pytest.raises(ValueError, match="CpuCallback") as raised,
+    ):
+        full_cache_under_jax_jit()
+    logged = [r.getMessage() for r in caplog.records if r.name == "jax._src.callback"]
+    assert logged and logged[0].startswith("dense_armor: the key/value cache is full (capacity 1)")
+    assert "on_overflow='nan'" in logged[0] and "\n" not in logged[0]
+    assert "the key/value cache is full (capacity 1)" in str(raised.value)
+
+
+def test_other_callback_failures_are_logged_as_jax_logs_them(caplog):
+    def fails(x):
+        raise RuntimeError("not an overflow")
+
+    f = jax.jit(lambda x: jax.pure_callback(fails, jax.ShapeDtypeStruct((), jnp.float32), x))
+    with (
+        caplog.at_level("ERROR", logger="jax._src.callback"),
+        pytest.raises(Exception, match="not an overflow"),
+    ):
+        f(jnp.ones(())).block_until_ready()
+    assert [r.getMessage() for r in caplog.records if r.name == "jax._src.callback"] == [
+        "jax.pure_callback failed"
+    ]
+
+
 def test_a_visible_nan_still_propagates():
     q = k = jnp.ones((3, 4))
     v = jnp.ones((3, 2)).at[1, 0].set(jnp.nan)

@@ -29,15 +29,18 @@ A fixed cache that is full never overwrites a row. What happens instead is the c
 `on_overflow` mode, chosen at `init_cache`:
 
 - `"raise"` (default): the step raises `equinox.EquinoxRuntimeError`, eagerly and under
-  `eqx.filter_jit`. Under plain `jax.jit`, XLA reports the same message inside a `ValueError`
-  (`jax.errors.JaxRuntimeError`, "INTERNAL: CpuCallback error ...") after a callback traceback:
-  jit a stepping loop with `eqx.filter_jit` for the clean error, or use `"nan"` and read the flag;
+  `eqx.filter_jit`. Under plain `jax.jit`, XLA wraps the same message in a `ValueError`
+  (`jax.errors.JaxRuntimeError`, "INTERNAL: CpuCallback error ..."); the line JAX logs before
+  that traceback is the message itself ("dense_armor: the key/value cache is full ...", see
+  `_OverflowFirst`). Jit a stepping loop with `eqx.filter_jit` for the clean exception, or use
+  `"nan"` and read the flag;
 - `"nan"`: the step's output is NaN and the cache's `overflow` flag becomes (and stays) `True`.
   This mode uses no host callback, so it is the one an exported step uses.
 """
 
 import contextlib
 import contextvars
+import logging
 from collections.abc import Iterator
 from functools import partial
 from typing import Any, ClassVar, NamedTuple
@@ -80,9 +83,28 @@ OVERFLOW_REMEDY = (
     ": the stream stepped past the last slot. Give `init_cache` a larger capacity, build the "
     "layer with a `window` (a ring cache that never fills), `reset` the stream, or pass "
     "`on_overflow='nan'` for NaN rows and a set `overflow` flag instead of this error (under plain "
-    "`jax.jit` it arrives as a ValueError beginning 'INTERNAL: CpuCallback error'; "
+    "`jax.jit` XLA wraps it in a ValueError beginning 'INTERNAL: CpuCallback error'; "
     "`eqx.filter_jit` raises it cleanly)"
 )
+
+
+class _OverflowFirst(logging.Filter):
+    """Under plain `jax.jit`, an overflow's error arrives from XLA wrapped in a `ValueError`
+    ("INTERNAL: CpuCallback error calling callback: Traceback ..."), after JAX logs
+    "jax.pure_callback failed" and the callback's traceback. This filter on JAX's callback
+    logger rewrites that log line for an overflow, and only for one, so that the first line a
+    user reads says what happened: "dense_armor: the key/value cache is full (capacity N): ..."."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is not None and OVERFLOW_REMEDY in str(error):
+            record.msg, record.args = "dense_armor: " + str(error).split("\n", 1)[0], ()
+        return True
+
+
+_CALLBACK_LOGGER = logging.getLogger("jax._src.callback")
+if not any(isinstance(f, _OverflowFirst) for f in _CALLBACK_LOGGER.filters):
+    _CALLBACK_LOGGER.addFilter(_OverflowFirst())
 
 
 class Counter(eqx.Module):
