@@ -43,6 +43,27 @@ __all__ = [
 ]
 
 
+def _masked_scores(q: Array, k: Array, mask: Array | None) -> tuple[Array, Array | None]:
+    """The scores `q k^T / sqrt(d_k)` in float32, `-inf` where `mask` hides a key, and the mask
+    broadcast to them (or `None`).
+
+    The queries are scaled, not the scores (as Equinox, Flax and PyTorch do): a pass over
+    `(T, d_k)` instead of `(T, S)`, where XLA's CPU compiler would feed the fused softmax a
+    materialised `(..., T, S)` array of the constant. Exact for a power-of-two `d_k`."""
+    q = q * jnp.asarray(1.0 / math.sqrt(q.shape[-1]), q.dtype)
+    scores = jnp.einsum("...td,...sd->...ts", q, k, preferred_element_type=jnp.float32)
+    if mask is None:
+        return scores, None
+    try:
+        mask = jnp.broadcast_to(mask, scores.shape)
+    except ValueError:
+        raise ShapeError(
+            f"scaled_dot_product_attention: received `mask.shape={mask.shape}`; expected a "
+            f"shape that broadcasts to the scores' `(..., T, S)={scores.shape}`."
+        ) from None
+    return jnp.where(mask, scores, -jnp.inf), mask
+
+
 def attention_weights(
     q: Float[Array, "*#batch T d_k"],
     k: Float[Array, "*#batch S d_k"],
@@ -53,22 +74,12 @@ def attention_weights(
     Same arguments as `scaled_dot_product_attention`; every row sums to 1, or is all zeros where
     the mask hides every key.
     """
-    scores = jnp.einsum("...td,...sd->...ts", q, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(q.shape[-1])
+    scores, mask = _masked_scores(q, k, mask)
     if mask is None:
         return jax.nn.softmax(scores, axis=-1)
-    try:
-        mask = jnp.broadcast_to(mask, scores.shape)
-    except ValueError:
-        raise ShapeError(
-            f"scaled_dot_product_attention: received `mask.shape={mask.shape}`; expected a "
-            f"shape that broadcasts to the scores' `(..., T, S)={scores.shape}`."
-        ) from None
-    scores = jnp.where(mask, scores, -jnp.inf)
     # A row that sees no key would be all -inf, and its softmax NaN: its scores are replaced by
     # zeros before the softmax and its weights by zeros after, so its output is 0 and no NaN
-    # reaches the gradient. jax.nn.softmax's own derivative (y * (g - sum(y g))) then runs the
-    # backward in one pass, twice as fast on a CPU as differentiating the softmax written out.
+    # reaches the gradient.
     seen = mask.any(axis=-1, keepdims=True)
     weights = jax.nn.softmax(jnp.where(seen, scores, 0.0), axis=-1)
     return jnp.where(seen, weights, 0.0)
@@ -95,23 +106,32 @@ def scaled_dot_product_attention(
     gradient. A masked key contributes nothing, its value included: a NaN or infinite value that a
     query may not see leaves that query's output as it would be without it, and a query that sees
     one gets NaN in its whole row.
+
+    The softmax is normalised after the product with the values, as flash attention does:
+    `(exp(s - max s) v) / sum exp(s - max s)`, one division per `(T, d_v)` output instead of
+    one per `(T, S)` weight, equal to the softmax's weights times `v` to float32 round-off.
     """
-    weights = attention_weights(q, k, mask)
+    scores, mask = _masked_scores(q, k, mask)
+    top = jax.lax.stop_gradient(scores.max(axis=-1, keepdims=True))  # the shift cancels out
+    if mask is not None:  # a row that sees no key: max -inf, 0 stands in so exp() gives 0
+        top = jnp.where(jnp.isneginf(top), 0.0, top)
+    p = jnp.exp(scores - top)
+    total = p.sum(axis=-1, keepdims=True)  # at least 1 in a row that sees a key (its max)
+    p = p.astype(v.dtype)
     if mask is None:  # every query sees every key: one non-finite value makes every row NaN,
         # read from the values alone (no pass over the (T, S) weights)
-        out = jnp.einsum("...ts,...sd->...td", weights.astype(v.dtype), v)
+        out = jnp.einsum("...ts,...sd->...td", p, v, preferred_element_type=jnp.float32)
         bad = ~jnp.isfinite(v).all(axis=(-2, -1))
         bad = jnp.broadcast_to(bad[..., None, None], out.shape)
-        return jnp.where(bad, jnp.asarray(jnp.nan, out.dtype), out)
+        return jnp.where(bad, jnp.nan, out / total).astype(v.dtype)
     # A masked weight is exactly 0, but 0 * NaN is NaN: zero the non-finite values, then mark the
     # queries that may see one (the same rule as blocked_attention's).
     finite = jnp.isfinite(v).all(axis=-1)
     clean = jnp.where(finite[..., None], v, jnp.zeros((), v.dtype))
-    out = jnp.einsum("...ts,...sd->...td", weights.astype(v.dtype), clean)
-    bad = jnp.broadcast_to(jnp.expand_dims(~finite, -2), weights.shape)
-    if mask is not None:
-        bad = bad & jnp.broadcast_to(mask, weights.shape)
-    return jnp.where(bad.any(axis=-1)[..., None], jnp.asarray(jnp.nan, out.dtype), out)
+    out = jnp.einsum("...ts,...sd->...td", p, clean, preferred_element_type=jnp.float32)
+    out = out / jnp.where(total > 0, total, 1.0)  # a row that sees nothing: 0 / 1
+    bad = jnp.broadcast_to(jnp.expand_dims(~finite, -2), mask.shape) & mask
+    return jnp.where(bad.any(axis=-1)[..., None], jnp.nan, out).astype(v.dtype)
 
 
 def _check_heads(d_model: int, n_heads: int, n_kv_heads: int | None = None) -> int:

@@ -99,6 +99,14 @@ class Cast(Pointwise):
         return x.astype(self.dtype)
 
 
+def relu(x: Array) -> Array:
+    """`max(0, x)` as `jax.nn.relu` computes it (NaN stays NaN, the gradient at 0 is 0), written
+    as a select: XLA's CPU compiler fuses a feed-forward's products and activation into one
+    library call, to which `jax.nn.relu`'s maximum against zero passes a whole materialised
+    array of zeros (8 MiB per block at B=32, T=128, d_ff=512)."""
+    return jnp.where(x <= 0, jnp.zeros((), x.dtype), x)
+
+
 class ReLU(Pointwise):
     """`max(0, x)`, elementwise. No parameters."""
 
@@ -106,7 +114,7 @@ class ReLU(Pointwise):
     def forward(
         self, x: Float[Array, "*shape"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "*shape"]:
-        return jax.nn.relu(x)
+        return relu(x)
 
 
 class LayerNorm(Pointwise):
@@ -211,7 +219,7 @@ class FeedForward(Pointwise):
         self, x: Float[Array, "*T d_model"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "*T d_model"]:
         h = self.hidden(x)
-        h = jax.nn.relu(h) if self.activation == "relu" else jax.nn.gelu(h, approximate=False)
+        h = relu(h) if self.activation == "relu" else jax.nn.gelu(h, approximate=False)
         return self.out(h)
 
 
