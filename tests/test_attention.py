@@ -3,6 +3,7 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jax.test_util
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -81,6 +82,70 @@ def test_attention_mask_broadcasts_over_heads(getkey):
         attention(*(np.asarray(a, np.float64) for a in (q, k, v)), np.asarray(causal)),
         atol=1e-5,
     )
+
+
+def softmax_attention_loss(q, k, v, mask, probe):
+    """The attention written out with jax.nn.softmax and differentiated by JAX, in float64
+    (rows that see nothing give zeros): the reference for the written-out derivative."""
+    scores = jnp.einsum("...td,...sd->...ts", q, k) / np.sqrt(q.shape[-1])
+    if mask is None:
+        weights = jax.nn.softmax(scores, axis=-1)
+    else:
+        seen = mask.any(axis=-1, keepdims=True)
+        weights = jax.nn.softmax(jnp.where(mask & seen, scores, jnp.where(seen, -jnp.inf, 0.0)))
+        weights = jnp.where(seen, weights, 0.0)
+    return jnp.sum(jnp.einsum("...ts,...sd->...td", weights, v) * probe)
+
+
+GRADIENT_CASES = [
+    # (q shape, k shape, mask): leading axes broadcast; "rows" hides every key of row 1
+    ((5, 4), (7, 4), None),
+    ((2, 5, 4), (2, 7, 4), "causal"),
+    ((3, 2, 6, 8), (1, 2, 6, 8), None),
+    ((3, 2, 6, 8), (3, 1, 9, 8), "random"),
+    ((2, 5, 4), (2, 5, 4), "rows"),
+]
+
+
+@pytest.mark.parametrize("q_shape, k_shape, kind", GRADIENT_CASES)
+def test_the_gradient_matches_the_softmax_differentiated_in_float64(getkey, q_shape, k_shape, kind):
+    q = jax.random.normal(getkey(), q_shape)
+    k = jax.random.normal(getkey(), k_shape)
+    v = jax.random.normal(getkey(), (*k_shape[:-1], 3))
+    t, s = q_shape[-2], k_shape[-2]
+    mask = {
+        None: None,
+        "causal": jnp.tril(jnp.ones((t, s), bool)),
+        "random": jax.random.bernoulli(getkey(), 0.6, (t, s)),
+        "rows": jnp.ones((t, s), bool).at[1].set(False),
+    }[kind]
+    out = scaled_dot_product_attention(q, k, v, mask)
+    probe = jax.random.normal(getkey(), out.shape)
+    grads = jax.grad(
+        lambda q, k, v: jnp.sum(scaled_dot_product_attention(q, k, v, mask) * probe),
+        argnums=(0, 1, 2),
+    )(q, k, v)
+    with jax.enable_x64(True):
+        wide = [jnp.asarray(np.asarray(a, np.float64)) for a in (q, k, v, probe)]
+        expected = jax.grad(softmax_attention_loss, argnums=(0, 1, 2))(*wide[:3], mask, wide[3])
+        expected = [np.asarray(e) for e in expected]
+    for got, want in zip(grads, expected, strict=True):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_the_gradient_matches_finite_differences(getkey):
+    q, k, v = (jax.random.normal(getkey(), (2, 6, 4)) for _ in range(3))
+    mask = jnp.tril(jnp.ones((6, 6), bool))
+    for m in (None, mask):
+        jax.test_util.check_grads(
+            lambda q, k, v, m=m: jnp.sum(scaled_dot_product_attention(q, k, v, m) ** 2),
+            (q, k, v),
+            order=1,
+            modes=["rev"],
+            atol=2e-2,
+            rtol=2e-2,
+        )
 
 
 def test_fully_masked_rows_give_zeros_and_finite_gradients(getkey):

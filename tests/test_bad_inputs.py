@@ -588,6 +588,15 @@ def test_numpy_integer_sizes_are_welcome():
     assert evaluate(MODEL, XS, LABELS, batch_size=np.int64(3))["accuracy"] >= 0
 
 
+def test_numpy_arrays_are_welcome_in_the_functions_as_in_the_layers():
+    q = np.random.default_rng(0).normal(size=(2, 5, 4)).astype(np.float32)
+    expected = scaled_dot_product_attention(jnp.asarray(q), jnp.asarray(q), jnp.asarray(q))
+    np.testing.assert_array_equal(scaled_dot_product_attention(q, q, q), expected)
+    np.testing.assert_array_equal(scaled_dot_product_attention(q=q, k=q, v=q), expected)
+    with pytest.raises(ShapeError, match=r"`v`: expected Float\['\*#batch S d_v'\]"):
+        scaled_dot_product_attention(q, q, q[:, :3])
+
+
 def test_a_config_equals_itself_read_back_from_its_json():
     mixed = {
         **CONFIG.arguments,

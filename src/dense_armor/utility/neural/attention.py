@@ -111,27 +111,95 @@ def scaled_dot_product_attention(
     `(exp(s - max s) v) / sum exp(s - max s)`, one division per `(T, d_v)` output instead of
     one per `(T, S)` weight, equal to the softmax's weights times `v` to float32 round-off.
     """
-    scores, mask = _masked_scores(q, k, mask)
-    top = jax.lax.stop_gradient(scores.max(axis=-1, keepdims=True))  # the shift cancels out
-    if mask is not None:  # a row that sees no key: max -inf, 0 stands in so exp() gives 0
-        top = jnp.where(jnp.isneginf(top), 0.0, top)
-    p = jnp.exp(scores - top)
-    total = p.sum(axis=-1, keepdims=True)  # at least 1 in a row that sees a key (its max)
-    p = p.astype(v.dtype)
     if mask is None:  # every query sees every key: one non-finite value makes every row NaN,
         # read from the values alone (no pass over the (T, S) weights)
-        out = jnp.einsum("...ts,...sd->...td", p, v, preferred_element_type=jnp.float32)
+        out = _attend(*_common_batch(q, k, v), None)
         bad = ~jnp.isfinite(v).all(axis=(-2, -1))
         bad = jnp.broadcast_to(bad[..., None, None], out.shape)
-        return jnp.where(bad, jnp.nan, out / total).astype(v.dtype)
+        return jnp.where(bad, jnp.nan, out).astype(v.dtype)
     # A masked weight is exactly 0, but 0 * NaN is NaN: zero the non-finite values, then mark the
     # queries that may see one (the same rule as blocked_attention's).
     finite = jnp.isfinite(v).all(axis=-1)
     clean = jnp.where(finite[..., None], v, jnp.zeros((), v.dtype))
-    out = jnp.einsum("...ts,...sd->...td", p, clean, preferred_element_type=jnp.float32)
-    out = out / jnp.where(total > 0, total, 1.0)  # a row that sees nothing: 0 / 1
+    q, k, clean = _common_batch(q, k, clean)
+    scores = (*q.shape[:-1], k.shape[-2])
+    try:
+        mask = jnp.broadcast_to(mask, scores)
+    except ValueError:
+        raise ShapeError(
+            f"scaled_dot_product_attention: received `mask.shape={mask.shape}`; expected a "
+            f"shape that broadcasts to the scores' `(..., T, S)={scores}`."
+        ) from None
+    out = _attend(q, k, clean, mask)
     bad = jnp.broadcast_to(jnp.expand_dims(~finite, -2), mask.shape) & mask
     return jnp.where(bad.any(axis=-1)[..., None], jnp.nan, out).astype(v.dtype)
+
+
+def _common_batch(q: Array, k: Array, v: Array) -> tuple[Array, Array, Array]:
+    """`q`, `k`, `v` with their leading axes broadcast to one shape (the gradient of a broadcast
+    axis is then summed by `broadcast_to`'s own derivative, outside `_attend`)."""
+    lead = jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    return tuple(jnp.broadcast_to(a, (*lead, *a.shape[-2:])) for a in (q, k, v))  # type: ignore
+
+
+def _transposed_product(a: Array, b: Array) -> Array:
+    """`a^T b` over the last two axes, `(..., T, m), (..., T, n) -> (..., m, n)`, computed as
+    `(a^T)` materialised times `b`: XLA's CPU compiler runs a product that contracts the leading
+    axis of both operands without its fast library, 3x slower, and `a` is the small operand.
+    Optimisation barriers keep XLA from folding either transpose back into the product."""
+    at = jax.lax.optimization_barrier(jnp.swapaxes(a, -1, -2))
+    product = jnp.einsum("...mt,...tn->...mn", at, b, preferred_element_type=jnp.float32)
+    return jax.lax.optimization_barrier(product)  # else a transpose after it folds in again
+
+
+def _attend_parts(q: Array, k: Array, v: Array, mask: Array | None) -> tuple[Array, Array, Array]:
+    """`(out, p, total)`: `p = exp(s - max s)` of the masked scores `s` (float32), its row sums
+    (1 for a row that sees nothing, whose `p` is all zeros) and `out = (p v) / total`."""
+    scores, _ = _masked_scores(q, k, mask)
+    # The shift cancels out of the result. A row that sees no key (every key masked, or none at
+    # all) has max -inf: 0 stands in, so exp() gives 0, and its total 1, so its output is 0.
+    top = jax.lax.stop_gradient(scores.max(axis=-1, keepdims=True, initial=-jnp.inf))
+    p = jnp.exp(scores - jnp.where(jnp.isneginf(top), 0.0, top))
+    total = p.sum(axis=-1, keepdims=True)  # at least 1 in a row that sees a key (its max)
+    total = jnp.where(total > 0, total, 1.0)
+    out = jnp.einsum("...ts,...sd->...td", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out / total, p, total
+
+
+@jax.custom_vjp
+def _attend(q: Array, k: Array, v: Array, mask: Array | None) -> Array:
+    """`softmax(q k^T / sqrt(d_k)) v` in float32, normalised after the product with the values;
+    `q`, `k`, `v` of one leading shape and `mask` (or `None`) already broadcast to the scores.
+
+    Its derivative is written out (flash attention's, from the saved `exp(s - max s)`): autodiff
+    of these equations runs two of its four products as ones XLA's CPU compiler leaves to its
+    slow path (see `_transposed_product`)."""
+    return _attend_parts(q, k, v, mask)[0]
+
+
+def _attend_forward(q: Array, k: Array, v: Array, mask: Array | None) -> tuple[Array, tuple]:
+    out, p, total = _attend_parts(q, k, v, mask)
+    return out, (q, k, v, p, total, out)
+
+
+def _attend_backward(residuals: tuple, g: Array) -> tuple[Array, Array, Array, None]:
+    q, k, v, p, total, out = residuals
+    weights = p / total  # the softmax's weights, 0 where masked and in a row that sees nothing
+    dw = jnp.einsum("...td,...sd->...ts", g.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    ds = weights * (dw - (g * out).sum(axis=-1, keepdims=True))  # the softmax's derivative
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    dq = jnp.einsum("...ts,...sd->...td", ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+    dk = _transposed_product(q, ds.astype(q.dtype))  # (d_k, S): dk transposed
+    dv = _transposed_product((g / total).astype(v.dtype), p.astype(v.dtype))  # (d_v, S)
+    return (
+        (dq * scale).astype(q.dtype),
+        (jnp.swapaxes(dk, -1, -2) * scale).astype(k.dtype),
+        jnp.swapaxes(dv, -1, -2).astype(v.dtype),
+        None,
+    )
+
+
+_attend.defvjp(_attend_forward, _attend_backward)
 
 
 def _check_heads(d_model: int, n_heads: int, n_kv_heads: int | None = None) -> int:

@@ -218,14 +218,25 @@ def check_steps(owner: str, name: str, x: Any, n_in: int | None, one_step: bool)
     )
 
 
+def _jax_arrays(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """NumPy array arguments as JAX arrays (NumPy inputs are welcome; JAX takes them as is)."""
+
+    def convert(value: Any) -> Any:
+        return jnp.asarray(value) if isinstance(value, np.ndarray) else value
+
+    return tuple(map(convert, args)), {k: convert(v) for k, v in kwargs.items()}
+
+
 def type_checked(function: Fn) -> Fn:
-    """Check a function's jaxtyping annotations with beartype; a mismatch raises `ShapeError`
-    naming every array argument's expected and received shape and dtype."""
+    """Check a function's jaxtyping annotations with beartype, NumPy arrays converted to JAX
+    arrays first; a mismatch raises `ShapeError` naming every array argument's expected and
+    received shape and dtype."""
     typechecked = jaxtyped(typechecker=beartype)(function)
     signature = inspect.signature(function)
 
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = _jax_arrays(args, kwargs)
         try:
             return typechecked(*args, **kwargs)
         except TypeCheckError:
@@ -252,10 +263,9 @@ def shape_checked(method: Fn) -> Fn:
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = _jax_arrays(args, kwargs)
         bound = signature.bind(self, *args, **kwargs)
         for name, value in bound.arguments.items():
-            if isinstance(value, np.ndarray):  # NumPy inputs are welcome; JAX takes them as is
-                bound.arguments[name] = value = jnp.asarray(value)
             dims = _expected_dims(signature.parameters[name].annotation)
             shape = getattr(value, "shape", None)
             if dims is None or shape is None:
