@@ -156,12 +156,19 @@ def _attend_parts(q: Array, k: Array, v: Array, mask: Array | None) -> tuple[Arr
     """`(out, p, total)`: `p = exp(s - max s)` of the masked scores `s` (float32), its row sums
     (1 for a row that sees nothing, whose `p` is all zeros) and `out = (p v) / total`."""
     scores, _ = _masked_scores(q, k, mask)
-    # The shift cancels out of the result. A row that sees no key (every key masked, or none at
-    # all) has max -inf: 0 stands in, so exp() gives 0, and its total 1, so its output is 0.
-    top = jax.lax.stop_gradient(scores.max(axis=-1, keepdims=True, initial=-jnp.inf))
-    p = jnp.exp(scores - jnp.where(jnp.isneginf(top), 0.0, top))
+    if scores.shape[-1] == 0:  # no key at all: every row's output is 0
+        p = jnp.zeros(scores.shape)
+        return jnp.zeros((*scores.shape[:-1], v.shape[-1])), p, jnp.ones((*scores.shape[:-1], 1))
+    # The shift cancels out of the result. A row whose every key is masked has max -inf: 0
+    # stands in, so exp() gives 0, and its total 1, so its output is 0. (Without a mask every
+    # row sees a key; those passes would keep XLA from fusing the scores with the softmax.)
+    top = jax.lax.stop_gradient(scores.max(axis=-1, keepdims=True))
+    if mask is not None:
+        top = jnp.where(jnp.isneginf(top), 0.0, top)
+    p = jnp.exp(scores - top)
     total = p.sum(axis=-1, keepdims=True)  # at least 1 in a row that sees a key (its max)
-    total = jnp.where(total > 0, total, 1.0)
+    if mask is not None:
+        total = jnp.where(total > 0, total, 1.0)
     out = jnp.einsum("...ts,...sd->...td", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out / total, p, total
 
