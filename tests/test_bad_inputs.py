@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -674,6 +675,35 @@ def test_a_later_non_finite_step_leaves_earlier_causal_rows_as_step_gives_them(
         y_t, cache = block.step(x[t], cache)
         rows.append(y_t)
     np.testing.assert_allclose(y[:4], jnp.stack(rows), atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("capacity", [None, 4])
+def test_a_step_that_sees_a_non_finite_value_is_nan_whole(capacity, bad):
+    """A single step skips zeroing hidden values (its hidden rows are unwritten zeros): the
+    rule still holds, an infinite value seen gives a NaN row, not an infinite column."""
+    m = attention(causal=True)
+    _, cache = m.step(jnp.ones(8), m.init_cache(capacity))
+    if capacity is None:  # growing: (t, d_model)
+        cache = cache._replace(values=cache.values.at[0, 3].set(bad))
+    else:  # fixed: (n_heads, capacity, d_head)
+        cache = eqx.tree_at(lambda c: c.values, cache, cache.values.at[1, 0, 1].set(bad))
+    y, cache = m.step(jnp.full(8, 0.5), cache)
+    assert bool(jnp.isnan(y).all())
+    y, _ = m.step(jnp.full(8, 0.25), cache)  # and stays so: the row is still seen
+    assert bool(jnp.isnan(y).all())
+
+
+def test_a_ring_step_leaves_out_a_non_finite_value_past_its_window():
+    m = attention(causal=True, window=2)
+    x = jax.random.normal(KEY, (5, 8)).at[0, 3].set(np.nan)
+    cache, rows = m.init_cache(), []
+    for t in range(5):
+        y_t, cache = m.step(x[t], cache)
+        rows.append(y_t)
+    assert not bool(jnp.isfinite(rows[0]).any()) and not bool(jnp.isfinite(rows[1]).any())
+    clean = m(x.at[0].set(0.0))  # step 0 out of every later window: as if it were anything
+    np.testing.assert_allclose(jnp.stack(rows[2:]), clean[2:], atol=1e-5)
 
 
 @pytest.mark.parametrize("window", [None, 2])

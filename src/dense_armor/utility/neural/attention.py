@@ -54,13 +54,7 @@ def _masked_scores(q: Array, k: Array, mask: Array | None) -> tuple[Array, Array
     scores = jnp.einsum("...td,...sd->...ts", q, k, preferred_element_type=jnp.float32)
     if mask is None:
         return scores, None
-    try:
-        mask = jnp.broadcast_to(mask, scores.shape)
-    except ValueError:
-        raise ShapeError(
-            f"scaled_dot_product_attention: received `mask.shape={mask.shape}`; expected a "
-            f"shape that broadcasts to the scores' `(..., T, S)={scores.shape}`."
-        ) from None
+    mask = _broadcast_mask(mask, q, k)
     return jnp.where(mask, scores, -jnp.inf), mask
 
 
@@ -111,28 +105,49 @@ def scaled_dot_product_attention(
     `(exp(s - max s) v) / sum exp(s - max s)`, one division per `(T, d_v)` output instead of
     one per `(T, S)` weight, equal to the softmax's weights times `v` to float32 round-off.
     """
-    if mask is None:  # every query sees every key: one non-finite value makes every row NaN,
-        # read from the values alone (no pass over the (T, S) weights)
-        out = _attend(*_common_batch(q, k, v), None)
-        bad = ~jnp.isfinite(v).all(axis=(-2, -1))
-        bad = jnp.broadcast_to(bad[..., None, None], out.shape)
+    return _attention(q, k, v, mask)
+
+
+def _attention(
+    q: Array, k: Array, v: Array, mask: Array | None, hidden_zeros: bool = False
+) -> Array:
+    """`scaled_dot_product_attention`, unchecked. `hidden_zeros=True` (a cache's promise, see
+    `KVUpdate`): every value `mask` hides is zero, so none needs zeroing; a row whose output is
+    not finite is then made NaN whole, which is the same rule at a pass over `(T, d_v)` instead
+    of two over the values and the `(T, S)` mask (half a cached step's time)."""
+    if mask is None or hidden_zeros:
+        # every value a query may weigh is one it sees: one non-finite value makes its row NaN
+        if mask is not None:
+            mask = _broadcast_mask(mask, q, k)
+        out = _attend(*_common_batch(q, k, v), mask)
+        if mask is None:  # every row sees every value: read them alone, no pass over (T, S)
+            bad = ~jnp.isfinite(v).all(axis=(-2, -1))
+            bad = jnp.broadcast_to(bad[..., None, None], out.shape)
+        else:
+            bad = jnp.broadcast_to(~jnp.isfinite(out).all(axis=-1, keepdims=True), out.shape)
         return jnp.where(bad, jnp.nan, out).astype(v.dtype)
     # A masked weight is exactly 0, but 0 * NaN is NaN: zero the non-finite values, then mark the
     # queries that may see one (the same rule as blocked_attention's).
     finite = jnp.isfinite(v).all(axis=-1)
     clean = jnp.where(finite[..., None], v, jnp.zeros((), v.dtype))
     q, k, clean = _common_batch(q, k, clean)
-    scores = (*q.shape[:-1], k.shape[-2])
+    mask = _broadcast_mask(mask, q, k)
+    out = _attend(q, k, clean, mask)
+    bad = jnp.broadcast_to(jnp.expand_dims(~finite, -2), mask.shape) & mask
+    return jnp.where(bad.any(axis=-1)[..., None], jnp.nan, out).astype(v.dtype)
+
+
+def _broadcast_mask(mask: Array, q: Array, k: Array) -> Array:
+    """`mask` broadcast to the scores `(..., T, S)` of `q` and `k`, or a `ShapeError`."""
+    lead = jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    scores = (*lead, q.shape[-2], k.shape[-2])
     try:
-        mask = jnp.broadcast_to(mask, scores)
+        return jnp.broadcast_to(mask, scores)
     except ValueError:
         raise ShapeError(
             f"scaled_dot_product_attention: received `mask.shape={mask.shape}`; expected a "
             f"shape that broadcasts to the scores' `(..., T, S)={scores}`."
         ) from None
-    out = _attend(q, k, clean, mask)
-    bad = jnp.broadcast_to(jnp.expand_dims(~finite, -2), mask.shape) & mask
-    return jnp.where(bad.any(axis=-1)[..., None], jnp.nan, out).astype(v.dtype)
 
 
 def _common_batch(q: Array, k: Array, v: Array) -> tuple[Array, Array, Array]:
@@ -293,10 +308,11 @@ def _attend_heads(
     values: Array,
     mask: Array | None,
     positions: tuple[Array, Array] | None = None,
+    hidden_zeros: bool = False,
 ) -> Array:
     """Queries `x W_Q` of `x (T, d_model)`, split into heads, against projected `keys` and
     `values` already in heads `(n_kv_heads, S, d_head)`; attended with
-    `scaled_dot_product_attention` and joined by `W_O`."""
+    `scaled_dot_product_attention` (`hidden_zeros`: see `_attention`) and joined by `W_O`."""
     q = _heads(_projected(layer, x, "Q"), layer.n_heads)
     # Cached keys and values may be stored wider than the compute dtype (float32 under bfloat16).
     keys, values = keys.astype(x.dtype), values.astype(x.dtype)
@@ -305,7 +321,7 @@ def _attend_heads(
         out = _dot_product_attention(q, keys, values, mask, layer.implementation)
     elif keys.shape[0] == q.shape[0]:  # a key/value head per query head: no group axis, whose
         # broadcast in the products XLA's CPU compiler runs 2.5x slower
-        out = scaled_dot_product_attention(q, keys, values, mask)
+        out = _attention(q, keys, values, mask, hidden_zeros)
     else:  # grouped-query attention: each key/value head's group of query heads folded into
         # its query rows, `(n_kv_heads, group * T, d)`, for plain batched products (a broadcast
         # group axis runs 1.25x slower), the mask tiled over the group to match
@@ -314,7 +330,7 @@ def _attend_heads(
         if mask is not None:
             scores = (n_kv, group, length, keys.shape[1])
             mask = jnp.broadcast_to(mask, scores).reshape(n_kv, group * length, keys.shape[1])
-        out = scaled_dot_product_attention(folded, keys, values, mask).reshape(q.shape)
+        out = _attention(folded, keys, values, mask, hidden_zeros).reshape(q.shape)
     return _join_heads(layer, out)
 
 

@@ -156,6 +156,10 @@ class KVUpdate(NamedTuple):
     cache: Any
     query_positions: Array
     key_positions: Array
+    # True when every key a new step may not see is an unwritten row, all zeros (a single step
+    # of a growing or fixed cache): no hidden value can be non-finite, so the attention skips
+    # the pass that zeroes them (a Python bool, known at trace time).
+    hidden_zeros: bool = False
 
 
 def _heads(a: Array, n_heads: int) -> Array:
@@ -276,6 +280,7 @@ class KVCache(NamedTuple):
             KVCache(all_keys, all_values),
             seen + jnp.arange(steps),
             jnp.arange(seen + steps),
+            hidden_zeros=steps == 1,  # one step sees every key
         )
 
     def guard(self, y: Array, fits: Array) -> Array:
@@ -330,6 +335,8 @@ class FixedKVCache(Counted):
             FixedKVCache(keys=new_keys, values=new_values, counter=counter),
             positions,
             jnp.arange(self.capacity, dtype=positions.dtype),
+            # one step sees every written row; the rows it may not see are unwritten zeros
+            hidden_zeros=keys.shape[1] == 1,
         )
 
     def guard(self, y: Array, fits: Array) -> Array:

@@ -298,7 +298,9 @@ class MultiHeadSelfAttention(Layer):
         keys, values = (_heads(_projected(self, x, w), self.n_kv_heads) for w in ("K", "V"))
         update = cache.update(keys, values, self.window)
         positions = (update.query_positions, update.key_positions)
-        y = _attend_heads(self, x, update.keys, update.values, update.visible, positions)
+        y = _attend_heads(
+            self, x, update.keys, update.values, update.visible, positions, update.hidden_zeros
+        )
         return update.cache.guard(y, update.fits), update.cache
 
     @shape_checked
