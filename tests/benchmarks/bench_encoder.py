@@ -20,7 +20,7 @@ from dense_armor.checkpoint import ModelConfig, fill_tree, tree_arrays
 from dense_armor.export import export_model, load
 from dense_armor.utility.neural import sinusoidal_positions
 
-from .harness import interleaved, table
+from .harness import interleaved, record, table
 
 B, T, N_IN, D, H, D_FF, DEPTH, N_OUT = 32, 128, 16, 128, 8, 512, 2, 10
 CONFIG = ModelConfig(
@@ -214,6 +214,11 @@ def run() -> str:
                 rounds=30,
             )
         parts = _breakdown()
+    for figure, medians in (("encoder training step", train), ("encoder forward", forward)):
+        for system, seconds in medians.items():
+            record(f"{figure}/{system}", seconds)
+    for system, seconds in exported.items():
+        record(f"exported/{system}", seconds)
     fastest_peer_train = min(train["equinox"], train["flax nnx"])
     fastest_peer_forward = min(forward["equinox"], forward["flax nnx"])
     lines = [

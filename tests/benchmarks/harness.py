@@ -3,6 +3,9 @@
 Benchmarks print tables; they never assert a time.
 """
 
+import contextlib
+import importlib.metadata
+import os
 import platform
 import statistics
 import time
@@ -41,9 +44,39 @@ def table(title: str, medians: dict[str, float], reference: str, unit: str = "us
     return "\n".join(lines)
 
 
+def _cpu() -> str:
+    """The CPU's model name (Linux), else what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine() -> str:
-    return (
-        f"{platform.processor() or platform.machine()}, {jax.device_count()} "
-        f"{jax.default_backend()} device(s), jax {jax.__version__}, python "
-        f"{platform.python_version()}"
+    versions = []
+    for name in ("equinox", "flax"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions.append(f"{name} {importlib.metadata.version(name)}")
+    return ", ".join(
+        [
+            f"{_cpu()} ({os.cpu_count()} cores, {platform.machine()})",
+            f"{jax.device_count()} {jax.default_backend()} device(s)",
+            f"jax {jax.__version__}",
+            *versions,
+            f"python {platform.python_version()}",
+        ]
     )
+
+
+# Figures a benchmark run records (`record`), compared by `run.py` with those the README's table
+# was generated from (tests/benchmarks/recorded.json), and written there with `--record`.
+FIGURES: dict[str, float] = {}
+
+
+def record(name: str, seconds: float) -> None:
+    """Record one figure of this run under a stable name ("encoder forward/equinox")."""
+    FIGURES[name] = float(seconds)

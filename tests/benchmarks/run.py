@@ -1,4 +1,6 @@
-"""Run every benchmark and print its table: `nox -s bench` (or `python -m tests.benchmarks.run`)."""
+"""Run every benchmark and print its table: `nox -s bench` (or `python -m tests.benchmarks.run`),
+or the ones named: `nox -s bench -- encoder streaming`. After them, every recorded figure beside
+the README's (see `recorded`); `--record` writes this run's figures and the README's table."""
 
 import datetime
 import sys
@@ -12,8 +14,9 @@ from . import (
     bench_recurrent,
     bench_sharding,
     bench_streaming,
+    recorded,
 )
-from .harness import machine
+from .harness import FIGURES, machine
 
 BENCHMARKS = {
     "encoder": bench_encoder,
@@ -28,10 +31,21 @@ BENCHMARKS = {
 
 
 def main() -> None:
-    chosen = sys.argv[1:] or list(BENCHMARKS)
-    print(f"dense_armor benchmarks, {datetime.date.today()}, {machine()}")
+    arguments = sys.argv[1:]
+    write = "--record" in arguments
+    chosen = [a for a in arguments if a != "--record"] or list(BENCHMARKS)
+    unknown = [name for name in chosen if name not in BENCHMARKS]
+    if unknown:
+        raise SystemExit(f"unknown benchmarks {unknown}; choose from {list(BENCHMARKS)}.")
+    today, where = str(datetime.date.today()), machine()
+    print(f"dense_armor benchmarks, {today}, {where}")
     for name in chosen:
         print(BENCHMARKS[name].run(), flush=True)
+    if FIGURES and recorded.RECORDED.exists():
+        print(recorded.compare(FIGURES, recorded.load()))
+    if write:
+        recorded.write(FIGURES, today, where)
+        print(f"\nwrote {recorded.RECORDED} and the README's table")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,129 @@
+"""The figures the README's encoder and streaming table is generated from, and the regression
+guard that prints them beside a new run's.
+
+`nox -s bench -- encoder streaming` prints, after the benchmarks' own tables, every recorded
+figure of this run beside the one in `recorded.json` (the run the README's table came from) and
+their ratio; `nox -s bench -- encoder streaming --record` writes this run's figures to
+`recorded.json` and regenerates the README's table from them, dated and with the machine. The
+table lives between the README's two `bench table` markers; `tests/test_benchmark_table.py`
+checks that it is what `recorded.json` generates.
+
+Figures are seconds, named "<benchmark>/<system>" (see `harness.record`).
+"""
+
+import json
+import pathlib
+from typing import Any
+
+RECORDED = pathlib.Path(__file__).with_name("recorded.json")
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+BEGIN = "<!-- bench table: `nox -s bench -- encoder streaming --record` writes it -->"
+END = "<!-- /bench table -->"
+
+# (row label, figure prefix, unit): the rows that compare dense_armor with its peers.
+PEER_ROWS = [
+    (
+        "encoder training step, B=32 T=128 d_model=128 depth 2 (adam, jit)",
+        "encoder training step",
+    ),
+    ("encoder forward, same shapes", "encoder forward"),
+]
+
+
+def load(path: pathlib.Path = RECORDED) -> dict[str, Any]:
+    """`{"date", "machine", "figures"}` as `--record` wrote them."""
+    recorded = json.loads(path.read_text())
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("figures"), dict):
+        raise ValueError(f"{path}: expected an object with `date`, `machine` and `figures`.")
+    return recorded
+
+
+def compare(figures: dict[str, float], recorded: dict[str, Any]) -> str:
+    """Each figure of this run beside the recorded one: the regression guard's table."""
+    old = recorded["figures"]
+    lines = [
+        f"\nAgainst the README's figures ({recorded['date']}, {recorded['machine']})",
+        f"{'figure':<52}{'README':>12}{'this run':>12}   this / README",
+    ]
+    for name in sorted(set(old) | set(figures)):
+        before, now = old.get(name), figures.get(name)
+        cells = [_time(before), _time(now)]
+        ratio = f"{now / before:.2f}x" if before and now else "-"
+        lines.append(f"{name:<52}{cells[0]:>12}{cells[1]:>12}   {ratio}")
+    return "\n".join(lines)
+
+
+def _time(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.0f} us"
+
+
+def _ms(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} us"
+    return f"{seconds * 1e3:.2f} ms" if seconds < 0.01 else f"{seconds * 1e3:.1f} ms"
+
+
+def table(recorded: dict[str, Any]) -> str:
+    """The README's table (markdown) from recorded figures; below 1.00x is faster than
+    dense_armor."""
+    f = recorded["figures"]
+    rows = [
+        f"Measured by `nox -s bench -- encoder streaming` on {recorded['date']}, "
+        f"{recorded['machine']} (in brackets: a peer's time over dense_armor's, above 1.00x where "
+        "dense_armor is faster):",
+        "",
+        "| benchmark | dense_armor | Equinox | Flax NNX | other |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for label, prefix in PEER_ROWS:
+        ours = f[f"{prefix}/dense_armor"]
+        peers = [f[f"{prefix}/{peer}"] for peer in ("equinox", "flax nnx")]
+        cells = [f"{_ms(p)} ({p / ours:.2f}x)" for p in peers]
+        rows.append(f"| {label} | {_ms(ours)} | {cells[0]} | {cells[1]} | |")
+    step = f["streaming step/dense_armor step"]
+    flax = f["streaming step/flax nnx decode"]
+    recompute = f["streaming step/recompute"]
+    rows.append(
+        "| causal attention step, d_model=128, 8 heads, capacity 512 | "
+        f"{_ms(step)} | | {_ms(flax)} ({flax / step:.2f}x, decode cache) | recompute over the "
+        f"prefix: {_ms(recompute)} ({recompute / step:.0f}x) |"
+    )
+    forward = f["exported/exported forward"] / f["exported/python forward (jit)"]
+    stepped = f["exported/exported step"] / f["exported/python step (jit)"]
+    rows.append(
+        "| exported forward / step vs the jitted Python model | | | | "
+        f"{forward:.2f}x / {stepped:.2f}x |"
+    )
+    return "\n".join(rows)
+
+
+def readme_block(text: str) -> str:
+    """The table between the README's markers."""
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{README}: the markers {BEGIN!r} and {END!r} are missing.")
+    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n")
+
+
+def write(figures: dict[str, float], date: str, machine: str) -> None:
+    """Write this run's figures to `recorded.json` and regenerate the README's table."""
+    missing = [
+        name
+        for name in (
+            *(f"{p}/{s}" for _, p in PEER_ROWS for s in ("dense_armor", "equinox", "flax nnx")),
+            "streaming step/dense_armor step",
+        )
+        if name not in figures
+    ]
+    if missing:
+        raise SystemExit(
+            f"--record needs the encoder and streaming benchmarks; this run lacks {missing}."
+        )
+    recorded = {"date": date, "machine": machine, "figures": dict(sorted(figures.items()))}
+    text = README.read_text()
+    readme_block(text)  # the markers are there
+    before, rest = text.split(BEGIN, 1)
+    after = rest.split(END, 1)[1]
+    RECORDED.write_text(json.dumps(recorded, indent=2) + "\n")
+    README.write_text(f"{before}{BEGIN}\n{table(recorded)}\n{END}{after}")
