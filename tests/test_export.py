@@ -520,15 +520,17 @@ def test_a_replacement_killed_between_its_renames_leaves_the_old_artifact_loadab
     assert max(check_golden(load(out)).values()) < 1e-5
 
 
-def test_cli_and_api_export_the_same_bytes_and_no_paths(tmp_path, model):
+def test_cli_and_api_export_the_same_bytes_and_no_paths(tmp_path, model, monkeypatch):
     """Debug locations are stripped: the bytes depend on the model only, not on the calling
-    script or where the sources lie."""
+    script or where the sources lie (nor on the day, with `SOURCE_DATE_EPOCH` set)."""
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1764633599")  # 2025-12-01 23:59:59 UTC
     save_checkpoint(tmp_path / "ckpt", model, CONFIG)
     options = {"capacity": CAPACITY, "platforms": ["cpu", "cuda"], "static_shapes": [(1, 4)]}
     api = export_model(model, CONFIG, tmp_path / "api", **options)
     args = ["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "cli"), "--static", "1,4"]
     assert cli([*args, "--capacity", str(CAPACITY), "--platforms", "cpu,cuda"]) == 0
     assert api.manifest["debug_locations"] == "stripped"
+    assert api.manifest["created"] == "2025-12-01"
     for file in (tmp_path / "api").rglob("*"):
         if file.is_file():
             other = tmp_path / "cli" / file.relative_to(tmp_path / "api")

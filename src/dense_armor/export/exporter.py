@@ -131,6 +131,7 @@ def export_model(
     except ValueError as error:
         raise ArtifactError(f"export_model: {error}") from None
     require_int(0, caller="export_model", error=ArtifactError, seed=seed)
+    _created()  # a malformed SOURCE_DATE_EPOCH is refused before any work
     if isinstance(platforms, str) or not isinstance(platforms, Sequence):
         raise ArtifactError(
             f"export_model: `platforms` must be a list of platform names from {PLATFORMS}, e.g. "
@@ -276,6 +277,23 @@ def _static_sizes(shape: Sequence[int], max_len: int, with_context: bool) -> dic
     return {"B": b, "T": t, "S": s}
 
 
+def _created() -> str:
+    """The artifact's date: today, or the day of `SOURCE_DATE_EPOCH` (seconds since 1970, the
+    reproducible-builds convention) when it is set, so that exports of one model on different
+    days can be the same bytes."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    if epoch is None:
+        return datetime.date.today().isoformat()
+    try:
+        seconds = int(epoch)
+    except ValueError:
+        raise ArtifactError(
+            "export_model: `SOURCE_DATE_EPOCH` must be an integer number of seconds since "
+            f"1970-01-01 UTC (the date written as the artifact's `created`); received {epoch!r}."
+        ) from None
+    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).date().isoformat()
+
+
 def _manifest(
     lowering: Lowering,
     functions: dict[str, Function],
@@ -305,7 +323,7 @@ def _manifest(
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "kind": lowering.family.kind,
-        "created": datetime.date.today().isoformat(),
+        "created": _created(),
         "versions": {
             "dense_armor": __version__,
             "jax": jax.__version__,
