@@ -80,6 +80,13 @@ def test_relu():
     np.testing.assert_array_equal(ReLU()(jnp.array([-1.0, 0.0, 2.0])), [0.0, 0.0, 2.0])
 
 
+def test_relu_gives_what_jax_nn_relu_gives_nan_infinities_and_gradient_included():
+    x = jnp.array([-np.inf, -1.0, -0.0, 0.0, 2.0, np.inf, np.nan])
+    np.testing.assert_array_equal(ReLU()(x), jax.nn.relu(x))
+    grad = jax.vmap(jax.grad(lambda x: ReLU()(x[None])[0]))(x)
+    np.testing.assert_array_equal(grad, jax.vmap(jax.grad(jax.nn.relu))(x))
+
+
 def test_dropout_is_identity_without_key_and_scales_with_key(getkey):
     x = jnp.ones((1000,))
     drop = Dropout(0.25)

@@ -47,16 +47,10 @@ def compare(figures: dict[str, float], recorded: dict[str, Any]) -> str:
     ]
     for name in sorted(set(old) | set(figures)):
         before, now = old.get(name), figures.get(name)
-        cells = [_time(before), _time(now)]
+        cells = ["-" if t is None else _ms(t) for t in (before, now)]
         ratio = f"{now / before:.2f}x" if before and now else "-"
         lines.append(f"{name:<52}{cells[0]:>12}{cells[1]:>12}   {ratio}")
     return "\n".join(lines)
-
-
-def _time(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    return f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.0f} us"
 
 
 def _ms(seconds: float) -> str:

@@ -7,7 +7,6 @@ from .blocked import blocked_attention as blocked_attention
 from .blocks import Gate as Gate
 from .blocks import MixerBlock as MixerBlock
 from .blocks import TransformerBlock as TransformerBlock
-from .cache import Counter as Counter
 from .cache import FixedKVCache as FixedKVCache
 from .cache import KVCache as KVCache
 from .cache import KVUpdate as KVUpdate
@@ -19,6 +18,7 @@ from .core import Layer as Layer
 from .core import Param as Param
 from .core import Pointwise as Pointwise
 from .core import ShapeError as ShapeError
+from .counter import Counter as Counter
 from .cross_attention import ContextCache as ContextCache
 from .cross_attention import MultiHeadCrossAttention as MultiHeadCrossAttention
 from .decoder_block import DecoderCache as DecoderCache

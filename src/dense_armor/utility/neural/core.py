@@ -263,8 +263,7 @@ def shape_checked(method: Fn) -> Fn:
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = _jax_arrays(args, kwargs)
-        bound = signature.bind(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)  # NumPy arrays: converted by type_checked
         for name, value in bound.arguments.items():
             dims = _expected_dims(signature.parameters[name].annotation)
             shape = getattr(value, "shape", None)

@@ -14,7 +14,7 @@ import jax.random as jr
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .cache import Counter, PositionCache
+from .cache import PositionCache
 from .core import (
     Layer,
     Param,
@@ -25,6 +25,7 @@ from .core import (
     require_positive,
     shape_checked,
 )
+from .counter import Counter
 
 __all__ = [
     "AddPositions",

@@ -31,7 +31,7 @@ from .attention import (
     attention_weights,
 )
 from .blocked import use_blocked
-from .cache import Counter, FixedKVCache, KVCache, RingKVCache, validate_overflow_mode
+from .cache import FixedKVCache, KVCache, RingKVCache
 from .core import (
     Layer,
     Param,
@@ -42,6 +42,7 @@ from .core import (
     require_rate,
     shape_checked,
 )
+from .counter import Counter, validate_overflow_mode
 from .kernels import resolve_implementation
 
 __all__ = ["MultiHeadSelfAttention"]
