@@ -297,8 +297,8 @@ def claim_step_output(manifest, shape):
     manifest["functions"]["step"]["outputs"][0]["shape"] = shape
 
 
-def export_with_a_date_that_is_no_number(tmp):
-    os.environ["SOURCE_DATE_EPOCH"] = "yesterday"
+def export_with_a_date_that_is_no_number(tmp, epoch="yesterday"):
+    os.environ["SOURCE_DATE_EPOCH"] = epoch
     try:
         export_model(MODEL, CONFIG, tmp / "art", platforms=["cpu"], static_shapes=[])
     finally:
@@ -497,6 +497,7 @@ BAD = [
     ("import-torch-linear-transposed", lambda: import_torch(torch_state(embed__weight=lambda a: np.ones((3, 16), np.float32)), TORCH_CONFIG), InteropError, r"'embed.weight' has shape \(3, 16\).*needs shape \(16, 3\)"),
     ("import-torch-nan-weight", lambda: import_torch(torch_state(encoder__layers__0__linear1__weight=lambda a: np.where(np.arange(a.size).reshape(a.shape) == 5, np.nan, a)), TORCH_CONFIG), InteropError, r"'encoder.layers.0.linear1.weight' holds 1 non-finite value"),
     ("import-torch-inf-bias", lambda: import_torch(torch_state(head__bias=lambda a: a + np.inf), TORCH_CONFIG), InteropError, r"'head.bias' holds 5 non-finite"),
+    ("export-source-date-epoch-past-any-calendar", lambda tmp, _: export_with_a_date_that_is_no_number(tmp, "99999999999999"), ArtifactError, r"`SOURCE_DATE_EPOCH` must be an integer number of seconds .*received '99999999999999'"),
     ("export-source-date-epoch-no-number", lambda tmp, _: export_with_a_date_that_is_no_number(tmp), ArtifactError, r"`SOURCE_DATE_EPOCH` must be an integer number of seconds since 1970-01-01 UTC .*received 'yesterday'"),
     ("export-force-a-string", lambda tmp, _: export_over_a_users_directory(tmp), ArtifactError, r"`force` must be True or False; received `force='false'` \(str\)"),
     ("artifact-load-verify-a-string", lambda tmp, _: load(exported(tmp), verify="no"), ArtifactError, r"`verify` must be True or False; received `verify='no'`"),

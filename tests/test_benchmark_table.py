@@ -66,3 +66,12 @@ def test_record_writes_the_figures_and_the_table(tmp_path, monkeypatch):
     assert recorded.readme_block(text) == recorded.table(written)
     with pytest.raises(SystemExit, match="lacks"):
         recorded.write({"encoder forward/dense_armor": 1.0}, "2026-12-01", "a CPU")
+
+
+def test_a_corrupted_record_names_its_file(tmp_path):
+    (tmp_path / "recorded.json").write_text('{"figures": ')
+    with pytest.raises(ValueError, match=r"recorded.json: not JSON .*--record"):
+        recorded.load(tmp_path / "recorded.json")
+    (tmp_path / "recorded.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"recorded.json: expected an object"):
+        recorded.load(tmp_path / "recorded.json")

@@ -32,7 +32,10 @@ PEER_ROWS = [
 
 def load(path: pathlib.Path = RECORDED) -> dict[str, Any]:
     """`{"date", "machine", "figures"}` as `--record` wrote them."""
-    recorded = json.loads(path.read_text())
+    try:
+        recorded = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not JSON ({error}); write it again with --record.") from None
     if not isinstance(recorded, dict) or not isinstance(recorded.get("figures"), dict):
         raise ValueError(f"{path}: expected an object with `date`, `machine` and `figures`.")
     return recorded

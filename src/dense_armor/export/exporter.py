@@ -284,14 +284,13 @@ def _created() -> str:
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
     if epoch is None:
         return datetime.date.today().isoformat()
-    try:
-        seconds = int(epoch)
-    except ValueError:
+    try:  # not an integer, or a date past what a calendar holds
+        return datetime.datetime.fromtimestamp(int(epoch), datetime.UTC).date().isoformat()
+    except (ValueError, OverflowError, OSError):
         raise ArtifactError(
             "export_model: `SOURCE_DATE_EPOCH` must be an integer number of seconds since "
             f"1970-01-01 UTC (the date written as the artifact's `created`); received {epoch!r}."
         ) from None
-    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).date().isoformat()
 
 
 def _manifest(
