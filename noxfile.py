@@ -48,12 +48,14 @@ def pages_on_other_cpus(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check."""
-    session.install("ruff>=0.6")
+    """ruff check, ruff format --check, and the import contracts (pyproject's
+    `[tool.importlinter]`: the package's layers import only downwards)."""
+    session.install("ruff>=0.6", "import-linter>=2.1")
     session.run("ruff", "check", "src", "tests", "examples", "export", "docs", "noxfile.py")
     session.run(
         "ruff", "format", "--check", "src", "tests", "examples", "export", "docs", "noxfile.py"
     )
+    session.run("lint-imports", env={"PYTHONPATH": "src"})  # reads the source; imports nothing
 
 
 @nox.session(python=PYTHON)

@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dense_armor.nn.kernels import blocked
+from dense_armor.nn.state import cache as cache_module
 from dense_armor.utility.neural import (
     CannotStream,
     FixedKVCache,
@@ -15,12 +17,10 @@ from dense_armor.utility.neural import (
     RingKVCache,
     TransformerBlock,
     TransformerDecoderBlock,
-    blocked,
     reset,
     transformer_decoder,
     transformer_encoder,
 )
-from dense_armor.utility.neural import cache as cache_module
 from streams import prefix_outputs, stream
 
 KEY = jax.random.PRNGKey(3)

@@ -11,12 +11,12 @@ import pytest
 
 from dense_armor.checkpoint import ModelConfig
 from dense_armor.export import check_golden, export_model, load
+from dense_armor.nn.kernels.rotary import rotate
 from dense_armor.utility.neural import (
     MultiHeadSelfAttention,
     transformer_decoder,
     transformer_encoder,
 )
-from dense_armor.utility.neural.rotary import rotate
 from streams import prefix_outputs, stream
 
 KEY = jax.random.PRNGKey(0)

@@ -35,6 +35,8 @@ from safetensors.numpy import load_file, save_file
 from . import _atomic
 from ._atomic import WRITE_STEPS, sha256
 from .families import FAMILIES
+from .nn.core import python_scalar, require_bool
+from .nn.models.stack import stack_layers, unstack_layers
 from .trees import (
     CheckpointError,
     check_arrays,
@@ -44,8 +46,6 @@ from .trees import (
     slots,
     tree_arrays,
 )
-from .utility.neural.core import python_scalar, require_bool
-from .utility.neural.stack import stack_layers, unstack_layers
 
 __all__ = [
     "FORMAT",

@@ -35,7 +35,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .utility.neural.core import Layer, is_integer, require_bool, require_int
+from .nn.core import Layer, is_integer, require_bool, require_int
 
 __all__ = [
     "ShardingWarning",

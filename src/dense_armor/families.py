@@ -12,7 +12,8 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .utility.neural.models import transformer_decoder, transformer_encoder
+from .nn.models.decoder import transformer_decoder
+from .nn.models.encoder import transformer_encoder
 
 __all__ = ["FAMILIES", "Family", "family"]
 

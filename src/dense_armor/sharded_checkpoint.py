@@ -41,7 +41,7 @@ from .checkpoint import (
     tree_arrays,
 )
 from .distributed import check_mesh, is_slot, optimizer_shardings, shardings
-from .utility.neural.core import require_bool, require_int
+from .nn.core import require_bool, require_int
 
 __all__ = ["ShardedCheckpoints", "ShardedRestore", "from_safetensors", "to_safetensors"]
 

@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 from .data import process_rows
 from .distributed import check_mesh, global_batch, global_replicated
-from .utility.neural.core import require_int
+from .nn.core import require_int
 
 __all__ = [
     "LossFn",

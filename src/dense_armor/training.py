@@ -32,6 +32,7 @@ from .checkpoint import (
 )
 from .data import ArraySource, BatchSource, process_rows
 from .distributed import check_mesh, global_batch, place, place_optimizer_state
+from .nn.core import require_bool, require_int
 from .train_step import (
     LossFn,
     check_classification_data,
@@ -42,7 +43,6 @@ from .train_step import (
     make_train_step,
     output_width,
 )
-from .utility.neural.core import require_bool, require_int
 
 __all__ = [
     "CHECKPOINT_FORMATS",

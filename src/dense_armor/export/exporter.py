@@ -50,9 +50,9 @@ from ..checkpoint import (
     tree_arrays,
 )
 from ..families import FAMILIES
-from ..utility.neural.cache import portable_writes
-from ..utility.neural.core import require_bool, require_int
-from ..utility.neural.kernels import exporting
+from ..nn.core import require_bool, require_int
+from ..nn.kernels.choice import exporting
+from ..nn.state.cache import portable_writes
 from . import standalone
 from .golden import golden
 from .lowering import Function, Lowering, spec, strip_locations

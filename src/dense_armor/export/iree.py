@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import _atomic
-from ..utility.neural.core import require_int
+from ..nn.core import require_int
 from .standalone import MANIFEST, ArtifactError, file_table, read_manifest, verify_files
 
 __all__ = ["TARGETS", "CompileSummary", "compile_artifact", "target_flags"]

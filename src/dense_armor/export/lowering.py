@@ -30,8 +30,8 @@ from jax import export
 from ..checkpoint import ModelConfig
 from ..distributed import gather_to_host
 from ..families import FAMILIES
-from ..utility.neural.cache import reset as reset_streams
-from ..utility.neural.counter import Counter
+from ..nn.state.counter import Counter
+from ..nn.state.streams import reset as reset_streams
 
 __all__ = ["DIMS", "Function", "Lowering", "Spec"]
 

@@ -5,10 +5,10 @@ import equinox as eqx
 import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .blocks import Gate, MixerBlock
-from .core import python_scalar, require_bool, require_key, require_positive, shape_checked
-from .layers import Dropout, FeedForward, LayerNorm
-from .recurrent import RECURRENT, HiddenState, LSTMState, Recurrent
+from ..core import python_scalar, require_bool, require_key, require_positive, shape_checked
+from ..layers.basic import Dropout, FeedForward, LayerNorm
+from ..mixers.recurrent import RECURRENT, HiddenState, LSTMState, Recurrent
+from .mixer_block import Gate, MixerBlock
 
 __all__ = ["RecurrentBlock"]
 

@@ -1,17 +1,17 @@
 """`TransformerDecoder`, the sequence-to-sequence model that attends to a context, and its
 factory `transformer_decoder`, next to `transformer_encoder` in `models`."""
 
-from typing import Any
+from typing import Any, ClassVar
 
 import jax.random as jr
 from jaxtyping import Array, PRNGKeyArray
 
-from .blocks import TransformerDecoderBlock
-from .cache import validate_overflow_mode
-from .core import Layer, check_steps, require_bool, require_key, require_positive
-from .layers import Dense, LayerNorm
-from .models import _positions, _rope_base
-from .positions import PositionalEncoding
+from ..blocks.decoder_block import TransformerDecoderBlock
+from ..core import Layer, check_steps, require_bool, require_key, require_positive
+from ..layers.basic import Dense, LayerNorm
+from ..layers.positions import PositionalEncoding
+from ..state.counter import validate_overflow_mode
+from .inputs import _positions, _rope_base
 from .stack import Stack
 
 __all__ = ["TransformerDecoder", "transformer_decoder"]
@@ -32,6 +32,8 @@ class TransformerDecoder(Layer):
     blocks: tuple[Layer, ...]  # TransformerDecoderBlocks, or one Stack of them
     head: Dense
     final_norm: LayerNorm | None = None  # pre-LN blocks end with one more LayerNorm
+    causal: ClassVar[bool] = True
+    layers_field: ClassVar[str | None] = "blocks"
 
     def forward(
         self,

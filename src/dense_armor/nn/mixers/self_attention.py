@@ -3,37 +3,15 @@ cache that owns its writes (`cache.update`)."""
 
 import math
 import numbers
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import jax.random as jr
 import numpy as np
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
-from . import blocked
-from .attention import (
-    HEAD_SPLIT,
-    _attend_heads,
-    _attend_sequence,
-    _biases,
-    _check_heads,
-    _check_window,
-    _dropped,
-    _grouped,
-    _heads,
-    _projected,
-    _require_causal,
-    _rotated,
-    _sequence_mask,
-    attention_weights,
-)
-from .blocked import use_blocked
-from .cache import FixedKVCache, KVCache, RingKVCache
-from .core import (
-    Layer,
+from ..core import (
     Param,
     python_scalar,
     require_bool,
@@ -42,8 +20,18 @@ from .core import (
     require_rate,
     shape_checked,
 )
-from .counter import Counter, validate_overflow_mode
-from .kernels import resolve_implementation
+from ..kernels import blocked as blocked
+from ..kernels.choice import choose_kernel, resolve_implementation
+from ..state.cache import FixedKVCache, KVCache, RingKVCache
+from ..state.counter import Counter, validate_overflow_mode
+from .heads import (
+    MultiHeadAttention,
+    _check_heads,
+    _check_window,
+    _heads,
+    _require_causal,
+    _sequence_mask,
+)
 
 __all__ = ["MultiHeadSelfAttention"]
 
@@ -64,7 +52,7 @@ def _check_rope(rope_base: float | None, d_head: int) -> None:
         )
 
 
-class MultiHeadSelfAttention(Layer):
+class MultiHeadSelfAttention(MultiHeadAttention):
     """Multi-head self-attention with the four projections `W_Q`, `W_K`, `W_V`, `W_O` and no biases
     (Vaswani et al. 2017, page 5).
 
@@ -109,16 +97,15 @@ class MultiHeadSelfAttention(Layer):
     d_model: int = eqx.field(static=True, converter=python_scalar)
     n_heads: int = eqx.field(static=True, converter=python_scalar)
     n_kv_heads: int = eqx.field(static=True, converter=python_scalar)
-    causal: bool = eqx.field(static=True, converter=python_scalar)
+    causal: bool = eqx.field(static=True, converter=python_scalar)  # type: ignore[misc]
     window: int | None = eqx.field(static=True, converter=python_scalar)
     implementation: str = eqx.field(static=True, converter=python_scalar)
-    rope_base: float | None = eqx.field(static=True, converter=python_scalar, default=None)
-    attention_dropout: float = eqx.field(static=True, converter=python_scalar, default=0.0)
-    b_Q: Param | None = None
-    b_K: Param | None = None
-    b_V: Param | None = None
-    b_O: Param | None = None
-    tensor_parallel: ClassVar[Mapping[str, tuple[int, str | None]]] = HEAD_SPLIT
+    rope_base: float | None = eqx.field(static=True, converter=python_scalar)
+    attention_dropout: float = eqx.field(static=True, converter=python_scalar)
+    b_Q: Param | None
+    b_K: Param | None
+    b_V: Param | None
+    b_O: Param | None
     accepts_mask: ClassVar[bool] = True
 
     def __init__(
@@ -141,18 +128,7 @@ class MultiHeadSelfAttention(Layer):
         require_bool(causal=causal)
         _check_window(window, causal)
         implementation = resolve_implementation(memory_efficient, implementation)
-        bound = 1.0 / math.sqrt(d_model)
-        qkey, kkey, vkey, okey = jr.split(key, 4)
-
-        def init(k: PRNGKeyArray, width: int = d_model) -> Param:
-            return Param(jr.uniform(k, (d_model, width), minval=-bound, maxval=bound))
-
-        kv_width = n_kv_heads * (d_model // n_heads)
-        self.W_Q, self.W_O = init(qkey), init(okey)
-        self.W_K, self.W_V = init(kkey, kv_width), init(vkey, kv_width)
-        widths = {"Q": d_model, "K": kv_width, "V": kv_width, "O": d_model}
-        for name, bias in _biases(use_bias, widths).items():
-            setattr(self, name, bias)
+        self._build_projections(key, d_model, n_heads, n_kv_heads, d_model, use_bias)
         self.d_model = d_model
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
@@ -163,22 +139,10 @@ class MultiHeadSelfAttention(Layer):
         self.window = window
         self.implementation = implementation
 
-    @property
-    def memory_efficient(self) -> bool | None:
-        """`implementation` in the older spelling: blocked (`True`), not (`False`) or by length."""
-        return {"auto": None, "blocked": True}.get(self.implementation, False)
-
-    @property
-    def d_head(self) -> int:
-        return self.d_model // self.n_heads
-
     def _cache_shape(self, rows: int) -> tuple[int, int, int]:
         """A fixed or ring cache's buffers: per key/value head, `(n_kv_heads, rows, d_head)`, so
         a step reads each head's keys contiguously with no transpose."""
         return (self.n_kv_heads, rows, self.d_head)
-
-    def _keys_values(self, x: Array) -> tuple[Array, Array]:
-        return _projected(self, x, "K"), _projected(self, x, "V")
 
     @shape_checked
     def forward(
@@ -190,31 +154,23 @@ class MultiHeadSelfAttention(Layer):
     ) -> Float[Array, "T d_model"]:
         if key is not None and self.attention_dropout > 0:
             return self._forward_dropping_weights(x, mask, key)
-        keys, values = self._keys_values(x)
-        return _attend_sequence(self, x, keys, values, mask, self.causal, self.window)
+        keys, values = self.keys_values(x)
+        return self.attend_sequence(x, keys, values, mask, self.causal, self.window)
 
     def _forward_dropping_weights(self, x: Array, mask: Array | None, key: PRNGKeyArray) -> Array:
-        """`forward` in training with dropout on the attention weights (see `_dropped`)."""
+        """`forward` in training with dropout on the attention weights."""
         length = x.shape[0]
         visible = _sequence_mask(length, length, self.causal, self.window, mask)
-        return _dropped(self, x, *self._keys_values(x), visible, key)
+        return self.attend_dropping_weights(x, *self.keys_values(x), visible, key)
 
     @shape_checked
     def attention_weights(
         self, x: Float[Array, "T d_model"], *, mask: Bool[Array, " T"] | None = None
     ) -> Float[Array, "n_heads T T"]:
         """The attention weights of `forward(x, mask=mask)`, `(n_heads, T, T)`, in float32."""
-        q, k = _rotated(
-            self,
-            _heads(_projected(self, x, "Q"), self.n_heads),
-            _heads(_projected(self, x, "K"), self.n_kv_heads),
-            None,
-        )
-        q, k = _grouped(q, self.n_kv_heads), k[:, None]
         length = x.shape[0]
-        weights = attention_weights(
-            q, k, _sequence_mask(length, length, self.causal, self.window, mask)
-        )
+        visible = _sequence_mask(length, length, self.causal, self.window, mask)
+        weights = self.weights(x, self.keys_values(x)[0], visible)
         return weights.reshape(self.n_heads, length, length)
 
     def init_cache(
@@ -223,7 +179,7 @@ class MultiHeadSelfAttention(Layer):
         """An empty cache: growing (`capacity=None`, two `(0, d_model)` arrays) or fixed.
 
         A fixed cache holds `capacity` steps; `on_overflow` (`"raise"` or `"nan"`) says what a
-        step past that does (see `dense_armor.utility.neural.cache`). A windowed layer ignores
+        step past that does (see `dense_armor.nn.state.counter`). A windowed layer ignores
         `capacity`: its cache is a ring of `window` rows that never overflows.
         """
         _require_causal(self)
@@ -290,17 +246,17 @@ class MultiHeadSelfAttention(Layer):
         new = jax.ShapeDtypeStruct((self.n_kv_heads, steps, self.d_head), x.dtype)
         # The keys the chunk attends over, as the cache's own update would give them.
         key_rows = jax.eval_shape(lambda k: cache.update(k, k, self.window).keys, new).shape[1]
-        if not use_blocked(self.memory_efficient, steps, key_rows):
+        if choose_kernel(self.implementation, steps, key_rows) != "blocked":
             return None
         rows = max(1, blocked.BLOCKED_MIN_LENGTH**2 // key_rows)
         return rows if rows < steps else None
 
     def _prefill(self, x: Array, cache: Any) -> tuple[Array, Any]:
-        keys, values = (_heads(_projected(self, x, w), self.n_kv_heads) for w in ("K", "V"))
+        keys, values = (_heads(a, self.n_kv_heads) for a in self.keys_values(x))
         update = cache.update(keys, values, self.window)
         positions = (update.query_positions, update.key_positions)
-        y = _attend_heads(
-            self, x, update.keys, update.values, update.visible, positions, update.hidden_zeros
+        y = self.attend_heads(
+            x, update.keys, update.values, update.visible, positions, update.hidden_zeros
         )
         return update.cache.guard(y, update.fits), update.cache
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-from .core import ShapeError, type_checked
+from ..core import ShapeError, type_checked
 
 __all__ = ["attention_weights", "scaled_dot_product_attention"]
 

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
+from .blocked import use_blocked
+
 IMPLEMENTATIONS = ("auto", "materialised", "blocked", "xla", "cudnn")
 
 _EXPORTING: contextvars.ContextVar[bool] = contextvars.ContextVar("exporting", default=False)
@@ -46,6 +48,17 @@ def resolve_implementation(memory_efficient: bool | None, implementation: str | 
             f"`implementation={implementation!r}` too. Pass one of them."
         )
     return implementation or implied or "auto"
+
+
+def choose_kernel(implementation: str, queries: object, keys: object) -> str:
+    """The kernel a layer built with `implementation` runs for `queries` against `keys` steps:
+    `"xla"` or `"cudnn"` as asked, else `"blocked"` or `"materialised"` (`"auto"` by the number
+    of scores; see `use_blocked`). Every attention layer and every path of one (forward, prefill,
+    step) asks here."""
+    if implementation in ("xla", "cudnn"):
+        return implementation
+    memory_efficient = {"auto": None, "blocked": True}.get(implementation, False)
+    return "blocked" if use_blocked(memory_efficient, queries, keys) else "materialised"
 
 
 def _dot_product_attention(

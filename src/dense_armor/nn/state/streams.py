@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool
 
-from .core import ShapeError, require_int
+from ..core import ShapeError, require_int
 
 __all__ = ["batch_streams", "reset"]
 

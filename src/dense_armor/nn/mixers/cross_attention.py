@@ -1,25 +1,13 @@
 """Multi-head attention from one sequence to another (Vaswani et al. 2017, page 5,
 "encoder-decoder attention"), whose cache is the context projected once."""
 
-import math
-from collections.abc import Mapping
-from typing import ClassVar, NamedTuple
+from typing import NamedTuple
 
 import equinox as eqx
 import jax.numpy as jnp
-import jax.random as jr
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
-from .attention import (
-    HEAD_SPLIT,
-    _attend_sequence,
-    _biases,
-    _check_heads,
-    _dropped,
-    _projected,
-)
-from .core import (
-    Layer,
+from ..core import (
     Param,
     ShapeError,
     python_scalar,
@@ -28,7 +16,8 @@ from .core import (
     require_rate,
     shape_checked,
 )
-from .kernels import resolve_implementation
+from ..kernels.choice import resolve_implementation
+from .heads import MultiHeadAttention, _check_heads
 
 __all__ = ["ContextCache", "MultiHeadCrossAttention"]
 
@@ -41,7 +30,7 @@ class ContextCache(NamedTuple):
     mask: Bool[Array, " S"]
 
 
-class MultiHeadCrossAttention(Layer):
+class MultiHeadCrossAttention(MultiHeadAttention):
     """Multi-head attention from one sequence to another: queries from `x (T, d_model)`, keys and
     values from a context `(S, d_context)` (Vaswani et al. 2017, page 5, "encoder-decoder
     attention"). Four projections, no biases: `W_Q (d_model, d_model)`, `W_K` and `W_V`
@@ -67,12 +56,13 @@ class MultiHeadCrossAttention(Layer):
     n_kv_heads: int = eqx.field(static=True, converter=python_scalar)
     d_context: int = eqx.field(static=True, converter=python_scalar)
     implementation: str = eqx.field(static=True, converter=python_scalar)
-    attention_dropout: float = eqx.field(static=True, converter=python_scalar, default=0.0)
-    b_Q: Param | None = None
-    b_K: Param | None = None
-    b_V: Param | None = None
-    b_O: Param | None = None
-    tensor_parallel: ClassVar[Mapping[str, tuple[int, str | None]]] = HEAD_SPLIT
+    attention_dropout: float = eqx.field(static=True, converter=python_scalar)
+    b_Q: Param | None
+    b_K: Param | None
+    b_V: Param | None
+    b_O: Param | None
+    # Rotary positions are the self-attention's: a context's steps have no place in the sequence.
+    rope_base: None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -91,28 +81,13 @@ class MultiHeadCrossAttention(Layer):
         implementation = resolve_implementation(memory_efficient, implementation)
         d_context = d_model if d_context is None else d_context
         require_positive(d_context=d_context)
-        qkey, kkey, vkey, okey = jr.split(key, 4)
-
-        def init(k: PRNGKeyArray, d_in: int, width: int = d_model) -> Param:
-            bound = 1.0 / math.sqrt(d_in)
-            return Param(jr.uniform(k, (d_in, width), minval=-bound, maxval=bound))
-
-        kv_width = n_kv_heads * (d_model // n_heads)
-        self.W_Q, self.W_K = init(qkey, d_model), init(kkey, d_context, kv_width)
-        self.W_V, self.W_O = init(vkey, d_context, kv_width), init(okey, d_model)
+        self._build_projections(key, d_model, n_heads, n_kv_heads, d_context, use_bias)
         self.d_model, self.n_heads, self.d_context = d_model, n_heads, d_context
         self.n_kv_heads = n_kv_heads
+        self.rope_base = None
         require_rate(attention_dropout=attention_dropout)
         self.attention_dropout = float(attention_dropout)
-        widths = {"Q": d_model, "K": kv_width, "V": kv_width, "O": d_model}
-        for name, bias in _biases(use_bias, widths).items():
-            setattr(self, name, bias)
         self.implementation = implementation
-
-    @property
-    def memory_efficient(self) -> bool | None:
-        """`implementation` in the older spelling: blocked (`True`), not (`False`) or by length."""
-        return {"auto": None, "blocked": True}.get(self.implementation, False)
 
     @shape_checked
     def init_cache(
@@ -120,7 +95,7 @@ class MultiHeadCrossAttention(Layer):
     ) -> ContextCache:
         """Project the context's keys and values once, for `step`."""
         mask = jnp.ones(context.shape[0], bool) if context_mask is None else context_mask
-        keys, values = _projected(self, context, "K"), _projected(self, context, "V")
+        keys, values = self.keys_values(context)
         return ContextCache(keys, values, mask)
 
     @shape_checked
@@ -141,8 +116,10 @@ class MultiHeadCrossAttention(Layer):
         """Attend from every row of `x (T, d_model)` to a projected context; with a `key` and an
         `attention_dropout`, its weights dropped."""
         if key is not None and self.attention_dropout > 0:
-            return _dropped(self, x, cache.keys, cache.values, cache.mask[None, :], key)
-        return _attend_sequence(self, x, cache.keys, cache.values, cache.mask)
+            return self.attend_dropping_weights(
+                x, cache.keys, cache.values, cache.mask[None, :], key
+            )
+        return self.attend_sequence(x, cache.keys, cache.values, cache.mask)
 
     @shape_checked
     def step(

@@ -10,7 +10,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
-from .core import python_scalar
+from ..core import python_scalar
 
 __all__ = ["OVERFLOW_MODES", "OVERFLOW_REMEDY", "Counter", "validate_overflow_mode"]
 

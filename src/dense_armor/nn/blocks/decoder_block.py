@@ -4,27 +4,26 @@ streams with a `DecoderCache`. Its helpers (residuals, gates, remat) are the enc
 `blocks`."""
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.random as jr
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
-from .attention import _check_heads
-from .blocks import Gate, _check_remat, _rematerialised, _residual
-from .cache import FixedKVCache, KVCache, RingKVCache
-from .core import (
-    Layer,
+from ..core import (
     python_scalar,
     require_bool,
     require_key,
     require_positive,
     shape_checked,
 )
-from .cross_attention import ContextCache, MultiHeadCrossAttention
-from .layers import Dropout, FeedForward, LayerNorm
-from .self_attention import MultiHeadSelfAttention
+from ..layers.basic import Dropout, FeedForward, LayerNorm
+from ..mixers.cross_attention import ContextCache, MultiHeadCrossAttention
+from ..mixers.heads import _check_heads
+from ..mixers.self_attention import MultiHeadSelfAttention
+from ..state.cache import FixedKVCache, KVCache, RingKVCache
+from .mixer_block import Block, Gate, _check_remat, _rematerialised
 
 __all__ = ["DecoderCache", "TransformerDecoderBlock"]
 
@@ -36,7 +35,7 @@ class DecoderCache(NamedTuple):
     context: ContextCache
 
 
-class TransformerDecoderBlock(Layer):
+class TransformerDecoderBlock(Block):
     """The decoder block (Vaswani et al. 2017, page 3): causal self-attention, attention to a
     context, and the feed-forward, each followed by its residual addition (or a `Gate`) and a
     LayerNorm:
@@ -66,7 +65,8 @@ class TransformerDecoderBlock(Layer):
     d_model: int = eqx.field(static=True, converter=python_scalar)
     d_context: int = eqx.field(static=True, converter=python_scalar)
     norm_first: bool = eqx.field(static=True, converter=python_scalar)
-    remat: str | None = eqx.field(static=True, converter=python_scalar, default=None)
+    remat: str | None = eqx.field(static=True, converter=python_scalar)
+    causal: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -130,8 +130,9 @@ class TransformerDecoderBlock(Layer):
         self.norm_first = norm_first
         self.remat = _check_remat(remat)
 
-    def _join(self, i: int, x: Array, sub: Array, key: PRNGKeyArray | None) -> Array:
-        return _residual(self, i, x, sub, key)
+    @property
+    def norms(self) -> tuple[LayerNorm, ...]:
+        return (self.norm1, self.norm2, self.norm3)
 
     @shape_checked
     def forward(
@@ -148,34 +149,26 @@ class TransformerDecoderBlock(Layer):
             attention = _rematerialised(
                 lambda h: self.self_attention(h, key=attention_key), self.remat
             )
-            return self._apply(x, lambda h: (attention(h), None), context_cache, key)[0]
+            return self._three_sublayers(x, lambda h: (attention(h), None), context_cache, key)[0]
 
         return jax.checkpoint(run)(x) if self.remat == "block" else run(x)
 
-    def _apply(
+    def _three_sublayers(
         self,
         x: Array,
         attend: Callable[[Array], tuple[Array, Any]],
         context: ContextCache,
         key: PRNGKeyArray | None,
     ) -> tuple[Array, Any]:
-        """The block's equations, written once for `forward`, `step` and `prefill`, around a
-        self-attention `attend(h) -> (a, cache)` and a projected context."""
-        keys = [None] * 3 if key is None else list(jr.split(key, 3))
+        """The block's equations (`Block._apply`), for `forward`, `step` and `prefill`, around a
+        self-attention `attend(h) -> (a, cache)`, the attention to a projected context and the
+        feed-forward."""
         cross_key = None if key is None else jr.fold_in(key, 3)  # the others' keys unchanged
 
-        def cross(h: Array, context: ContextCache) -> Array:
-            return self.cross_attention.step_sequence(h, context, key=cross_key)
+        def cross(h: Array) -> tuple[Array, None]:
+            return self.cross_attention.step_sequence(h, context, key=cross_key), None
 
-        if self.norm_first:
-            a, cache = attend(self.norm1(x))
-            y = self._join(0, x, a, keys[0])
-            u = self._join(1, y, cross(self.norm2(y), context), keys[1])
-            return self._join(2, u, self.feed_forward(self.norm3(u)), keys[2]), cache
-        a, cache = attend(x)
-        y = self.norm1(self._join(0, x, a, keys[0]))
-        u = self.norm2(self._join(1, y, cross(y, context), keys[1]))
-        return self.norm3(self._join(2, u, self.feed_forward(u), keys[2])), cache
+        return self._apply(x, (attend, cross, lambda h: (self.feed_forward(h), None)), key)
 
     @shape_checked
     def init_cache(
@@ -206,7 +199,7 @@ class TransformerDecoderBlock(Layer):
         self, x: Float[Array, "K d_model"], cache: DecoderCache
     ) -> tuple[Float[Array, "K d_model"], DecoderCache]:
         """`K` steps at once: what `K` calls of `step` return, stacked."""
-        y, self_cache = self._apply(
+        y, self_cache = self._three_sublayers(
             x, lambda h: self.self_attention.prefill(h, cache.self_attention), cache.context, None
         )
         return y, DecoderCache(self_cache, cache.context)

@@ -1,0 +1,124 @@
+"""The Transformer encoder block (Vaswani et al. 2017, page 3): `MixerBlock`'s equations around a
+`MultiHeadSelfAttention`."""
+
+import equinox as eqx
+import jax.random as jr
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
+
+from ..core import python_scalar, require_bool, require_key, require_positive, shape_checked
+from ..layers.basic import Dropout, FeedForward, LayerNorm
+from ..mixers.heads import _check_heads
+from ..mixers.self_attention import MultiHeadSelfAttention
+from ..state.cache import FixedKVCache, KVCache, RingKVCache
+from .mixer_block import Gate, MixerBlock
+
+__all__ = ["TransformerBlock"]
+
+
+class TransformerBlock(MixerBlock):
+    """The post-LayerNorm Transformer block (Vaswani et al. 2017, page 3 and Eq.(2), page 5).
+
+    `y = LayerNorm(x + Dropout(Attention(x)))`, then `z = LayerNorm(y + Dropout(FFN(y)))`.
+
+    **Arguments:** `d_model`, `n_heads`, `d_ff` (the hidden width of the feed-forward), `key`,
+    `causal=False`, `dropout=0.0` (applied to each sub-layer's output before the residual
+    addition, only when `forward` gets a `key`), `gate=False` (a `Gate` replaces each residual
+    addition: `y = LayerNorm(Gate(x, Attention(x)))`, ...), `norm_first=False` (pre-LN instead:
+    `y = x + Attention(LayerNorm(x))`, `z = y + FFN(LayerNorm(y))`, Xiong et al. 2020),
+    `window=None` (sliding-window attention), `memory_efficient=None` (blocked attention; see
+    `MultiHeadSelfAttention`) and `remat=None` (`"block"`: the block's activations are recomputed
+    in the backward pass instead of stored, `jax.checkpoint`; `"attention"`: only the
+    attention's, whose `(n_heads, T, T)` scores are most of them) and `implementation=None` (how
+    the attention is computed; see `MultiHeadSelfAttention`), `n_kv_heads=None` (grouped-query
+    attention: keys and values in `n_kv_heads` heads, each shared by `n_heads / n_kv_heads` query
+    heads; default `n_heads`), `rope_base=None` (rotary positions in the self-attention), and
+    the options PyTorch's layers expose: `use_bias=False` (biases on the attention projections),
+    `activation="relu"` (or `"gelu"`, of the feed-forward), `layer_norm_eps=1e-5` and
+    `attention_dropout=0.0` (on the self-attention's weights).
+
+    `forward(x, mask=None)`, `mask` the padding mask of `Layer`.
+
+    `params()` is, in order, the attention's `[W_Q, W_K, W_V, W_O]`, the first LayerNorm's
+    `[gain, bias]`, the feed-forward's `[W_1, b_1, W_2, b_2]` and the second LayerNorm's
+    `[gain, bias]`: 12 in all; then, with `gate=True`, each gate's `[U, W, b]` (18 in all).
+    A causal block streams like `MultiHeadSelfAttention`.
+    """
+
+    attention: MultiHeadSelfAttention
+    norm1: LayerNorm
+    feed_forward: FeedForward
+    norm2: LayerNorm
+    dropout: Dropout
+    gates: "tuple[Gate, ...]"
+    d_model: int = eqx.field(static=True, converter=python_scalar)
+    norm_first: bool = eqx.field(static=True, converter=python_scalar)
+    remat: str | None = eqx.field(static=True, converter=python_scalar)
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        key: PRNGKeyArray,
+        causal: bool = False,
+        dropout: float = 0.0,
+        gate: bool = False,
+        norm_first: bool = False,
+        window: int | None = None,
+        memory_efficient: bool | None = None,
+        remat: str | None = None,
+        implementation: str | None = None,
+        n_kv_heads: int | None = None,
+        rope_base: float | None = None,
+        use_bias: bool = False,
+        activation: str = "relu",
+        layer_norm_eps: float = 1e-5,
+        attention_dropout: float = 0.0,
+    ):
+        require_key(key)
+        _check_heads(d_model, n_heads)
+        require_positive(d_ff=d_ff)
+        require_bool(gate=gate, norm_first=norm_first)
+        akey, fkey = jr.split(key)
+        self.attention = MultiHeadSelfAttention(
+            d_model,
+            n_heads,
+            akey,
+            causal=causal,
+            window=window,
+            memory_efficient=memory_efficient,
+            implementation=implementation,
+            n_kv_heads=n_kv_heads,
+            rope_base=rope_base,
+            use_bias=use_bias,
+            attention_dropout=attention_dropout,
+        )
+        self._build_around_mixer(
+            d_model, d_ff, key, fkey, dropout, gate, norm_first, remat, activation, layer_norm_eps
+        )
+
+    @property
+    def mixer(self) -> MultiHeadSelfAttention:
+        return self.attention
+
+    @shape_checked
+    def attention_weights(
+        self, x: Float[Array, "T d_model"], *, mask: Bool[Array, " T"] | None = None
+    ) -> Float[Array, "n_heads T T"]:
+        """The weights `(n_heads, T, T)` of the block's attention on the input `x`."""
+        return self.attention.attention_weights(self.norm1(x) if self.norm_first else x, mask=mask)
+
+    @shape_checked
+    def prefill(
+        self, x: Float[Array, "K d_model"], cache: KVCache | FixedKVCache | RingKVCache
+    ) -> tuple[Float[Array, "K d_model"], KVCache | FixedKVCache | RingKVCache]:
+        """`K` causal steps of the block at once; see `MultiHeadSelfAttention.prefill`."""
+        return self._prefill(x, cache)
+
+    @shape_checked
+    def step(
+        self, x_t: Float[Array, " d_model"], cache: KVCache | FixedKVCache | RingKVCache
+    ) -> tuple[Float[Array, " d_model"], KVCache | FixedKVCache | RingKVCache]:
+        """One causal step of the block; see `MultiHeadSelfAttention.step`."""
+        y, cache = self.prefill(x_t[None], cache)
+        return y[0], cache

@@ -1,0 +1,373 @@
+"""The pieces every layer shares: `Param`, the `Layer` base class and runtime shape checks.
+
+A layer acts on one unbatched sequence of shape `(T, features)`; batches go through `jax.vmap`
+(or `eqx.filter_vmap`), as in Equinox.
+"""
+
+import functools
+import inspect
+import numbers
+import types
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from beartype import beartype
+from jaxtyping import Array, TypeCheckError, jaxtyped
+
+__all__ = [
+    "CannotStream",
+    "NotAnInteger",
+    "Layer",
+    "Param",
+    "Pointwise",
+    "check_steps",
+    "is_integer",
+    "ShapeError",
+    "require_bool",
+    "require_key",
+    "require_int",
+    "require_positive",
+    "require_rate",
+    "python_scalar",
+    "shape_checked",
+    "type_checked",
+]
+
+
+class ShapeError(ValueError):
+    """An input whose rank, size or dtype does not match what the layer or function expects."""
+
+
+class CannotStream(ValueError):
+    """A layer that cannot run step by step: not causal, or with no time state to carry."""
+
+
+class Param(eqx.Module):
+    """A trainable array. Its one field `value` holds the array, so `m.P.value` reads a table."""
+
+    value: Array
+
+    def project(self, x: Array) -> Array:
+        """`x @ value` over the last axis of `x`, in the dtype of `x` (a bfloat16 computation
+        reads float32 weights as bfloat16)."""
+        return jnp.einsum("...d,de->...e", x, self.value.astype(x.dtype))
+
+
+def python_scalar(value: Any) -> Any:
+    """A NumPy scalar (`np.int64(8)`) as the Python value it holds; anything else unchanged.
+
+    The converter of every hyper-parameter field (`eqx.field(static=True,
+    converter=python_scalar)`): a NumPy scalar is an array to JAX, and arrays are never static."""
+    if isinstance(value, np.bool_):
+        return bool(value)
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    return value
+
+
+class NotAnInteger(TypeError, ValueError):
+    """A size, count or index that is not an integer at all (a float, a string, a bool): both a
+    `TypeError` and a `ValueError`, as NumPy's `AxisError` is both a `ValueError` and an
+    `IndexError`, so that either `except` clause catches it."""
+
+
+def is_integer(value: Any) -> bool:
+    """A Python or NumPy integer, never a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
+
+
+def require_int(
+    minimum: int = 1, *, caller: str = "", error: type[Exception] = ValueError, **values: Any
+) -> None:
+    """The package's one integer check: raise naming the first of `values` that is not an
+    integer (a Python or NumPy integer, never a bool, a float or a string) of at least
+    `minimum`. The error is `error` (default `ValueError`; `NotAnInteger`, a `TypeError` too,
+    for a value that is no integer at all), its message prefixed by `caller` when given. Store
+    the value with `int(value)` (or a `python_scalar` field) once it has passed."""
+    prefix = f"{caller}: " if caller else ""
+    wanted = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+    for name, value in values.items():
+        if not is_integer(value) or value < minimum:
+            raise (NotAnInteger if error is ValueError and not is_integer(value) else error)(
+                f"{prefix}`{name}` must be {wanted}; received `{name}={value!r}` "
+                f"({type(value).__name__})."
+            )
+
+
+def require_positive(**sizes: Any) -> None:
+    """`require_int(1, **sizes)`: each size a positive integer."""
+    require_int(1, **sizes)
+
+
+def require_bool(**flags: bool) -> None:
+    """Raise `ValueError` naming the first flag that is not `True` or `False` (a string such as
+    `"false"` would otherwise count as true)."""
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise ValueError(
+                f"`{name}` must be True or False; received `{name}={flag!r}` "
+                f"({type(flag).__name__})."
+            )
+
+
+def require_key(key: Any) -> None:
+    """Raise `TypeError` unless `key` is a JAX PRNG key (`jax.random.PRNGKey(0)` or
+    `jax.random.key(0)`)."""
+    typed = isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    raw = isinstance(key, jax.Array) and key.dtype == jnp.uint32 and key.shape[-1:] == (2,)
+    if not (typed or raw):
+        described = f"an array of dtype {key.dtype}" if hasattr(key, "dtype") else repr(key)
+        raise TypeError(
+            f"`key` must be a JAX PRNG key, e.g. `jax.random.PRNGKey(0)`; received {described}."
+        )
+
+
+def require_rate(**rates: float) -> None:
+    """Raise `ValueError` naming the first rate that is not a real number in `[0, 1]`."""
+    for name, rate in rates.items():
+        real = isinstance(rate, numbers.Real) and not isinstance(rate, bool | np.bool_)
+        if not real or not 0.0 <= rate <= 1.0:
+            raise ValueError(
+                f"`{name}` must be a number in [0, 1]; received `{name}={rate!r}` "
+                f"({type(rate).__name__})."
+            )
+
+
+Fn = TypeVar("Fn", bound=Callable[..., Any])
+
+
+def _expected_dims(annotation: Any) -> tuple[str, ...] | None:
+    dim_str = getattr(annotation, "dim_str", None)
+    return None if dim_str is None else tuple(dim_str.split())
+
+
+def _describe(dims: tuple[str, ...], sizes: dict[str, int]) -> str:
+    parts = [f"{d}={sizes[d]}" if d in sizes else d for d in dims]
+    return "(" + ", ".join(parts) + ")"
+
+
+def _annotation_text(annotation: Any) -> str:
+    """`Float['T d_model']`, `Bool['T'] | None`: a jaxtyping annotation as one reads it."""
+    options = typing.get_args(annotation) if typing.get_origin(annotation) in _UNIONS else ()
+    if options:
+        return " | ".join(_annotation_text(option) for option in options)
+    if annotation is type(None):
+        return "None"
+    dtype = getattr(annotation, "dtype", None)
+    dim_str = getattr(annotation, "dim_str", None)
+    if dtype is not None and dim_str is not None:
+        return f"{dtype.__name__}[{dim_str!r}]"
+    return getattr(annotation, "__name__", None) or str(annotation)
+
+
+_UNIONS = (typing.Union, types.UnionType)
+
+
+def _mismatch(owner: str, signature: inspect.Signature, arguments: dict[str, Any]) -> ShapeError:
+    """The `ShapeError` for arguments that fail their jaxtyping annotations: every array argument
+    with its expected (annotated) and received shape and dtype."""
+    lines = []
+    for name, value in arguments.items():
+        if name == "self" or name not in signature.parameters:
+            continue
+        expected = _annotation_text(signature.parameters[name].annotation)
+        shape = getattr(value, "shape", None)
+        if shape is not None:
+            received = f"shape {tuple(shape)} dtype {value.dtype}"
+        elif value is None and "None" in expected.split(" | "):
+            continue
+        elif expected == type(value).__name__:  # the right kind, arrays of other shapes
+            received = (
+                f"a {expected} whose arrays have other shapes (a batch of streams from "
+                "`init_streams`, with a leading axis on every array? step it with "
+                "`jax.vmap(model.step)(x_t, caches)`)"
+            )
+        else:
+            received = type(value).__name__
+        lines.append(f"`{name}`: expected {expected}, received {received}")
+    return ShapeError(
+        f"{owner}: the array arguments do not fit together ("
+        + "; ".join(lines)
+        + "). A named axis must have one size across the arguments."
+    )
+
+
+def check_steps(owner: str, name: str, x: Any, n_in: int | None, one_step: bool) -> None:
+    """A model's own check of what its `step` (`one_step`: `x_t (n_in,)`) or `prefill` (`x (K,
+    n_in)`) receives, so that a wrong input is named as the caller passed it, not as an inner
+    layer saw it. `n_in=None`: any width. Runs at trace time."""
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    want = ("" if one_step else "K, ") + ("n_in" if n_in is None else f"n_in={n_in}")
+    form = f"({want},)" if one_step else f"({want})"
+    rank = 1 if one_step else 2
+    floating = dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+    width_ok = shape is not None and len(shape) == rank and n_in in (None, shape[-1])
+    if floating and width_ok:
+        return
+    received = type(x).__name__ if shape is None else f"`{name}.shape={tuple(shape)}` dtype {dtype}"
+    hint = (
+        " A batch of streams goes through `jax.vmap(model.step)(x_t, caches)`."
+        if one_step and shape is not None and len(shape) == 2
+        else ""
+    )
+    raise ShapeError(
+        f"{owner}: `{name}` must be {'one step' if one_step else 'K steps'} of shape {form}, "
+        f"floating point; received {received}.{hint}"
+    )
+
+
+def _jax_arrays(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """NumPy array arguments as JAX arrays (NumPy inputs are welcome; JAX takes them as is)."""
+
+    def convert(value: Any) -> Any:
+        return jnp.asarray(value) if isinstance(value, np.ndarray) else value
+
+    return tuple(map(convert, args)), {k: convert(v) for k, v in kwargs.items()}
+
+
+def type_checked(function: Fn) -> Fn:
+    """Check a function's jaxtyping annotations with beartype, NumPy arrays converted to JAX
+    arrays first; a mismatch raises `ShapeError` naming every array argument's expected and
+    received shape and dtype."""
+    typechecked = jaxtyped(typechecker=beartype)(function)
+    signature = inspect.signature(function)
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = _jax_arrays(args, kwargs)
+        try:
+            return typechecked(*args, **kwargs)
+        except TypeCheckError:
+            bound = signature.bind_partial(*args, **kwargs)
+            raise _mismatch(function.__qualname__, signature, bound.arguments) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def shape_checked(method: Fn) -> Fn:
+    """Check a layer method's array arguments before running it.
+
+    NumPy arrays are converted to JAX arrays first. The method's jaxtyping annotations are checked
+    by beartype (rank, dtype, and that a named axis
+    has one size across the arguments and the result). Before that, every named axis that is also
+    an integer attribute of the layer (`d_model`, `n_in`, ...) is compared with that attribute, and
+    a wrong rank or size raises `ShapeError` naming the expected and the received shape, with a
+    hint to use `jax.vmap` when the input carries one axis too many. Under `jax.jit` this runs
+    once per trace and costs nothing per call.
+    """
+    typechecked = type_checked(method)
+    signature = inspect.signature(method)
+    owner = method.__qualname__
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(self, *args, **kwargs)  # NumPy arrays: converted by type_checked
+        for name, value in bound.arguments.items():
+            dims = _expected_dims(signature.parameters[name].annotation)
+            shape = getattr(value, "shape", None)
+            if dims is None or shape is None:
+                continue
+            fixed = [d for d in dims if not d.startswith(("*", "..."))]
+            variadic = len(fixed) != len(dims)
+            sizes = {
+                d: getattr(self, d)
+                for d in fixed
+                if isinstance(getattr(self, d, None), numbers.Integral)
+            }
+            rank_ok = len(shape) >= len(fixed) if variadic else len(shape) == len(fixed)
+            trailing = dict(zip(reversed(fixed), reversed(shape), strict=False))
+            size_ok = all(trailing.get(d) == size for d, size in sizes.items())
+            if rank_ok and size_ok:
+                continue
+            message = (
+                f"{owner}: received `{name}.shape={tuple(shape)}`; expected "
+                f"`{_describe(dims, sizes)}`."
+            )
+            if not variadic and len(shape) == len(fixed) + 1:
+                message += (
+                    " A layer acts on one unbatched sequence; batch with "
+                    "`jax.vmap(layer)(x)` or `eqx.filter_vmap`."
+                )
+            raise ShapeError(message)
+        return typechecked(*bound.args, **bound.kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+class Layer(eqx.Module):
+    """Base class of every dense_armor layer.
+
+    `forward` is the computation; `__call__` is the same method, so a layer drops into any Equinox
+    code. `params()` lists the layer's `Param`s in the order of its fields, depth first.
+    Layers that can run in a causal model also stream: `init_cache(capacity)`,
+    `step(x_t, cache) -> (y_t, cache)` and `prefill(x_chunk, cache) -> (y_chunk, cache)` (what
+    `K` calls of `step` return, stacked); the others raise `CannotStream`.
+
+    Masks mean the same in every layer: `forward(x, mask=None)` takes a boolean vector `mask (T,)`
+    over the steps of `x`, `True` on the valid steps of a sequence padded at the end. A padded
+    step is hidden from every other step (its key is never attended to, it is left out of a
+    mean), and its own output row is whatever the layer computes for it, to be ignored. A
+    cross-attention's `context_mask (S,)` is the same over its context. A layer with
+    `accepts_mask = True` takes one; `Sequential` passes it to those layers. (Only the functions
+    `scaled_dot_product_attention` and `attention_weights` take a mask over the scores,
+    `(..., T, S)`, as the attention page defines it.)
+    """
+
+    # Tensor parallelism (`dense_armor.distributed`): the arrays of this layer that a `"model"`
+    # mesh axis splits, `{"attribute path": (axis, count)}`, the axis counted from the end (so a
+    # stacked layer's leading depth axis changes nothing) and `count` the field that holds how
+    # many heads that axis groups (`None`: its units, split one by one).
+    tensor_parallel: ClassVar[Mapping[str, tuple[int, str | None]]] = {}
+    # Capabilities, read by the models around a layer, each declared here with its default and
+    # overridden by the layers that have it (with a class variable, or with a field or a property
+    # where it depends on the instance): `causal`, step t sees only steps up to t, so the layer
+    # streams; `accepts_mask`, its `forward` takes the padding `mask`; `stackable`, copies of it
+    # stack on a depth axis (`Stack`); `layers_field`, the field holding the layers a model
+    # applies in order (what `stack_layers` regroups), or `None`.
+    causal: ClassVar[bool] = False
+    accepts_mask: ClassVar[bool] = False
+    stackable: ClassVar[bool] = False
+    layers_field: ClassVar[str | None] = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def params(self) -> list[Param]:
+        """The layer's `Param`s, in field order (depth first)."""
+        leaves = jax.tree_util.tree_leaves(self, is_leaf=lambda node: isinstance(node, Param))
+        return [leaf for leaf in leaves if isinstance(leaf, Param)]
+
+    def init_cache(self, *args: Any, **kwargs: Any) -> Any:
+        raise CannotStream(f"{type(self).__name__} does not stream: it has no `init_cache`.")
+
+    def step(self, x_t: Any, cache: Any) -> tuple[Any, Any]:
+        raise CannotStream(f"{type(self).__name__} does not stream: it has no `step`.")
+
+    def prefill(self, x: Any, cache: Any) -> tuple[Any, Any]:
+        raise CannotStream(f"{type(self).__name__} does not stream: it has no `prefill`.")
+
+
+class Pointwise(Layer):
+    """A layer that acts on each time step alone, so stepping it is its forward on one sample.
+
+    Its cache is `None`.
+    """
+
+    def init_cache(self, capacity: int | None = None, *, on_overflow: str = "raise") -> None:
+        return None
+
+    def step(self, x_t: Any, cache: None) -> tuple[Any, None]:
+        return self.forward(x_t), cache
+
+    def prefill(self, x: Any, cache: None) -> tuple[Any, None]:
+        return self.forward(x), cache

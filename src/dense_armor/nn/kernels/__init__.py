@@ -1,0 +1,2 @@
+"""The attention functions: materialised (`materialised`), in blocks (`blocked`), through
+`jax.nn` (`choice`, which also picks one), and rotary positions (`rotary`)."""

@@ -1,0 +1,2 @@
+"""Layers without a sequence mixer: `Dense`, `LayerNorm`, the feed-forward, ... (`basic`) and
+the positional encodings (`positions`)."""

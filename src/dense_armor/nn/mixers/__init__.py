@@ -1,0 +1,2 @@
+"""Sequence mixers: self- and cross-attention on one multi-head base (`heads`), and the
+recurrent layers."""

@@ -1,0 +1,1 @@
+"""Models: `Sequential`, `Stack` (scan over layers), and the encoder and decoder factories."""

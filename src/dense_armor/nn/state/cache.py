@@ -1,0 +1,344 @@
+"""Streaming caches: what `init_cache` returns and `step` threads through.
+
+Two kinds of key/value cache serve the attention layers:
+
+- `KVCache`, the growing cache of the attention page: two arrays of shape `(t, d_model)` that gain
+  one row per step. Exact and simple; under `jax.jit` it recompiles at every length.
+- `FixedKVCache`, preallocated buffers of shape `(n_heads, capacity, d_head)` plus a counter. Its
+  shapes never change, so a jitted or exported step compiles once (donate the cache to update it in
+  place), and each head's keys lie contiguous, so a step needs no transpose.
+- `RingKVCache`, for a sliding-window layer: the last `window` steps in a ring that never fills.
+
+Layers with other time state carry it in `PositionCache` (the step index) and `MeanCache` (a running
+sum and count). Every cache is a PyTree of arrays.
+
+The protocol: a key/value cache owns its update. `cache.update(keys, values, window)` takes the
+new steps' keys and values per head, `(n_heads, K, d_head)` for `K` steps, and returns a
+`KVUpdate`: what the attention reads (keys, values, and which of them each new step may see) and
+the updated cache; `cache.guard(y, fits)` then applies the cache's overflow rule to the `K` output
+rows. The growing, fixed and ring caches all answer it, so a layer's `step` and `prefill` have one
+code path; a new kind of cache is one new class. One `Counter` (index, overflow flag, overflow mode)
+serves the fixed cache and the positions.
+
+A batch of streams is a cache with a leading batch axis on every array (`batch_streams`, or
+`init_cache` under `jax.vmap`); every stream keeps its own counters. Every fixed-shape cache's empty
+state is all zeros (counters at 0, flags false), so `reset(cache, streams)` returns the chosen
+streams to it and leaves the others untouched.
+
+A fixed cache that is full never overwrites a row. What happens instead is the cache's
+`on_overflow` mode, chosen at `init_cache`:
+
+- `"raise"` (default): the step raises `equinox.EquinoxRuntimeError`, eagerly and under
+  `eqx.filter_jit`. Under plain `jax.jit`, XLA wraps the same message in a `ValueError`
+  (`jax.errors.JaxRuntimeError`, "INTERNAL: CpuCallback error ..."); the line JAX logs before
+  that traceback is the message itself ("dense_armor: the key/value cache is full ...", see
+  `counter._OverflowFirst`). Jit a stepping loop with `eqx.filter_jit` for the clean exception,
+  or use `"nan"` and read the flag;
+- `"nan"`: the step's output is NaN and the cache's `overflow` flag becomes (and stays) `True`.
+  This mode uses no host callback, so it is the one an exported step uses.
+"""
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from functools import partial
+from typing import Any, ClassVar, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from ..core import ShapeError
+from .counter import Counter
+
+__all__ = [
+    "FixedKVCache",
+    "KVCache",
+    "KVUpdate",
+    "MeanCache",
+    "PositionCache",
+    "RingKVCache",
+    "portable_writes",
+]
+
+
+class KVUpdate(NamedTuple):
+    """What a key/value cache's `update` returns: the keys and values the new steps attend over,
+    `(n_heads, L, d_head)`, which of the `L` each new step may see, `visible (K, L)`, which new
+    steps the cache could hold, `fits (K,)`, the updated cache, and the positions of the new
+    steps `(K,)` and of the `L` keys `(L,)` (for rotary positions: only their differences
+    matter, so a ring counts them in its own folded frame)."""
+
+    keys: Array
+    values: Array
+    visible: Array
+    fits: Array
+    cache: Any
+    query_positions: Array
+    key_positions: Array
+    # True when every key a new step may not see is an unwritten row, all zeros (a single step
+    # of a growing or fixed cache): no hidden value can be non-finite, so the attention skips
+    # the pass that zeroes them (a Python bool, known at trace time).
+    hidden_zeros: bool = False
+
+
+def _heads(a: Array, n_heads: int) -> Array:
+    """`(L, n_heads * d_head) -> (n_heads, L, d_head)`."""
+    return a.reshape(a.shape[0], n_heads, a.shape[1] // n_heads).transpose(1, 0, 2)
+
+
+def _refuse_window(window: int | None, owner: str) -> None:
+    if window is not None:
+        raise ValueError(
+            f"{owner}: a windowed layer steps with the ring cache of its own `init_cache()`, and "
+            "only a windowed layer does."
+        )
+
+
+def _check_buffers(buffer: Array, new: Array, rows: str) -> None:
+    if buffer.ndim != 3 or (buffer.shape[0], buffer.shape[2]) != (new.shape[0], new.shape[2]):
+        raise ShapeError(
+            f"MultiHeadSelfAttention.step: received `cache.keys.shape={buffer.shape}`; expected "
+            f"`(n_heads={new.shape[0]}, {rows}, d_head={new.shape[2]})`. Use this layer's "
+            "`init_cache`."
+        )
+
+
+_PORTABLE_WRITES: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "portable_writes", default=False
+)
+
+
+@contextlib.contextmanager
+def portable_writes() -> Iterator[None]:
+    """Within it, caches write their rows by a one-hot selection instead of a
+    dynamic-update-slice or a scatter.
+
+    Under `jax.vmap` (a batch of streams) a dynamic-update-slice becomes a scatter with batching
+    dimensions, which some StableHLO compilers (IREE) reject; a selection lowers to elementwise
+    ops and a dot product that every consumer compiles. It touches every row of the cache, so
+    JAX itself keeps the in-place update: the export stage lowers its static modules (the ones
+    for other runtimes) in this context. The results are the same."""
+    token = _PORTABLE_WRITES.set(True)
+    try:
+        yield
+    finally:
+        _PORTABLE_WRITES.reset(token)
+
+
+def _write_rows(buffer: Array, rows: Array, slots: Array, keep: Array | None = None) -> Array:
+    """`buffer (n_heads, N, d_head)` with `rows (n_heads, K, d_head)` written at rows `slots (K,)`
+    (distinct among the written); where `keep` is true a row is not written. One row is a
+    dynamic-update-slice, the cheapest write; more rows are one scatter; within
+    `portable_writes()`, a one-hot selection."""
+    rows = rows.astype(buffer.dtype)
+    if _PORTABLE_WRITES.get():
+        return _select_rows(buffer, rows, slots, keep)
+    if rows.shape[1] == 1:
+        slot = jnp.minimum(slots[0], buffer.shape[1] - 1)
+        if keep is not None:
+            old = jax.lax.dynamic_slice_in_dim(buffer, slot, 1, axis=1)
+            rows = jnp.where(keep[0], old, rows)
+        return jax.lax.dynamic_update_slice_in_dim(buffer, rows, slot, axis=1)
+    if keep is not None:  # an index past the end is dropped
+        slots = jnp.where(keep, buffer.shape[1], slots)
+    return buffer.at[:, slots].set(rows, mode="drop")
+
+
+def _select_rows(buffer: Array, rows: Array, slots: Array, keep: Array | None) -> Array:
+    """`_write_rows` as a one-hot selection: a select for one row, a one-hot product (exact:
+    every sum has one nonzero term) for several."""
+    hits = slots[:, None] == jnp.arange(buffer.shape[1], dtype=slots.dtype)[None, :]  # (K, N)
+    if keep is not None:
+        hits = hits & ~keep[:, None]
+    written = hits.any(axis=0)[None, :, None]
+    if rows.shape[1] == 1:
+        return jnp.where(written, rows, buffer)
+    # 0 * inf is NaN: the product takes finite rows, and a non-finite one is written as NaN.
+    finite = jnp.isfinite(rows)
+    # Booleans become numbers by a select, not a cast: Vulkan's SPIR-V has no i1-to-float cast.
+    one, zero = jnp.ones((), buffer.dtype), jnp.zeros((), buffer.dtype)
+    onehot = jnp.where(hits, one, zero)
+    spread = partial(jnp.einsum, "kn,hkd->hnd", precision=jax.lax.Precision.HIGHEST)
+    new = spread(onehot, jnp.where(finite, rows, zero))
+    bad = spread(onehot, jnp.where(finite, zero, one)) > 0
+    return jnp.where(written, jnp.where(bad, jnp.asarray(jnp.nan, buffer.dtype), new), buffer)
+
+
+class KVCache(NamedTuple):
+    """The growing cache: keys and values of the steps seen so far, shape `(t, d_model)` each."""
+
+    keys: Float[Array, "t d_model"]
+    values: Float[Array, "t d_model"]
+
+    @property
+    def fixed_shape(self) -> bool:  # a NamedTuple holds no class variables
+        return False
+
+    def update(self, keys: Array, values: Array, window: int | None) -> KVUpdate:
+        _refuse_window(window, "MultiHeadSelfAttention.step")
+        n_heads, steps, d_head = keys.shape
+        if self.keys.ndim != 2 or self.keys.shape[1] != n_heads * d_head:
+            raise ShapeError(
+                f"MultiHeadSelfAttention.step: received `cache.keys.shape={self.keys.shape}`; "
+                f"expected `(t, {n_heads * d_head})` (key/value heads x d_head). Use "
+                "`init_cache()`."
+            )
+
+        def grown(old: Array, new: Array) -> Array:
+            rows = new.transpose(1, 0, 2).reshape(steps, n_heads * d_head)
+            return jnp.concatenate([old, rows.astype(old.dtype)])
+
+        all_keys, all_values = grown(self.keys, keys), grown(self.values, values)
+        seen = self.keys.shape[0]
+        visible = jnp.arange(seen + steps)[None, :] <= seen + jnp.arange(steps)[:, None]
+        return KVUpdate(
+            _heads(all_keys, n_heads),
+            _heads(all_values, n_heads),
+            visible,
+            jnp.ones(steps, bool),
+            KVCache(all_keys, all_values),
+            seen + jnp.arange(steps),
+            jnp.arange(seen + steps),
+            hidden_zeros=steps == 1,  # one step sees every key
+        )
+
+    def guard(self, y: Array, fits: Array) -> Array:
+        return y
+
+
+class Counted(eqx.Module):
+    """A cache with a `Counter`: its `index`, `overflow` flag and `on_overflow` mode, read
+    through."""
+
+    counter: eqx.AbstractVar[Counter]
+
+    @property
+    def index(self) -> Array:
+        return self.counter.index
+
+    @property
+    def overflow(self) -> Array:
+        return self.counter.overflow
+
+    @property
+    def on_overflow(self) -> str:
+        return self.counter.on_overflow
+
+
+class FixedKVCache(Counted):
+    """Preallocated keys and values, per head: `(n_heads, capacity, d_head)`; rows `>= index` are
+    unwritten. Its `counter` holds the index, the overflow flag and the overflow mode."""
+
+    keys: Float[Array, "n_heads capacity d_head"]
+    values: Float[Array, "n_heads capacity d_head"]
+    counter: Counter
+
+    fixed_shape: ClassVar[bool] = True
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[1]
+
+    def update(self, keys: Array, values: Array, window: int | None) -> KVUpdate:
+        _refuse_window(window, "MultiHeadSelfAttention.step")
+        _check_buffers(self.keys, keys, "capacity")
+        positions, fits, counter = self.counter.advance(keys.shape[1], self.capacity)
+        new_keys = _write_rows(self.keys, keys, positions, keep=~fits)
+        new_values = _write_rows(self.values, values, positions, keep=~fits)
+        visible = jnp.arange(self.capacity, dtype=positions.dtype)[None, :] <= positions[:, None]
+        return KVUpdate(
+            new_keys,
+            new_values,
+            visible,
+            fits,
+            FixedKVCache(keys=new_keys, values=new_values, counter=counter),
+            positions,
+            jnp.arange(self.capacity, dtype=positions.dtype),
+            # one step sees every written row; the rows it may not see are unwritten zeros
+            hidden_zeros=keys.shape[1] == 1,
+        )
+
+    def guard(self, y: Array, fits: Array) -> Array:
+        return self.counter.guard(
+            y, fits, f"the key/value cache is full (capacity {self.capacity})"
+        )
+
+
+class RingKVCache(eqx.Module):
+    """The cache of a sliding-window layer: the keys and values of the last `window` steps, in a
+    ring of `window` rows per head, `(n_heads, window, d_head)`. It never fills up, so a stream can
+    go on forever in constant memory.
+
+    `index` counts the steps seen, folded into `[0, 2 * window)` once past `window` so it never
+    overflows: the next row to write is `index % window`, and rows `< min(index, window)` hold
+    steps.
+    """
+
+    keys: Float[Array, "n_heads window d_head"]
+    values: Float[Array, "n_heads window d_head"]
+    index: Int[Array, ""]
+
+    fixed_shape: ClassVar[bool] = True
+
+    @property
+    def window(self) -> int:
+        return self.keys.shape[1]
+
+    def update(self, keys: Array, values: Array, window: int | None) -> KVUpdate:
+        if window is None:
+            raise ValueError(
+                "MultiHeadSelfAttention.step: a windowed layer steps with the ring cache of its "
+                "own `init_cache()`, and only a windowed layer does."
+            )
+        _check_buffers(self.keys, keys, f"window={window}")
+        if self.window != window:
+            raise ShapeError(
+                f"MultiHeadSelfAttention.step: the ring cache holds {self.window} steps; this "
+                f"layer's window is {window}. Use this layer's `init_cache()`."
+            )
+        steps, n = keys.shape[1], self.index
+        # The position each ring row holds (negative: not written yet), and the new steps'.
+        rows = jnp.arange(window, dtype=n.dtype)
+        held = n - 1 - jnp.mod(n - 1 - rows, window)
+        new = n + jnp.arange(steps, dtype=n.dtype)
+        positions = jnp.concatenate([held, new])
+        written = jnp.concatenate([held >= 0, jnp.ones(steps, bool)])
+        query = new[:, None]
+        later = positions[None, :]
+        visible = written[None, :] & (later <= query) & (later > query - window)
+        # The softmax does not care about the order of the keys, so the ring needs no rotation.
+        # Only the last `window` new steps stay in the ring, each in its own row; the earlier
+        # ones of a long chunk are not written (a comparison, so `steps` may be symbolic).
+        overwritten = jnp.arange(steps) < steps - window
+        slots = jnp.mod(new, window)
+        ring_keys = _write_rows(self.keys, keys, slots, keep=overwritten)
+        ring_values = _write_rows(self.values, values, slots, keep=overwritten)
+        index = n + steps
+        index = jnp.where(index >= 2 * window, window + jnp.mod(index - window, window), index)
+        return KVUpdate(
+            jnp.concatenate([self.keys, keys.astype(self.keys.dtype)], axis=1),
+            jnp.concatenate([self.values, values.astype(self.values.dtype)], axis=1),
+            visible,
+            jnp.ones(steps, bool),
+            RingKVCache(ring_keys, ring_values, index.astype(n.dtype)),
+            new,
+            positions,
+        )
+
+    def guard(self, y: Array, fits: Array) -> Array:
+        return y
+
+
+class PositionCache(Counted):
+    """The index of the next step, for the positional encodings, in a `Counter`."""
+
+    counter: Counter
+
+
+class MeanCache(eqx.Module):
+    """The running sum and count of the steps seen so far, for `MeanOverTime`."""
+
+    total: Float[Array, " features"]
+    count: Int[Array, ""]
