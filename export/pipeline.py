@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--runs", type=pathlib.Path, default=ROOT / "examples" / "runs" / "digits")
     parser.add_argument("--out", type=pathlib.Path, default=HERE / "artifacts")
     parser.add_argument("--force-train", action="store_true", help="discard the saved run first")
+    parser.add_argument(
+        "--eval-every", type=int, help="steps between validations (default: 20 in a training run)"
+    )
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument(
         "--platforms",
@@ -53,12 +56,16 @@ def main(argv: list[str] | None = None) -> dict:
         help="IREE targets to compile for (llvm-cpu is also run here; cuda, vulkan-spirv)",
     )
     args = parser.parse_args(argv)
+    # The checker runs in the artifact's directory: every path it is given must hold from there.
+    args.runs, args.out = args.runs.resolve(), args.out.resolve()
 
     started = time.perf_counter()
     if args.force_train and args.runs.exists():
         shutil.rmtree(args.runs)
     print(f"[1/4] training the digits example into {args.runs}", flush=True)
     training_args = ["--steps", str(args.steps), "--out", str(args.runs)]
+    if args.eval_every is not None:
+        training_args += ["--eval-every", str(args.eval_every)]
     report = load_example("digits").main(
         training_args + (["--no-progress"] if args.no_progress else [])
     )

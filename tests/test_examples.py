@@ -40,7 +40,8 @@ def test_digits_quick_run_and_export_pipeline(tmp_path, capsys, monkeypatch):
     pipeline = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pipeline)
     runs, out = tmp_path / "runs", tmp_path / "artifacts"
-    args = ["--steps", "30", "--runs", str(runs), "--out", str(out), "--no-progress"]
+    args = ["--steps", "30", "--eval-every", "10", "--runs", str(runs), "--out", str(out)]
+    args.append("--no-progress")
     result = pipeline.main([*args, "--platforms", "cpu"])  # every platform: tests/test_export.py
     printed = capsys.readouterr().out
     assert "test accuracy" in printed and "(ok)" in printed
@@ -80,7 +81,7 @@ def test_digits_quick_run_and_export_pipeline(tmp_path, capsys, monkeypatch):
     # a second run reuses the finished checkpoint instead of training again
     saved = (runs / "last" / "weights.safetensors").stat().st_mtime_ns
     again = load("digits").main(  # (the comparison's own runs are not what this checks)
-        ["--steps", "30", "--out", str(runs), "--no-progress", "--no-compare"]
+        ["--steps", "30", "--eval-every", "10", "--out", str(runs), "--no-progress", "--no-compare"]
     )
     assert again["test_accuracy"] == result["test_accuracy"]
     assert (runs / "last" / "weights.safetensors").stat().st_mtime_ns == saved
