@@ -143,7 +143,8 @@ def test_forward_matches_the_python_model(artifact_dir, model):
 def test_step_matches_forward_on_every_prefix(artifact_dir, model):
     artifact = load(artifact_dir)
     xs = jax.random.normal(jax.random.PRNGKey(3), (2, CAPACITY, 3))
-    cache = artifact.init_cache(2)
+    cache = artifact.init_cache(np.int64(2))  # a NumPy integer counts streams like an int
+    assert [c.shape for c in cache] == [c.shape for c in artifact.init_cache(2)]
     forward = jax.jit(jax.vmap(model))
     for t in range(CAPACITY):
         y_t, cache, overflow = artifact.step(xs[:, t], cache)

@@ -35,7 +35,7 @@ from safetensors.numpy import load_file, save_file
 from . import _atomic
 from ._atomic import WRITE_STEPS, sha256
 from .families import FAMILIES
-from .nn.core import python_scalar, require_bool
+from .nn.core import is_integer, python_scalar, require_bool
 from .nn.models.stack import stack_layers, unstack_layers
 from .trees import (
     CheckpointError,
@@ -205,9 +205,7 @@ def _culprits(config: ModelConfig, expected: Mapping[str, Any], arrays: Mapping[
         named = [
             f"`{name}={value}`"
             for name, value in sorted(config.arguments.items())
-            if isinstance(value, int)
-            and not isinstance(value, bool)
-            and any(value == w for w, _ in differing)
+            if is_integer(value) and any(value == w for w, _ in differing)
         ]
         if named:
             return (

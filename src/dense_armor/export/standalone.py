@@ -293,7 +293,7 @@ class Artifact:
         specs = self.inputs("init_cache")
         if [i["role"] for i in specs] == ["streams"] and len(inputs) == 1:
             (streams,) = inputs
-            if isinstance(streams, int) and not isinstance(streams, bool):
+            if _is_integer(streams):
                 if streams < 1:
                     raise ArtifactError(
                         f"init_cache: the number of streams must be positive; received {streams}."
@@ -344,9 +344,14 @@ def _error(a: Any, b: Any) -> float:
     return float(np.where(np.isnan(diff), np.inf, diff).max(initial=0.0))
 
 
+def _is_integer(value: Any) -> bool:
+    """A Python or NumPy integer, never a bool (this file's copy of the package's predicate: it
+    imports nothing from dense_armor)."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+
+
 def _check_steps(steps: Any) -> None:
-    integral = isinstance(steps, int | np.integer) and not isinstance(steps, bool)
-    if steps is not None and (not integral or steps < 1):
+    if steps is not None and (not _is_integer(steps) or steps < 1):
         raise ArtifactError(
             f"`steps` must be a positive integer (the golden steps to run) or None for all; "
             f"received {steps!r}."

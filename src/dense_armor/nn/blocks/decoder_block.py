@@ -21,6 +21,7 @@ from ..core import (
 from ..layers.basic import Dropout, FeedForward, LayerNorm
 from ..mixers.cross_attention import ContextCache, MultiHeadCrossAttention
 from ..mixers.heads import _check_heads
+from ..mixers.options import attention_options
 from ..mixers.self_attention import MultiHeadSelfAttention
 from ..state.cache import FixedKVCache, KVCache, RingKVCache
 from .mixer_block import Block, Gate, _check_remat, _rematerialised
@@ -44,10 +45,13 @@ class TransformerDecoderBlock(Block):
 
     **Arguments:** `d_model`, `n_heads`, `d_ff`, `key`, `d_context=None` (default `d_model`),
     `dropout=0.0` (on each sub-layer's output, with a `key`), `gate=False` (a `Gate` replaces each
-    residual addition), `memory_efficient=None` (blocked attention in both attentions; see
-    `MultiHeadSelfAttention`), `norm_first=False` (pre-LN, as in `TransformerBlock`:
+    residual addition), `norm_first=False` (pre-LN, as in `TransformerBlock`:
     `y = x + SelfAttention(LN(x))`, `u = y + CrossAttention(LN(y), context)`,
-    `z = u + FFN(LN(u))`) and `window=None` (sliding-window self-attention: its cache is a ring).
+    `z = u + FFN(LN(u))`), `remat`, `activation` and `layer_norm_eps` as in `TransformerBlock`;
+    every other keyword is an attention option (`**attention`, as in `TransformerBlock`), given
+    to the self-attention, and to the cross-attention where it takes it (`implementation`,
+    `n_kv_heads`, `use_bias`, `attention_dropout`; `window=None`, sliding-window
+    self-attention whose cache is a ring, and `rope_base` are the self-attention's alone).
 
     `params()`: the self-attention's 4, the first LayerNorm's 2, the cross-attention's 4, the second
     LayerNorm's 2, the feed-forward's 4, the third LayerNorm's 2 (18), then each gate's 3.
@@ -77,47 +81,25 @@ class TransformerDecoderBlock(Block):
         d_context: int | None = None,
         dropout: float = 0.0,
         gate: bool = False,
-        memory_efficient: bool | None = None,
         norm_first: bool = False,
-        window: int | None = None,
         remat: str | None = None,
-        implementation: str | None = None,
-        n_kv_heads: int | None = None,
-        rope_base: float | None = None,
-        use_bias: bool = False,
         activation: str = "relu",
         layer_norm_eps: float = 1e-5,
-        attention_dropout: float = 0.0,
+        **attention: Any,
     ):
         require_key(key)
         _check_heads(d_model, n_heads)
         require_positive(d_ff=d_ff)
         require_bool(gate=gate, norm_first=norm_first)
+        owner = "TransformerDecoderBlock"
         skey, ckey, fkey = jr.split(key, 3)
         self.self_attention = MultiHeadSelfAttention(
-            d_model,
-            n_heads,
-            skey,
-            causal=True,
-            window=window,
-            memory_efficient=memory_efficient,
-            implementation=implementation,
-            n_kv_heads=n_kv_heads,
-            rope_base=rope_base,
-            use_bias=use_bias,
-            attention_dropout=attention_dropout,
+            d_model, n_heads, skey, causal=True, **attention_options(owner, attention)
         )
         self.norm1 = LayerNorm(d_model, layer_norm_eps)
+        cross_options = attention_options(owner, attention, MultiHeadCrossAttention)
         self.cross_attention = MultiHeadCrossAttention(
-            d_model,
-            n_heads,
-            ckey,
-            d_context,
-            memory_efficient=memory_efficient,
-            implementation=implementation,
-            n_kv_heads=n_kv_heads,
-            use_bias=use_bias,
-            attention_dropout=attention_dropout,
+            d_model, n_heads, ckey, d_context, **cross_options
         )
         self.norm2 = LayerNorm(d_model, layer_norm_eps)
         self.feed_forward = FeedForward(d_model, d_ff, fkey, activation)

@@ -1,6 +1,8 @@
 """The Transformer encoder block (Vaswani et al. 2017, page 3): `MixerBlock`'s equations around a
 `MultiHeadSelfAttention`."""
 
+from typing import Any
+
 import equinox as eqx
 import jax.random as jr
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
@@ -8,6 +10,7 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 from ..core import python_scalar, require_bool, require_key, require_positive, shape_checked
 from ..layers.basic import Dropout, FeedForward, LayerNorm
 from ..mixers.heads import _check_heads
+from ..mixers.options import attention_options
 from ..mixers.self_attention import MultiHeadSelfAttention
 from ..state.cache import FixedKVCache, KVCache, RingKVCache
 from .mixer_block import Gate, MixerBlock
@@ -25,16 +28,15 @@ class TransformerBlock(MixerBlock):
     addition, only when `forward` gets a `key`), `gate=False` (a `Gate` replaces each residual
     addition: `y = LayerNorm(Gate(x, Attention(x)))`, ...), `norm_first=False` (pre-LN instead:
     `y = x + Attention(LayerNorm(x))`, `z = y + FFN(LayerNorm(y))`, Xiong et al. 2020),
-    `window=None` (sliding-window attention), `memory_efficient=None` (blocked attention; see
-    `MultiHeadSelfAttention`) and `remat=None` (`"block"`: the block's activations are recomputed
-    in the backward pass instead of stored, `jax.checkpoint`; `"attention"`: only the
-    attention's, whose `(n_heads, T, T)` scores are most of them) and `implementation=None` (how
-    the attention is computed; see `MultiHeadSelfAttention`), `n_kv_heads=None` (grouped-query
-    attention: keys and values in `n_kv_heads` heads, each shared by `n_heads / n_kv_heads` query
-    heads; default `n_heads`), `rope_base=None` (rotary positions in the self-attention), and
-    the options PyTorch's layers expose: `use_bias=False` (biases on the attention projections),
-    `activation="relu"` (or `"gelu"`, of the feed-forward), `layer_norm_eps=1e-5` and
-    `attention_dropout=0.0` (on the self-attention's weights).
+    `remat=None` (`"block"`: the block's activations are recomputed in the backward pass instead
+    of stored, `jax.checkpoint`; `"attention"`: only the attention's, whose `(n_heads, T, T)`
+    scores are most of them), and as PyTorch's layers: `activation="relu"` (or `"gelu"`, of the
+    feed-forward) and `layer_norm_eps=1e-5`. Every other keyword is an option of the attention
+    (`**attention`, `mixers.options.ATTENTION_OPTIONS`), passed to its `MultiHeadSelfAttention`
+    as given: `window=None` (sliding-window attention), `implementation=None` (how the scores
+    are computed) and its older spelling `memory_efficient=None`, `n_kv_heads=None`
+    (grouped-query attention), `rope_base=None` (rotary positions), `use_bias=False` (biases on
+    the projections) and `attention_dropout=0.0` (on the attention weights).
 
     `forward(x, mask=None)`, `mask` the padding mask of `Layer`.
 
@@ -64,35 +66,18 @@ class TransformerBlock(MixerBlock):
         dropout: float = 0.0,
         gate: bool = False,
         norm_first: bool = False,
-        window: int | None = None,
-        memory_efficient: bool | None = None,
         remat: str | None = None,
-        implementation: str | None = None,
-        n_kv_heads: int | None = None,
-        rope_base: float | None = None,
-        use_bias: bool = False,
         activation: str = "relu",
         layer_norm_eps: float = 1e-5,
-        attention_dropout: float = 0.0,
+        **attention: Any,
     ):
         require_key(key)
         _check_heads(d_model, n_heads)
         require_positive(d_ff=d_ff)
         require_bool(gate=gate, norm_first=norm_first)
+        options = attention_options("TransformerBlock", attention)
         akey, fkey = jr.split(key)
-        self.attention = MultiHeadSelfAttention(
-            d_model,
-            n_heads,
-            akey,
-            causal=causal,
-            window=window,
-            memory_efficient=memory_efficient,
-            implementation=implementation,
-            n_kv_heads=n_kv_heads,
-            rope_base=rope_base,
-            use_bias=use_bias,
-            attention_dropout=attention_dropout,
-        )
+        self.attention = MultiHeadSelfAttention(d_model, n_heads, akey, causal=causal, **options)
         self._build_around_mixer(
             d_model, d_ff, key, fkey, dropout, gate, norm_first, remat, activation, layer_norm_eps
         )

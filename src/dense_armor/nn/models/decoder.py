@@ -10,6 +10,7 @@ from ..blocks.decoder_block import TransformerDecoderBlock
 from ..core import Layer, check_steps, require_bool, require_key, require_positive
 from ..layers.basic import Dense, LayerNorm
 from ..layers.positions import PositionalEncoding
+from ..mixers.options import attention_options
 from ..state.counter import validate_overflow_mode
 from .inputs import _positions, _rope_base
 from .stack import Stack
@@ -111,31 +112,27 @@ def transformer_decoder(
     dropout: float = 0.0,
     gate: bool = False,
     positions: str = "sinusoidal",
-    memory_efficient: bool | None = None,
     norm_first: bool = False,
-    window: int | None = None,
     scan_layers: bool = False,
     remat: str | None = None,
-    implementation: str | None = None,
-    n_kv_heads: int | None = None,
     rope_base: float = 10000.0,
-    use_bias: bool = False,
     activation: str = "relu",
     layer_norm_eps: float = 1e-5,
-    attention_dropout: float = 0.0,
+    **attention: Any,
 ) -> TransformerDecoder:
     """A decoder next to `transformer_encoder`: arguments in the same order, then `d_context`
     (default `d_model`), `dropout`, `gate` (gated residuals in every block), `positions`,
-    `memory_efficient` (blocked attention in every block; see `MultiHeadSelfAttention`),
-    `norm_first` (pre-LN blocks, then a final `LayerNorm` before the head) and `window`
-    (sliding-window self-attention in every block; the sinusoidal positions are then unbounded,
-    so the decoder streams forever), `scan_layers`, `remat`, `implementation`, `n_kv_heads`,
-    `rope_base`, `use_bias`, `activation`, `layer_norm_eps` and `attention_dropout` (as in
-    `transformer_encoder`)."""
+    `norm_first` (pre-LN blocks, then a final `LayerNorm` before the head), `scan_layers`,
+    `remat`, `rope_base`, `activation` and `layer_norm_eps` (as in `transformer_encoder`); every
+    other keyword is an option of every attention (`**attention`, as in `transformer_encoder`;
+    `window`, sliding-window self-attention in every block, makes the sinusoidal positions
+    unbounded, so the decoder streams forever)."""
     require_key(key)
     require_positive(
         n_in=n_in, d_model=d_model, d_ff=d_ff, depth=depth, n_out=n_out, max_len=max_len
     )
+    options = attention_options("transformer_decoder", attention)
+    options["rope_base"] = _rope_base(positions, rope_base)
     in_key, pos_key, out_key, *block_keys = jr.split(key, 3 + depth)
     blocks = tuple(
         TransformerDecoderBlock(
@@ -146,24 +143,18 @@ def transformer_decoder(
             d_context=d_context,
             dropout=dropout,
             gate=gate,
-            memory_efficient=memory_efficient,
             norm_first=norm_first,
-            window=window,
             remat=remat,
-            implementation=implementation,
-            n_kv_heads=n_kv_heads,
-            rope_base=_rope_base(positions, rope_base),
-            use_bias=use_bias,
             activation=activation,
             layer_norm_eps=layer_norm_eps,
-            attention_dropout=attention_dropout,
+            **options,
         )
         for k in block_keys
     )
     require_bool(scan_layers=scan_layers)
     return TransformerDecoder(
         Dense(n_in, d_model, in_key),
-        _positions(positions, max_len, d_model, pos_key, window),
+        _positions(positions, max_len, d_model, pos_key, attention.get("window")),
         (Stack(blocks),) if scan_layers else blocks,
         Dense(d_model, n_out, out_key),
         LayerNorm(d_model, layer_norm_eps) if norm_first else None,

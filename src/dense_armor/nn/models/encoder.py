@@ -11,6 +11,7 @@ from ..blocks.recurrent_block import RecurrentBlock
 from ..blocks.transformer_block import TransformerBlock
 from ..core import require_bool, require_key, require_positive
 from ..layers.basic import Cast, Dense, LayerNorm, MeanOverTime
+from ..mixers.options import attention_options
 from .inputs import _positions, _rope_base
 from .sequential import Sequential, _apply
 from .stack import Stack, unstack_layers
@@ -52,19 +53,14 @@ def transformer_encoder(
     positions: str = "sinusoidal",
     gate: bool = False,
     norm_first: bool = False,
-    window: int | None = None,
     compute_dtype: str | None = None,
-    memory_efficient: bool | None = None,
     scan_layers: bool = False,
     remat: str | None = None,
-    implementation: str | None = None,
-    n_kv_heads: int | None = None,
     rope_base: float = 10000.0,
-    use_bias: bool = False,
     activation: str = "relu",
     layer_norm_eps: float = 1e-5,
-    attention_dropout: float = 0.0,
     mixers: str | Sequence[str] = "attention",
+    **attention: Any,
 ) -> Sequential:
     """A sequence-to-vector encoder: `(T, n_in) -> (n_out,)`.
 
@@ -78,28 +74,29 @@ def transformer_encoder(
     positions inside every attention, no positional layer and no bound at `max_len`; their base
     is `rope_base=10000.0`; or `"none"`, no positions at all), and `gate=False`
     (a `Gate` in place of every residual addition), `norm_first=False` (pre-LN blocks, followed by
-    a final `LayerNorm` before the mean), `window=None` (sliding-window attention in every block;
-    needs `causal=True`; the sinusoidal positions are then unbounded, so the encoder streams
-    forever), `compute_dtype=None` (e.g. `"bfloat16"`: a `Cast` in front runs the model in
-    that dtype, parameters stay float32) and `memory_efficient=None` (blocked attention in every
-    block: `True`, `False`, or `None` for sequences of `BLOCKED_MIN_LENGTH` steps or more),
-    `scan_layers=False` (the blocks in one `Stack`: their parameters stacked on a leading depth
-    axis and applied by one `jax.lax.scan`, so the block compiles once whatever the depth; the
-    same outputs as the unrolled model with the same weights) and `remat=None` (`"block"` or
-    `"attention"`: recompute those activations in the backward pass; see `TransformerBlock`) and
-    `implementation=None` (how every attention is computed; see `MultiHeadSelfAttention`) and
-    `n_kv_heads=None` (grouped-query attention in every block: `n_kv_heads` key/value heads,
-    each shared by `n_heads / n_kv_heads` query heads; 1 is multi-query; the caches hold only
-    the key/value heads), and the options of PyTorch's `nn.TransformerEncoderLayer`:
-    `use_bias=False` (attention projection biases), `activation="relu"` (or `"gelu"`),
-    `layer_norm_eps=1e-5` (every LayerNorm's) and `attention_dropout=0.0` (on the attention
-    weights, in training), and last `mixers="attention"`: what mixes the steps in each block,
-    one of `"attention"` (a `TransformerBlock`), `"gru"`, `"lstm"` or `"mingru"` (a
-    `RecurrentBlock` around that recurrent layer, with the same residuals, LayerNorms and
+    a final `LayerNorm` before the mean), `compute_dtype=None` (e.g. `"bfloat16"`: a `Cast` in
+    front runs the model in that dtype, parameters stay float32), `scan_layers=False` (the
+    blocks in one `Stack`: their parameters stacked on a leading depth axis and applied by one
+    `jax.lax.scan`, so the block compiles once whatever the depth; the same outputs as the
+    unrolled model with the same weights) and `remat=None` (`"block"` or `"attention"`:
+    recompute those activations in the backward pass; see `TransformerBlock`), the options of
+    PyTorch's `nn.TransformerEncoderLayer` `activation="relu"` (or `"gelu"`) and
+    `layer_norm_eps=1e-5` (every LayerNorm's), and `mixers="attention"`: what mixes the steps
+    in each block, one of `"attention"` (a `TransformerBlock`), `"gru"`, `"lstm"` or `"mingru"`
+    (a `RecurrentBlock` around that recurrent layer, with the same residuals, LayerNorms and
     feed-forward), for every block or as a sequence of `depth` names, one per block (a mixed
     stack, e.g. `("mingru", "attention")`). A stack of recurrent blocks is causal whatever
     `causal` says; `positions="none"` leaves out the positional layer (a recurrent block knows
     the order of the steps), and such a model streams without end in constant memory.
+
+    Every other keyword is an option of every attention (`**attention`; see `TransformerBlock`
+    and `MultiHeadSelfAttention`): `window=None` (sliding-window attention in every block; needs
+    `causal=True`; the sinusoidal positions are then unbounded, so the encoder streams forever),
+    `implementation=None` and its older spelling `memory_efficient=None` (blocked attention from
+    `BLOCKED_MIN_LENGTH` steps on, or always, or never), `n_kv_heads=None` (grouped-query
+    attention: `n_kv_heads` key/value heads, each shared by `n_heads / n_kv_heads` query heads;
+    1 is multi-query; the caches hold only the key/value heads), `use_bias=False` (attention
+    projection biases) and `attention_dropout=0.0` (on the attention weights, in training).
 
     `forward(x, mask=None)`, `mask` the padding mask of `Layer`.
     """
@@ -108,8 +105,10 @@ def transformer_encoder(
         n_in=n_in, d_model=d_model, d_ff=d_ff, depth=depth, n_out=n_out, max_len=max_len
     )
     require_bool(scan_layers=scan_layers)
+    options = attention_options("transformer_encoder", attention)
+    options["rope_base"] = _rope_base(positions, rope_base)
     in_key, pos_key, out_key, *block_keys = jr.split(key, 3 + depth)
-    recurrent = dict(
+    common: dict[str, Any] = dict(  # what every block takes
         dropout=dropout,
         gate=gate,
         norm_first=norm_first,
@@ -118,7 +117,7 @@ def transformer_encoder(
         layer_norm_eps=layer_norm_eps,
     )
     blocks = [
-        RecurrentBlock(d_model, d_ff, k, kind, **recurrent)  # type: ignore[arg-type]
+        RecurrentBlock(d_model, d_ff, k, kind, **common)
         if kind != "attention"
         else TransformerBlock(
             d_model,
@@ -126,23 +125,12 @@ def transformer_encoder(
             d_ff,
             k,
             causal=causal,
-            dropout=dropout,
-            gate=gate,
-            norm_first=norm_first,
-            window=window,
-            memory_efficient=memory_efficient,
-            remat=remat,
-            implementation=implementation,
-            n_kv_heads=n_kv_heads,
-            rope_base=_rope_base(positions, rope_base),
-            use_bias=use_bias,
-            activation=activation,
-            layer_norm_eps=layer_norm_eps,
-            attention_dropout=attention_dropout,
+            **common,
+            **options,
         )
         for kind, k in zip(_mixers(mixers, depth, scan_layers), block_keys, strict=True)
     ]
-    position_layer = _positions(positions, max_len, d_model, pos_key, window)
+    position_layer = _positions(positions, max_len, d_model, pos_key, attention.get("window"))
     return Sequential(
         *([Cast(compute_dtype)] if compute_dtype is not None else []),
         Dense(n_in, d_model, in_key),
