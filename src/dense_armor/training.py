@@ -252,6 +252,81 @@ def fit(
     before one optimizer update (`make_train_step`): the same training as the whole batch, with
     the activations of one micro-batch in memory at a time.
     """
+    source, rows = _check_fit(
+        model, train, valid, steps, batch_size, seed, eval_every, checkpoint_dir, config,
+        resume, progress, loss_fn, mesh, shard_params, accumulate, checkpoint_format,
+    )  # fmt: skip
+    checkpoints = None
+    if checkpoint_dir is not None and config is not None:
+        checkpoints = _Checkpoints(checkpoint_dir, config, checkpoint_format)
+    model, opt_state, run = _start(model, optimizer, mesh, shard_params, checkpoints, resume)
+    # a source's labels are checked batch by batch (arrays were checked whole, in `_source`)
+    check_source = loss_fn is cross_entropy_loss and not isinstance(source, ArraySource)
+    n_out = None
+    train_step = make_train_step(optimizer, loss_fn, accumulate)
+    root_key = jax.random.PRNGKey(seed)
+    bar = tqdm(
+        total=steps,
+        initial=run.start,
+        disable=not progress or jax.process_index() != 0,
+        unit="step",
+        dynamic_ncols=True,
+    )
+    run.tick = time.perf_counter()
+    try:
+        for step in range(run.start, steps):
+            xs, labels = _checked_batch(source, step, rows)
+            if check_source:
+                n_out = output_width(model, xs) if n_out is None else n_out  # traced once
+                check_labels("fit (data source)", labels, n_out, rows, f" at step {step}")
+            if mesh is None:
+                xb, yb = jnp.asarray(xs), jnp.asarray(labels)
+            else:  # this process's rows of the global batch
+                xb, yb = global_batch(mesh, xs), global_batch(mesh, labels)
+            model, opt_state, loss = train_step(
+                model, opt_state, xb, yb, jax.random.fold_in(root_key, step)
+            )
+            run.losses.append(loss)
+            bar.update(1)
+            done = step + 1
+            # The previous step's loss is ready by now: checking it costs no wait on this one.
+            if len(run.losses) > 1 and not math.isfinite(float(run.losses[-2])):
+                raise FloatingPointError(
+                    f"fit: the training loss is {float(run.losses[-2])} at step {done - 1}."
+                )
+            if done % eval_every and done != steps:
+                continue
+            score, improved = run.record(done, batch_size, model, valid, mesh, loss_fn, bar)
+            if checkpoints is not None:
+                state = {"step": done, "history": run.history, "best": run.best, "seed": seed}
+                checkpoints.save(model, opt_state, state, score, improved)
+    finally:
+        bar.close()
+        if checkpoints is not None:
+            checkpoints.close()
+    return FitResult(model, opt_state, run.history, run.best)
+
+
+def _check_fit(
+    model: Any,
+    train: Any,
+    valid: Any,
+    steps: Any,
+    batch_size: Any,
+    seed: Any,
+    eval_every: Any,
+    checkpoint_dir: Any,
+    config: ModelConfig | None,
+    resume: Any,
+    progress: Any,
+    loss_fn: LossFn,
+    mesh: Mesh | None,
+    shard_params: Any,
+    accumulate: Any,
+    checkpoint_format: Any,
+) -> tuple[BatchSource, int]:
+    """`fit`'s arguments checked, before any work: its batch source, and the rows of each batch
+    this process feeds."""
     require_int(0, caller="fit", steps=steps, seed=seed)
     require_int(
         1, caller="fit", batch_size=batch_size, eval_every=eval_every, accumulate=accumulate
@@ -279,99 +354,81 @@ def fit(
             f"fit: each of the {accumulate} micro-batches (`batch_size={batch_size}` in all) must "
             f'be a multiple of the mesh\'s {data_devices} `"data"` devices.'
         )
-    rows = len(range(batch_size)[process_rows(mesh, batch_size)])
+    return source, len(range(batch_size)[process_rows(mesh, batch_size)])
 
+
+@dataclasses.dataclass
+class _Run:
+    """Where a `fit` stands: its first step (after a resume), its records, the best of them, and
+    the losses since the last record and when that was."""
+
+    start: int = 0
+    history: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    best: dict[str, float] | None = None
+    losses: list[jax.Array] = dataclasses.field(default_factory=list)
+    tick: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def record(
+        self,
+        done: int,
+        batch_size: int,
+        model: Any,
+        valid: Any,
+        mesh: Mesh | None,
+        loss_fn: LossFn,
+        bar: Any,
+    ) -> tuple[float, bool]:
+        """Record step `done`: the mean training loss since the last record, the throughput and,
+        with `valid`, the validation metrics; show them on the progress bar. Returns the record's
+        score (the validation accuracy, else minus the validation loss of a custom loss, else
+        minus the training loss) and whether it is the best so far."""
+        train_loss = float(jnp.mean(jnp.stack(self.losses)))
+        if not math.isfinite(train_loss):
+            raise FloatingPointError(f"fit: the training loss is {train_loss} at step {done}.")
+        record = {
+            "step": done,
+            "train_loss": train_loss,
+            "samples_per_s": len(self.losses) * batch_size / (time.perf_counter() - self.tick),
+        }
+        if valid is not None:
+            metrics = evaluate_checked(model, valid[0], valid[1], 512, mesh, loss_fn)
+            record.update({f"valid_{name}": value for name, value in metrics.items()})
+        self.history.append(record)
+        accuracy = (
+            {"valid_acc": f"{record['valid_accuracy']:.3f}"} if "valid_accuracy" in record else {}
+        )
+        bar.set_postfix(
+            loss=f"{train_loss:.4f}", **accuracy, samples_s=f"{record['samples_per_s']:.0f}"
+        )
+        score = record.get("valid_accuracy", -record.get("valid_loss", train_loss))
+        improved = self.best is None or score > self.best["score"]
+        if improved:
+            self.best = {"score": score, **record}
+        self.losses, self.tick = [], time.perf_counter()
+        return score, improved
+
+
+def _start(
+    model: Any,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh | None,
+    shard_params: bool,
+    checkpoints: "_Checkpoints | None",
+    resume: bool,
+) -> tuple[Any, Any, _Run]:
+    """The model and optimizer state placed on the mesh, or resumed from `checkpoints` (a run
+    that does not resume starts them over); and where the run starts."""
     if mesh is not None:
         model = place(model, mesh, shard_params)
     opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
     if mesh is not None:
         opt_state = place_optimizer_state(opt_state, optimizer, model, mesh)
-    history: list[dict[str, float]] = []
-    best: dict[str, float] | None = None
-    start_step = 0
-    checkpoints = None
-    if checkpoint_dir is not None and config is not None:
-        checkpoints = _Checkpoints(checkpoint_dir, config, checkpoint_format)
-        if resume and checkpoints.saved():
-            model, opt_state, state = checkpoints.resume(opt_state, optimizer, mesh, shard_params)
-            start_step = int(state["step"])
-            history = list(state["history"])
-            best = state.get("best")
-        elif not resume:
-            checkpoints.start_over()
-
-    # a source's labels are checked batch by batch (arrays were checked whole, in `_source`)
-    check_source = loss_fn is cross_entropy_loss and not isinstance(source, ArraySource)
-    n_out = None
-    train_step = make_train_step(optimizer, loss_fn, accumulate)
-    root_key = jax.random.PRNGKey(seed)
-    losses: list[jax.Array] = []
-    bar = tqdm(
-        total=steps,
-        initial=start_step,
-        disable=not progress or jax.process_index() != 0,
-        unit="step",
-        dynamic_ncols=True,
-    )
-    tick = time.perf_counter()
-    try:
-        for step in range(start_step, steps):
-            xs, labels = _checked_batch(source, step, rows)
-            if check_source:
-                n_out = output_width(model, xs) if n_out is None else n_out  # traced once
-                check_labels("fit (data source)", labels, n_out, rows, f" at step {step}")
-            if mesh is None:
-                xb, yb = jnp.asarray(xs), jnp.asarray(labels)
-            else:  # this process's rows of the global batch
-                xb, yb = global_batch(mesh, xs), global_batch(mesh, labels)
-            model, opt_state, loss = train_step(
-                model, opt_state, xb, yb, jax.random.fold_in(root_key, step)
-            )
-            losses.append(loss)
-            bar.update(1)
-            done = step + 1
-            # The previous step's loss is ready by now: checking it costs no wait on this one.
-            if len(losses) > 1 and not math.isfinite(float(losses[-2])):
-                raise FloatingPointError(
-                    f"fit: the training loss is {float(losses[-2])} at step {done - 1}."
-                )
-            if done % eval_every and done != steps:
-                continue
-            train_loss = float(jnp.mean(jnp.stack(losses)))
-            if not math.isfinite(train_loss):
-                raise FloatingPointError(f"fit: the training loss is {train_loss} at step {done}.")
-            elapsed = time.perf_counter() - tick
-            record = {
-                "step": done,
-                "train_loss": train_loss,
-                "samples_per_s": len(losses) * batch_size / elapsed,
-            }
-            if valid is not None:
-                metrics = evaluate_checked(model, valid[0], valid[1], 512, mesh, loss_fn)
-                record.update({f"valid_{name}": value for name, value in metrics.items()})
-            history.append(record)
-            bar.set_postfix(
-                loss=f"{train_loss:.4f}",
-                **(
-                    {"valid_acc": f"{record['valid_accuracy']:.3f}"}
-                    if "valid_accuracy" in record
-                    else {}
-                ),
-                samples_s=f"{record['samples_per_s']:.0f}",
-            )
-            # the validation accuracy, else the validation loss (a custom loss), else the
-            # training loss
-            score = record.get("valid_accuracy", -record.get("valid_loss", train_loss))
-            improved = best is None or score > best["score"]
-            if improved:
-                best = {"score": score, **record}
-            if checkpoints is not None:
-                state = {"step": done, "history": history, "best": best, "seed": seed}
-                checkpoints.save(model, opt_state, state, score, improved)
-            losses = []
-            tick = time.perf_counter()
-    finally:
-        bar.close()
-        if checkpoints is not None:
-            checkpoints.close()
-    return FitResult(model, opt_state, history, best)
+    if checkpoints is None:
+        return model, opt_state, _Run()
+    if resume and checkpoints.saved():
+        model, opt_state, state = checkpoints.resume(opt_state, optimizer, mesh, shard_params)
+        run = _Run(int(state["step"]), list(state["history"]), state.get("best"))
+        return model, opt_state, run
+    if not resume:
+        checkpoints.start_over()
+    return model, opt_state, _Run()
