@@ -1,6 +1,7 @@
-"""The package's architecture: the import contracts hold (no cycle, no upward import), and the
+"""The package's architecture: the import contracts hold (no cycle, no upward import); the
 attention options are said once, in the attention layers' constructors, and reach every attention
-through the blocks and factories without either naming them."""
+through the blocks and factories without either naming them; one visibility rule, one cache
+protocol, a loss that knows its checks, and a family registry the export stage asks."""
 
 import os
 import pathlib
@@ -8,11 +9,19 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
+from dense_armor.families import FAMILIES
+from dense_armor.nn.core import sees
 from dense_armor.nn.mixers.options import ATTENTION_OPTIONS, options_of
+from dense_armor.nn.state.cache import KeyValueCache
+from dense_armor.train_step import Loss, as_loss
+from dense_armor.training import cross_entropy_loss, evaluate
 from dense_armor.utility.neural import (
     MultiHeadCrossAttention,
+    MultiHeadSelfAttention,
     TransformerBlock,
     TransformerDecoderBlock,
     transformer_decoder,
@@ -115,3 +124,65 @@ def test_the_import_contracts_hold():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Contracts: 4 kept, 0 broken." in result.stdout
+
+
+def test_one_visibility_rule_for_every_causal_mask():
+    """`sees`, by hand: step t sees keys s <= t, and with a window of 2 only s in (t - 2, t]."""
+    q, k = jnp.arange(4)[:, None], jnp.arange(4)[None, :]
+    causal = [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+    windowed = [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
+    np.testing.assert_array_equal(sees(q, k), np.array(causal, bool))
+    np.testing.assert_array_equal(sees(q, k, 2), np.array(windowed, bool))
+    # the attention's own mask of a windowed layer is that rule: weights zero where it is false
+    m = MultiHeadSelfAttention(8, 2, KEY, causal=True, window=2)
+    weights = m.attention_weights(jax.random.normal(KEY, (4, 8)))
+    np.testing.assert_array_equal(np.asarray(weights[0] > 0), np.array(windowed, bool))
+
+
+def test_every_key_value_cache_answers_the_one_protocol():
+    m = MultiHeadSelfAttention(8, 2, KEY, causal=True)
+    caches = [
+        m.init_cache(),
+        m.init_cache(4),
+        MultiHeadSelfAttention(8, 2, KEY, causal=True, window=2).init_cache(),
+    ]
+    assert [isinstance(c, KeyValueCache) for c in caches] == [True, True, True]
+    assert [c.fixed_shape for c in caches] == [False, True, True]
+    keys, values = caches[0]  # the page's growing cache: two (0, d_model) arrays
+    assert keys.shape == values.shape == (0, 8)
+    with pytest.raises(TypeError):
+        KeyValueCache()  # abstract: update and guard are each cache's own
+
+
+def test_a_loss_is_an_object_that_knows_its_checks_and_metrics():
+    def squared(model, xs, labels, key=None):
+        return jnp.mean((jax.vmap(model)(xs)[:, 0] - labels) ** 2)
+
+    assert as_loss(squared) == as_loss(squared) and hash(as_loss(squared)) == hash(Loss(squared))
+    assert as_loss(cross_entropy_loss) is cross_entropy_loss
+    model = transformer_encoder(3, 8, 2, 16, 1, 2, KEY, 6)
+    xs = jax.random.normal(KEY, (5, 4, 3))
+    labels = jnp.array([0, 1, 1, 0, 1])
+    assert set(evaluate(model, xs, labels)) == {"loss", "accuracy"}
+    assert set(evaluate(model, xs, labels.astype(jnp.float32), loss_fn=squared)) == {"loss"}
+    with pytest.raises(ValueError, match=r"`labels` must lie in \[0, 2\)"):
+        cross_entropy_loss.check_data("evaluate", model, xs, labels + 1)
+    as_loss(squared).check_data("evaluate", model, xs, labels + 1)  # other targets: no check
+
+
+@pytest.mark.parametrize(
+    "arguments, end",
+    [
+        ({}, 6),  # sinusoidal positions: a table of max_len rows
+        ({"positions": "learned"}, 6),
+        ({"positions": "rope"}, None),
+        ({"positions": "none"}, None),
+        ({"causal": True, "window": 3}, None),  # a window's positions never end
+    ],
+)
+def test_the_family_registry_says_where_a_models_positions_end(arguments, end):
+    family = FAMILIES["transformer_encoder"]
+    full = {"n_in": 3, "d_model": 8, "n_heads": 2, "d_ff": 16, "depth": 1, "n_out": 2, "max_len": 6}
+    full.update(arguments)
+    assert family.input_width(full) == 3 and family.max_length(full) == 6
+    assert family.positions_end(full) == end

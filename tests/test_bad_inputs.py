@@ -395,6 +395,13 @@ BAD = [
     ("list-input", lambda: attention()([[1.0] * 8] * 3), ShapeError, r"`x`: expected Float\['T d_model'\], received list"),
     ("step-cache-none", lambda: attention(causal=True).step(jnp.ones(8), None), ShapeError, r"`cache`: expected .*KVCache.*received NoneType"),
     ("step-cache-tuple", lambda: attention(causal=True).step(jnp.ones(8), (1, 2)), ShapeError, r"`cache`: expected .*received tuple"),
+    # a cache of another layer: the error names the method that was called
+    ("step-fixed-cache-of-another-width", lambda: attention(causal=True).step(jnp.ones(8), MultiHeadSelfAttention(16, 2, KEY, causal=True).init_cache(4)), ShapeError, r"^MultiHeadSelfAttention\.step: received `cache\.keys\.shape=\(2, 4, 8\)`; expected `\(n_heads=2, capacity, d_head=4\)`"),
+    ("prefill-fixed-cache-of-another-width", lambda: attention(causal=True).prefill(jnp.ones((2, 8)), MultiHeadSelfAttention(16, 2, KEY, causal=True).init_cache(4)), ShapeError, r"^MultiHeadSelfAttention\.prefill: received `cache\.keys\.shape"),
+    ("step-growing-cache-of-another-width", lambda: attention(causal=True).step(jnp.ones(8), MultiHeadSelfAttention(16, 2, KEY, causal=True).init_cache()), ShapeError, r"^MultiHeadSelfAttention\.step: .*expected `\(t, 8\)`"),
+    ("step-ring-cache-without-window", lambda: attention(causal=True).step(jnp.ones(8), attention(causal=True, window=3).init_cache()), ValueError, r"^MultiHeadSelfAttention\.step: a windowed layer steps with the ring cache"),
+    ("prefill-fixed-cache-with-window", lambda: attention(causal=True, window=3).prefill(jnp.ones((2, 8)), attention(causal=True).init_cache(4)), ValueError, r"^MultiHeadSelfAttention\.prefill: a windowed layer steps with the ring cache"),
+    ("step-ring-of-another-window", lambda: attention(causal=True, window=5).step(jnp.ones(8), attention(causal=True, window=3).init_cache()), ShapeError, r"the ring cache holds 3 steps; this layer's window is 5"),
     ("encoder-step-cache-none", lambda: MODEL.step(jnp.ones(3), None), ValueError, r"tuple of \d+ layer caches from `init_cache`.*NoneType"),
     ("sequence-longer-than-max-len", lambda: MODEL(jnp.ones((7, 3))), ShapeError, r"`T=7` steps.*at most `max_len=6`"),
     ("sdpa-mask-integers", lambda: scaled_dot_product_attention(jnp.ones((3, 4)), jnp.ones((3, 4)), jnp.ones((3, 4)), jnp.ones((3, 3), int)), ShapeError, r"`mask`: expected Bool\['\.\.\.'\] \| None, received shape \(3, 3\) dtype int32"),
@@ -696,7 +703,7 @@ def test_a_step_that_sees_a_non_finite_value_is_nan_whole(capacity, bad):
     m = attention(causal=True)
     _, cache = m.step(jnp.ones(8), m.init_cache(capacity))
     if capacity is None:  # growing: (t, d_model)
-        cache = cache._replace(values=cache.values.at[0, 3].set(bad))
+        cache = eqx.tree_at(lambda c: c.values, cache, cache.values.at[0, 3].set(bad))
     else:  # fixed: (n_heads, capacity, d_head)
         cache = eqx.tree_at(lambda c: c.values, cache, cache.values.at[1, 0, 1].set(bad))
     y, cache = m.step(jnp.full(8, 0.5), cache)

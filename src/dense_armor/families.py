@@ -33,6 +33,12 @@ class Family:
     - `apply(model, x, context)`: the forward of one sample, `context` a tuple `(context,
       context_mask)` or `()`;
     - `start(model, capacity, context, on_overflow)`: one stream's empty cache.
+
+    And what the export stage reads of a config's arguments, asked here rather than by name:
+    `input_width` (the features of one step), `max_length` (the longest sequence it takes) and
+    `positions_end` (the step at which its positions stop, so a stream cannot go past it: the
+    longest sequence for a positional table, `None` for rotary positions, none, or a window's
+    unbounded ones).
     """
 
     name: str
@@ -42,6 +48,19 @@ class Family:
     context_width: Callable[[Arguments], int | None]
     apply: Callable[[Any, Any, Sequence[Any]], Any]
     start: Callable[[Any, int, Sequence[Any], str], Any]
+
+    def input_width(self, arguments: Arguments) -> int:
+        return int(arguments["n_in"])
+
+    def max_length(self, arguments: Arguments) -> int:
+        return int(arguments["max_len"])
+
+    def positions_end(self, arguments: Arguments) -> int | None:
+        # rotary positions, or none, or a window's sinusoids: no table that ends
+        unbounded = arguments.get("positions", "sinusoidal") in ("rope", "none")
+        if unbounded or arguments.get("window") is not None:
+            return None
+        return self.max_length(arguments)
 
 
 def _encoder_start(model: Any, capacity: int, context: Sequence[Any], on_overflow: str) -> Any:

@@ -17,7 +17,10 @@ from .distributed import check_mesh, global_batch, global_replicated
 from .nn.core import require_int
 
 __all__ = [
+    "CrossEntropy",
+    "Loss",
     "LossFn",
+    "as_loss",
     "check_classification_data",
     "check_labels",
     "cross_entropy_loss",
@@ -28,19 +31,89 @@ __all__ = [
 LossFn = Callable[[Any, jax.Array, jax.Array, jax.Array | None], jax.Array]
 
 
-def cross_entropy_loss(
-    model: Any, xs: jax.Array, labels: jax.Array, key: jax.Array | None = None
-) -> jax.Array:
-    """Mean softmax cross-entropy of `model` on a batch `xs (B, T, n_in)` with integer `labels`.
+class Loss:
+    """A training loss and what `fit` and `evaluate` ask of it besides its value: the checks of
+    its labels, and the metrics it reports. `Loss(function)` wraps any
+    `function(model, xs, labels, key) -> mean loss` (a loss of other targets: no label checks,
+    the loss alone as metric); `cross_entropy_loss` is the classification loss, which knows its
+    labels are class indices and reports the accuracy. `as_loss` makes a `Loss` of either."""
 
-    With a `key`, each sample gets its own dropout key.
-    """
-    if key is None:
-        logits = jax.vmap(model)(xs)
-    else:
-        keys = jax.random.split(key, xs.shape[0])
-        logits = jax.vmap(lambda x, k: model(x, key=k))(xs, keys)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    def __init__(self, function: LossFn):
+        self.function = function
+
+    # Equal for the same function, so that a jitted evaluation compiles once per loss.
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Loss)
+            and type(other) is type(self)
+            and other.function == self.function
+        )
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.function))
+
+    def __call__(
+        self, model: Any, xs: jax.Array, labels: jax.Array, key: jax.Array | None = None
+    ) -> jax.Array:
+        return self.function(model, xs, labels, key)
+
+    def check_data(self, caller: str, model: Any, xs: Any, labels: Any) -> None:
+        """Refuse a whole data set the loss cannot take: here, none or one whose inputs and
+        labels differ in number."""
+        if len(xs) == 0 or len(xs) != len(labels):
+            raise ValueError(f"{caller}: {len(xs)} inputs and {len(labels)} labels.")
+
+    def batch_checker(self, model: Any, xs: Any) -> Callable[..., None] | None:
+        """A check of each batch's labels as a data source gives them,
+        `check(caller, labels, rows, where)`, or `None` (none here)."""
+        return None
+
+    def correct(self, model: Any, xs: jax.Array, labels: jax.Array) -> jax.Array | None:
+        """The batch's correct predictions, for an accuracy, or `None` (none here)."""
+        return None
+
+
+class CrossEntropy(Loss):
+    """Mean softmax cross-entropy of `model` on a batch `xs (B, T, n_in)` with integer `labels`
+    in `[0, n_out)`: checked as such (a label outside would train silently, optax taking -1 as the
+    last class), and the accuracy reported beside the loss. With a `key`, each sample gets its
+    own dropout key."""
+
+    def __init__(self) -> None:
+        super().__init__(self._cross_entropy)
+
+    @staticmethod
+    def _cross_entropy(
+        model: Any, xs: jax.Array, labels: jax.Array, key: jax.Array | None = None
+    ) -> jax.Array:
+        if key is None:
+            logits = jax.vmap(model)(xs)
+        else:
+            keys = jax.random.split(key, xs.shape[0])
+            logits = jax.vmap(lambda x, k: model(x, key=k))(xs, keys)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    def check_data(self, caller: str, model: Any, xs: Any, labels: Any) -> None:
+        check_classification_data(caller, model, xs, labels)
+
+    def batch_checker(self, model: Any, xs: Any) -> Callable[..., None]:
+        n_out = output_width(model, xs)  # traced once, for every later batch
+
+        def check(caller: str, labels: Any, rows: int, where: str) -> None:
+            check_labels(caller, labels, n_out, rows, where)
+
+        return check
+
+    def correct(self, model: Any, xs: jax.Array, labels: jax.Array) -> jax.Array:
+        return (jax.vmap(model)(xs).argmax(axis=-1) == labels).sum()
+
+
+cross_entropy_loss = CrossEntropy()
+
+
+def as_loss(loss_fn: LossFn | Loss) -> Loss:
+    """`loss_fn` as a `Loss`: itself if it is one, else wrapped (no label checks, no accuracy)."""
+    return loss_fn if isinstance(loss_fn, Loss) else Loss(loss_fn)
 
 
 def make_train_step(
@@ -93,14 +166,11 @@ def make_train_step(
 
 @eqx.filter_jit
 def _batch_metrics(
-    model: Any, xs: jax.Array, labels: jax.Array, loss_fn: LossFn
-) -> tuple[jax.Array, jax.Array]:
-    """The batch's summed loss (`loss_fn`'s mean times the batch size) and its correct argmax
-    predictions (meaningful for the default classification loss)."""
-    loss = loss_fn(model, xs, labels, None) * xs.shape[0]
-    if loss_fn is not cross_entropy_loss:
-        return loss, jnp.zeros((), jnp.int32)
-    return loss, (jax.vmap(model)(xs).argmax(axis=-1) == labels).sum()
+    model: Any, xs: jax.Array, labels: jax.Array, loss: Loss
+) -> tuple[jax.Array, jax.Array | None]:
+    """The batch's summed loss (`loss`'s mean times the batch size) and its correct predictions
+    (`None` for a loss that reports no accuracy)."""
+    return loss(model, xs, labels, None) * xs.shape[0], loss.correct(model, xs, labels)
 
 
 def check_classification_data(caller: str, model: Any, xs: Any, labels: Any) -> None:
@@ -162,11 +232,9 @@ def evaluate(
     require_int(1, caller="evaluate", batch_size=batch_size)
     if mesh is not None:
         check_mesh("evaluate", mesh)
-    if loss_fn is cross_entropy_loss:
-        check_classification_data("evaluate", model, xs, labels)
-    elif len(xs) == 0 or len(xs) != len(labels):
-        raise ValueError(f"evaluate: {len(xs)} inputs and {len(labels)} labels.")
-    return evaluate_checked(model, xs, labels, batch_size, mesh, loss_fn)
+    loss = as_loss(loss_fn)
+    loss.check_data("evaluate", model, xs, labels)
+    return evaluate_checked(model, xs, labels, batch_size, mesh, loss)
 
 
 def evaluate_checked(
@@ -178,15 +246,18 @@ def evaluate_checked(
     loss_fn: LossFn,
 ) -> dict[str, float]:
     """`evaluate` on data already checked."""
+    loss = as_loss(loss_fn)
     total_loss, correct = 0.0, 0
+    reports_accuracy = True
     for start in range(0, len(xs), batch_size):
         rows = slice(start, min(start + batch_size, len(xs)))
         for batch_xs, batch_labels in _placed_batches(mesh, xs[rows], labels[rows]):
-            loss, hits = _batch_metrics(model, batch_xs, batch_labels, loss_fn)
-            total_loss += float(loss)
-            correct += int(hits)
+            summed, hits = _batch_metrics(model, batch_xs, batch_labels, loss)
+            total_loss += float(summed)
+            reports_accuracy = hits is not None
+            correct += 0 if hits is None else int(hits)
     metrics = {"loss": total_loss / len(xs)}
-    if loss_fn is cross_entropy_loss:
+    if reports_accuracy:
         metrics["accuracy"] = correct / len(xs)
     return metrics
 

@@ -7,6 +7,7 @@ a mesh through `dense_armor.distributed`; it checkpoints to a single safetensors
 (`save_checkpoint`) or, sharded, with Orbax (`ShardedCheckpoints`).
 """
 
+import abc
 import dataclasses
 import math
 import os
@@ -34,14 +35,13 @@ from .data import ArraySource, BatchSource, process_rows
 from .distributed import check_mesh, global_batch, place, place_optimizer_state
 from .nn.core import require_bool, require_int
 from .train_step import (
+    Loss,
     LossFn,
-    check_classification_data,
-    check_labels,
+    as_loss,
     cross_entropy_loss,
     evaluate,
     evaluate_checked,
     make_train_step,
-    output_width,
 )
 
 __all__ = [
@@ -66,41 +66,77 @@ class FitResult:
     best: dict[str, float] | None
 
 
-class _Checkpoints:
-    """`fit`'s checkpoints in one of `CHECKPOINT_FORMATS`. `"safetensors"`: `last` (model,
-    optimizer state, step, history) and `best` (the model), single files gathered and written
-    by process 0. `"orbax"`: one `ShardedCheckpoints` directory, `sharded`, keeping the latest
-    step and the best, each process writing its own shards in the background."""
+class _Checkpoints(abc.ABC):
+    """Where `fit` keeps its run, one class per format of `CHECKPOINT_FORMATS`: whether a run is
+    saved, resuming it, forgetting it, saving a record, and waiting for the saves. What both
+    formats share (the checks that a saved run is this model's and a training run's) is here."""
 
-    def __init__(self, directory: Any, config: ModelConfig, checkpoint_format: str):
+    def __init__(self, directory: Any, config: ModelConfig):
+        self.directory = pathlib.Path(directory)
         self.config = config
-        self.last = pathlib.Path(directory) / "last"
-        self.best = pathlib.Path(directory) / "best"
-        self.store: Any = None
-        if checkpoint_format == "orbax":
-            try:
-                from .sharded_checkpoint import ShardedCheckpoints
-            except ImportError as error:
-                raise ImportError(
-                    'fit: `checkpoint_format="orbax"` needs Orbax: pip install '
-                    f"'dense-armor[scale]' (orbax-checkpoint). ({error})"
-                ) from None
-            self.store = ShardedCheckpoints(pathlib.Path(directory) / "sharded", keep_best=True)
+
+    @staticmethod
+    def open(directory: Any, config: ModelConfig, checkpoint_format: str) -> "_Checkpoints":
+        kind = {"safetensors": _SingleFiles, "orbax": _OrbaxCheckpoints}[checkpoint_format]
+        return kind(directory, config)
+
+    @abc.abstractmethod
+    def saved(self) -> bool:
+        """Whether the directory holds a run to resume."""
+
+    @abc.abstractmethod
+    def resume(
+        self, opt_state: Any, optimizer: Any, mesh: Mesh | None, shard_params: bool
+    ) -> tuple[Any, Any, dict[str, Any]]:
+        """The saved model, optimizer state and training state, placed like this run's."""
+
+    @abc.abstractmethod
+    def start_over(self) -> None:
+        """Forget an earlier run (`resume=False`)."""
+
+    @abc.abstractmethod
+    def save(
+        self, model: Any, opt_state: Any, state: dict[str, Any], score: float, improved: bool
+    ) -> None:
+        """Save the latest record (and the best model, when `improved`)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Wait for the saves still being written."""
+
+    def _check(self, saved: ModelConfig) -> None:
+        if saved != self.config:
+            raise CheckpointError(
+                f"fit: {self.directory} holds a run of another model ({saved}); this run's "
+                f"is {self.config}. Use another checkpoint_dir, or resume=False to start over "
+                "(its checkpoints are then replaced)."
+            )
+
+    def _check_run(self, state: dict[str, Any], has_optimizer_state: bool) -> None:
+        """A checkpoint to resume from holds a training run: its step, history and optimizer
+        state (a model saved alone, or converted without its optimizer, does not)."""
+        if not has_optimizer_state or "step" not in state or "history" not in state:
+            raise CheckpointError(
+                f"fit: the latest checkpoint in {self.directory} is not a training run's (no "
+                "optimizer state, step and history to resume from); use another checkpoint_dir, "
+                "or resume=False to start over."
+            )
+
+
+class _SingleFiles(_Checkpoints):
+    """`"safetensors"`: `last` (model, optimizer state, step, history) and `best` (the model),
+    single files gathered and written by process 0."""
+
+    def __init__(self, directory: Any, config: ModelConfig):
+        super().__init__(directory, config)
+        self.last, self.best = self.directory / "last", self.directory / "best"
 
     def saved(self) -> bool:
-        if self.store is not None:
-            return self.store.latest_step() is not None
         return self.last.exists() or self.last.with_name("last.previous").exists()
 
     def resume(
         self, opt_state: Any, optimizer: Any, mesh: Mesh | None, shard_params: bool
     ) -> tuple[Any, Any, dict[str, Any]]:
-        """The saved model, optimizer state and training state, placed like this run's."""
-        if self.store is not None:
-            self._check(ModelConfig.from_json(self.store.config_json()))
-            restored = self.store.restore(mesh=mesh, shard_params=shard_params, optimizer=optimizer)
-            self._check_run(restored.state, restored.opt_state is not None)
-            return restored.model, restored.opt_state, restored.state
         saved = load_checkpoint(self.last)
         self._check(saved.config)
         self._check_run(saved.state, bool(saved.state_arrays))
@@ -111,48 +147,60 @@ class _Checkpoints:
             saved_opt = place_optimizer_state(saved_opt, optimizer, model, mesh)
         return model, saved_opt, saved.state
 
-    def _check(self, saved: ModelConfig) -> None:
-        if saved != self.config:
-            raise CheckpointError(
-                f"fit: {self.last.parent} holds a run of another model ({saved}); this run's "
-                f"is {self.config}. Use another checkpoint_dir, or resume=False to start over "
-                "(its checkpoints are then replaced)."
-            )
-
-    def _check_run(self, state: dict[str, Any], has_optimizer_state: bool) -> None:
-        """A checkpoint to resume from holds a training run: its step, history and optimizer
-        state (a model saved alone, or converted without its optimizer, does not)."""
-        if not has_optimizer_state or "step" not in state or "history" not in state:
-            raise CheckpointError(
-                f"fit: the latest checkpoint in {self.last.parent} is not a training run's (no "
-                "optimizer state, step and history to resume from); use another checkpoint_dir, "
-                "or resume=False to start over."
-            )
-
     def start_over(self) -> None:
-        """Forget the sharded checkpoints of an earlier run (`resume=False`); a single-file
-        checkpoint is replaced by the next save."""
-        if self.store is not None:
-            self.store.delete_all()
+        """Nothing to forget: the next save replaces the files."""
+
+    def close(self) -> None:
+        """Nothing to wait for: each save is written before `save` returns."""
 
     def save(
         self, model: Any, opt_state: Any, state: dict[str, Any], score: float, improved: bool
     ) -> None:
-        if self.store is not None:
-            self.store.save(
-                state["step"], model, self.config, opt_state=opt_state, state=state, score=score
-            )
-            return
         if improved:
             save_checkpoint(self.best, model, self.config, state={"record": state["history"][-1]})
         save_checkpoint(
             self.last, model, self.config, state_arrays=tree_arrays(opt_state), state=state
         )
 
+
+class _OrbaxCheckpoints(_Checkpoints):
+    """`"orbax"`: one `ShardedCheckpoints` directory, `sharded`, keeping the latest step and the
+    best, each process writing its own shards in the background."""
+
+    def __init__(self, directory: Any, config: ModelConfig):
+        super().__init__(directory, config)
+        try:
+            from .sharded_checkpoint import ShardedCheckpoints
+        except ImportError as error:
+            raise ImportError(
+                'fit: `checkpoint_format="orbax"` needs Orbax: pip install '
+                f"'dense-armor[scale]' (orbax-checkpoint). ({error})"
+            ) from None
+        self.store = ShardedCheckpoints(self.directory / "sharded", keep_best=True)
+
+    def saved(self) -> bool:
+        return self.store.latest_step() is not None
+
+    def resume(
+        self, opt_state: Any, optimizer: Any, mesh: Mesh | None, shard_params: bool
+    ) -> tuple[Any, Any, dict[str, Any]]:
+        self._check(ModelConfig.from_json(self.store.config_json()))
+        restored = self.store.restore(mesh=mesh, shard_params=shard_params, optimizer=optimizer)
+        self._check_run(restored.state, restored.opt_state is not None)
+        return restored.model, restored.opt_state, restored.state
+
+    def start_over(self) -> None:
+        self.store.delete_all()
+
+    def save(
+        self, model: Any, opt_state: Any, state: dict[str, Any], score: float, improved: bool
+    ) -> None:
+        self.store.save(
+            state["step"], model, self.config, opt_state=opt_state, state=state, score=score
+        )
+
     def close(self) -> None:
-        """Wait for the saves still being written."""
-        if self.store is not None:
-            self.store.close()
+        self.store.close()
 
 
 def _source(
@@ -162,7 +210,7 @@ def _source(
     batch_size: int,
     seed: int,
     mesh: Mesh | None,
-    loss_fn: LossFn,
+    loss: Loss,
 ) -> BatchSource:
     """`train` as a `BatchSource`: arrays every process holds (checked whole, here), or a source
     already (its batches are checked as they come, by `_checked_batch`)."""
@@ -177,8 +225,7 @@ def _source(
     xs, labels = np.asarray(train[0]), np.asarray(train[1])
     if len(xs) != len(labels):
         raise ValueError(f"{caller}: {len(xs)} inputs but {len(labels)} labels.")
-    if loss_fn is cross_entropy_loss:  # a custom loss may take other targets
-        check_classification_data(caller, model, xs, labels)
+    loss.check_data(caller, model, xs, labels)  # a custom loss may take other targets
     if not 1 <= batch_size <= len(xs):
         raise ValueError(f"{caller}: `batch_size={batch_size}` must lie in [1, {len(xs)}].")
     return ArraySource(xs, labels, batch_size, seed, mesh)
@@ -252,18 +299,19 @@ def fit(
     before one optimizer update (`make_train_step`): the same training as the whole batch, with
     the activations of one micro-batch in memory at a time.
     """
+    objective = as_loss(loss_fn)
     source, rows = _check_fit(
         model, train, valid, steps, batch_size, seed, eval_every, checkpoint_dir, config,
-        resume, progress, loss_fn, mesh, shard_params, accumulate, checkpoint_format,
+        resume, progress, objective, mesh, shard_params, accumulate, checkpoint_format,
     )  # fmt: skip
     checkpoints = None
     if checkpoint_dir is not None and config is not None:
-        checkpoints = _Checkpoints(checkpoint_dir, config, checkpoint_format)
+        checkpoints = _Checkpoints.open(checkpoint_dir, config, checkpoint_format)
     model, opt_state, run = _start(model, optimizer, mesh, shard_params, checkpoints, resume)
     # a source's labels are checked batch by batch (arrays were checked whole, in `_source`)
-    check_source = loss_fn is cross_entropy_loss and not isinstance(source, ArraySource)
-    n_out = None
-    train_step = make_train_step(optimizer, loss_fn, accumulate)
+    check_source = not isinstance(source, ArraySource)
+    check_batch = None
+    train_step = make_train_step(optimizer, objective, accumulate)
     root_key = jax.random.PRNGKey(seed)
     bar = tqdm(
         total=steps,
@@ -277,8 +325,9 @@ def fit(
         for step in range(run.start, steps):
             xs, labels = _checked_batch(source, step, rows)
             if check_source:
-                n_out = output_width(model, xs) if n_out is None else n_out  # traced once
-                check_labels("fit (data source)", labels, n_out, rows, f" at step {step}")
+                check_batch = check_batch or objective.batch_checker(model, xs)
+                if check_batch is not None:
+                    check_batch("fit (data source)", labels, rows, f" at step {step}")
             if mesh is None:
                 xb, yb = jnp.asarray(xs), jnp.asarray(labels)
             else:  # this process's rows of the global batch
@@ -296,7 +345,7 @@ def fit(
                 )
             if done % eval_every and done != steps:
                 continue
-            score, improved = run.record(done, batch_size, model, valid, mesh, loss_fn, bar)
+            score, improved = run.record(done, batch_size, model, valid, mesh, objective, bar)
             if checkpoints is not None:
                 state = {"step": done, "history": run.history, "best": run.best, "seed": seed}
                 checkpoints.save(model, opt_state, state, score, improved)
@@ -319,7 +368,7 @@ def _check_fit(
     config: ModelConfig | None,
     resume: Any,
     progress: Any,
-    loss_fn: LossFn,
+    objective: Loss,
     mesh: Mesh | None,
     shard_params: Any,
     accumulate: Any,
@@ -339,9 +388,9 @@ def _check_fit(
             f"fit: `checkpoint_format` must be one of {CHECKPOINT_FORMATS}; received "
             f"{checkpoint_format!r}."
         )
-    source = _source("fit", model, train, batch_size, seed, mesh, loss_fn)
-    if loss_fn is cross_entropy_loss and valid is not None:
-        check_classification_data("fit (valid)", model, *valid)
+    source = _source("fit", model, train, batch_size, seed, mesh, objective)
+    if valid is not None:
+        objective.check_data("fit (valid)", model, *valid)
     if checkpoint_dir is not None and config is None:
         raise ValueError("fit: saving checkpoints needs the model's `config`.")
     if batch_size % accumulate:
@@ -375,7 +424,7 @@ class _Run:
         model: Any,
         valid: Any,
         mesh: Mesh | None,
-        loss_fn: LossFn,
+        objective: Loss,
         bar: Any,
     ) -> tuple[float, bool]:
         """Record step `done`: the mean training loss since the last record, the throughput and,
@@ -391,7 +440,7 @@ class _Run:
             "samples_per_s": len(self.losses) * batch_size / (time.perf_counter() - self.tick),
         }
         if valid is not None:
-            metrics = evaluate_checked(model, valid[0], valid[1], 512, mesh, loss_fn)
+            metrics = evaluate_checked(model, valid[0], valid[1], 512, mesh, objective)
             record.update({f"valid_{name}": value for name, value in metrics.items()})
         self.history.append(record)
         accuracy = (

@@ -149,20 +149,20 @@ def export_model(
         raise ArtifactError(
             f"platforms must be a non-empty subset of {PLATFORMS}; got {platforms}."
         )
-    max_len = int(config.arguments["max_len"])
+    family = FAMILIES[config.factory]
+    max_len = family.max_length(config.arguments)
     capacity = max_len if capacity is None else capacity
     require_int(1, caller="export_model", error=ArtifactError, capacity=capacity)
     capacity = int(capacity)
-    # rotary positions, or none: no table that ends at max_len
-    bounded = config.arguments.get("positions", "sinusoidal") not in ("rope", "none")
-    if bounded and config.arguments.get("window") is None and capacity > max_len:
+    end = family.positions_end(config.arguments)
+    if end is not None and capacity > end:
         raise ArtifactError(
             f"capacity {capacity} > max_len {max_len}: the positional encoding of this model "
             f"stops at step {max_len}, so every stream would overflow there whatever the cache "
             f"holds. Export with capacity <= {max_len} (or build the model with a larger "
             "max_len, or with a window, whose ring cache never fills)."
         )
-    with_context = FAMILIES[config.factory].context_width(config.arguments) is not None
+    with_context = family.context_width(config.arguments) is not None
     shapes = [
         _static_sizes(s, max_len, with_context)
         for s in ([(1, max_len), (8, max_len)] if static_shapes is None else static_shapes)

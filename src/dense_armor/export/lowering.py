@@ -163,7 +163,8 @@ class Lowering:
     def __init__(self, model: Any, causal_model: Any, config: ModelConfig, capacity: int):
         self.family = FAMILIES[config.factory]
         arguments = config.arguments
-        self.max_len, self.n_in = int(arguments["max_len"]), int(arguments["n_in"])
+        self.max_len = self.family.max_length(arguments)
+        self.n_in = self.family.input_width(arguments)
         self.width = self.family.context_width(arguments)
         self.capacity = capacity
         params, self.static = eqx.partition(model, eqx.is_array)

@@ -129,6 +129,15 @@ def require_key(key: Any) -> None:
         )
 
 
+def sees(query: Array, key: Array, window: int | None = None) -> Array:
+    """Whether a step at position `query` sees a key at position `key` (broadcast together): the
+    key is not later, and with a `window` it is one of the step's last `window` steps,
+    `query - window < key <= query`. Every causal mask of the package (a sequence's, a cache's,
+    a block of keys') is this rule on its own positions."""
+    seen = key <= query
+    return seen if window is None else seen & (key > query - window)
+
+
 def require_rate(**rates: float) -> None:
     """Raise `ValueError` naming the first rate that is not a real number in `[0, 1]`."""
     for name, rate in rates.items():

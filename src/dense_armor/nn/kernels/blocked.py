@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-from ..core import ShapeError, require_bool, require_positive
+from ..core import ShapeError, require_bool, require_positive, sees
 
 __all__ = ["BLOCKED_MIN_LENGTH", "blocked_attention", "use_blocked"]
 
@@ -146,15 +146,15 @@ def _finite_values(
     finite = jnp.broadcast_to(jnp.isfinite(v).all(axis=-1), valid.shape)
     bad = (valid & ~finite).astype(jnp.int32)  # (*batch, S): a visible key with a bad value
     if not causal:
-        sees = jnp.broadcast_to(bad.any(axis=-1, keepdims=True), (*batch, T))
+        sees_bad = jnp.broadcast_to(bad.any(axis=-1, keepdims=True), (*batch, T))
     else:  # query t sees keys t - window < s <= t: count the bad ones by a running sum
         seen = jnp.cumsum(bad, axis=-1)
         if window is not None:
             before = jnp.pad(seen, [(0, 0)] * len(batch) + [(window, 0)])[..., :T]
             seen = seen - before
-        sees = seen > 0
+        sees_bad = seen > 0
     clean = jnp.where(jnp.isfinite(v).all(axis=-1, keepdims=True), v, jnp.zeros((), v.dtype))
-    return clean, sees
+    return clean, sees_bad
 
 
 class _Blocks(NamedTuple):
@@ -201,10 +201,7 @@ class _Blocks(NamedTuple):
         if self.causal:
             rows = i * self.block_q + jnp.arange(self.block_q)[:, None]
             cols = j * self.block_k + jnp.arange(self.block_k)[None, :]
-            visible = cols <= rows
-            if self.window is not None:
-                visible = visible & (cols > rows - self.window)
-            mask = mask & visible[None]
+            mask = mask & sees(rows, cols, self.window)[None]
         return mask
 
 

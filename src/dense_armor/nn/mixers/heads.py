@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, PRNGKeyArray
 
-from ..core import CannotStream, Layer, Param, require_bool, require_positive
+from ..core import CannotStream, Layer, Param, require_bool, require_positive, sees
 from ..kernels.blocked import blocked_attention
 from ..kernels.choice import _dot_product_attention, choose_kernel
 from ..kernels.materialised import _attention, attention_weights
@@ -74,12 +74,7 @@ def _sequence_mask(
     queries: int, keys: int, causal: bool, window: int | None, key_mask: Array | None
 ) -> Array | None:
     """The `(T, S)` mask (or `None`) that `causal`, `window` and `key_mask (S,)` describe."""
-    mask = None
-    if causal:
-        rows, cols = jnp.arange(queries)[:, None], jnp.arange(keys)[None, :]
-        mask = cols <= rows
-        if window is not None:
-            mask = mask & (cols > rows - window)
+    mask = sees(jnp.arange(queries)[:, None], jnp.arange(keys)[None, :], window) if causal else None
     if key_mask is not None:
         mask = key_mask[None, :] if mask is None else mask & key_mask[None, :]
     return mask

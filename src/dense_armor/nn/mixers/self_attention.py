@@ -35,6 +35,9 @@ from .heads import (
 
 __all__ = ["MultiHeadSelfAttention"]
 
+# The caches a self-attention streams through (`init_cache`'s three kinds).
+Cache = KVCache | FixedKVCache | RingKVCache
+
 
 def _check_rope(rope_base: float | None, d_head: int) -> None:
     if rope_base is None:
@@ -173,9 +176,7 @@ class MultiHeadSelfAttention(MultiHeadAttention):
         weights = self.weights(x, self.keys_values(x)[0], visible)
         return weights.reshape(self.n_heads, length, length)
 
-    def init_cache(
-        self, capacity: int | None = None, *, on_overflow: str = "raise"
-    ) -> KVCache | FixedKVCache | RingKVCache:
+    def init_cache(self, capacity: int | None = None, *, on_overflow: str = "raise") -> Cache:
         """An empty cache: growing (`capacity=None`, two `(0, d_model)` arrays) or fixed.
 
         A fixed cache holds `capacity` steps; `on_overflow` (`"raise"` or `"nan"`) says what a
@@ -199,8 +200,8 @@ class MultiHeadSelfAttention(MultiHeadAttention):
 
     @shape_checked
     def prefill(
-        self, x: Float[Array, "K d_model"], cache: KVCache | FixedKVCache | RingKVCache
-    ) -> tuple[Float[Array, "K d_model"], KVCache | FixedKVCache | RingKVCache]:
+        self, x: Float[Array, "K d_model"], cache: Cache
+    ) -> tuple[Float[Array, "K d_model"], Cache]:
         """`K` causal steps at once: the chunk's keys and values go into `cache` (the cache owns
         the write: `cache.update`), and each row attends to what its step may see.
 
@@ -214,16 +215,20 @@ class MultiHeadSelfAttention(MultiHeadAttention):
         float32 round-off. A fixed cache with too little room applies its overflow rule to the
         rows past its capacity, as `step` would.
         """
+        return self._steps(x, cache, "MultiHeadSelfAttention.prefill")
+
+    def _steps(self, x: Array, cache: Cache, owner: str) -> tuple[Array, Cache]:
+        """`prefill`'s work, for `prefill` and `step` (`owner`, in the cache's errors)."""
         _require_causal(self)
-        rows = self._piece_rows(x, cache)
+        rows = self._piece_rows(x, cache, owner)
         if rows is None:
-            return self._prefill(x, cache)
+            return self._prefill(x, cache, owner)
         full, extra = divmod(x.shape[0], rows)
         pieces = x[: full * rows].reshape(full, rows, x.shape[1])
-        if getattr(cache, "fixed_shape", True):
+        if cache.fixed_shape:
 
             def piece(cache: Any, x: Array) -> tuple[Any, Array]:
-                y, cache = self._prefill(x, cache)
+                y, cache = self._prefill(x, cache, owner)
                 return cache, y
 
             cache, ys = jax.lax.scan(piece, cache, pieces)
@@ -231,29 +236,31 @@ class MultiHeadSelfAttention(MultiHeadAttention):
         else:  # a growing cache changes shape with every piece
             outputs = []
             for chunk in pieces:
-                y, cache = self._prefill(chunk, cache)
+                y, cache = self._prefill(chunk, cache, owner)
                 outputs.append(y)
         if extra:
-            y, cache = self._prefill(x[full * rows :], cache)
+            y, cache = self._prefill(x[full * rows :], cache, owner)
             outputs.append(y)
         return jnp.concatenate(outputs), cache
 
-    def _piece_rows(self, x: Array, cache: Any) -> int | None:
+    def _piece_rows(
+        self, x: Array, cache: Cache, owner: str = "MultiHeadSelfAttention.prefill"
+    ) -> int | None:
         """The rows of `x` to attend at once, or `None` for all of them."""
         steps = x.shape[0]
         if not isinstance(steps, int) or steps == 0:
             return None  # a symbolic chunk length (export) is attended whole
         new = jax.ShapeDtypeStruct((self.n_kv_heads, steps, self.d_head), x.dtype)
         # The keys the chunk attends over, as the cache's own update would give them.
-        key_rows = jax.eval_shape(lambda k: cache.update(k, k, self.window).keys, new).shape[1]
-        if choose_kernel(self.implementation, steps, key_rows) != "blocked":
+        keys = jax.eval_shape(lambda k: cache.update(k, k, self.window, owner).keys, new)
+        if choose_kernel(self.implementation, steps, keys.shape[1]) != "blocked":
             return None
-        rows = max(1, blocked.BLOCKED_MIN_LENGTH**2 // key_rows)
+        rows = max(1, blocked.BLOCKED_MIN_LENGTH**2 // keys.shape[1])
         return rows if rows < steps else None
 
-    def _prefill(self, x: Array, cache: Any) -> tuple[Array, Any]:
+    def _prefill(self, x: Array, cache: Cache, owner: str) -> tuple[Array, Any]:
         keys, values = (_heads(a, self.n_kv_heads) for a in self.keys_values(x))
-        update = cache.update(keys, values, self.window)
+        update = cache.update(keys, values, self.window, owner)
         positions = (update.query_positions, update.key_positions)
         y = self.attend_heads(
             x, update.keys, update.values, update.visible, positions, update.hidden_zeros
@@ -262,12 +269,12 @@ class MultiHeadSelfAttention(MultiHeadAttention):
 
     @shape_checked
     def step(
-        self, x_t: Float[Array, " d_model"], cache: KVCache | FixedKVCache | RingKVCache
-    ) -> tuple[Float[Array, " d_model"], KVCache | FixedKVCache | RingKVCache]:
+        self, x_t: Float[Array, " d_model"], cache: Cache
+    ) -> tuple[Float[Array, " d_model"], Cache]:
         """One causal step: append `x_t`'s key and value to `cache`, attend over the cache.
 
         **Returns:** `(y_t, cache)`, `y_t` of shape `(d_model,)`: after `t+1` steps, row `t` of
         `forward` on those steps.
         """
-        y, cache = self.prefill(x_t[None], cache)
+        y, cache = self._steps(x_t[None], cache, "MultiHeadSelfAttention.step")
         return y[0], cache

@@ -12,13 +12,13 @@ Two kinds of key/value cache serve the attention layers:
 Layers with other time state carry it in `PositionCache` (the step index) and `MeanCache` (a running
 sum and count). Every cache is a PyTree of arrays.
 
-The protocol: a key/value cache owns its update. `cache.update(keys, values, window)` takes the
-new steps' keys and values per head, `(n_heads, K, d_head)` for `K` steps, and returns a
-`KVUpdate`: what the attention reads (keys, values, and which of them each new step may see) and
-the updated cache; `cache.guard(y, fits)` then applies the cache's overflow rule to the `K` output
-rows. The growing, fixed and ring caches all answer it, so a layer's `step` and `prefill` have one
-code path; a new kind of cache is one new class. One `Counter` (index, overflow flag, overflow mode)
-serves the fixed cache and the positions.
+The protocol (`KeyValueCache`, abstract): a key/value cache owns its update. `cache.update(keys,
+values, window, owner)` takes the new steps' keys and values per head, `(n_heads, K, d_head)` for
+`K` steps, and returns a `KVUpdate`: what the attention reads (keys, values, and which of them each
+new step may see) and the updated cache; `cache.guard(y, fits)` then applies the cache's overflow
+rule to the `K` output rows. The growing, fixed and ring caches all answer it, so a layer's `step`
+and `prefill` have one code path; a new kind of cache is one new class. One `Counter` (index,
+overflow flag, overflow mode) serves the fixed cache and the positions.
 
 A batch of streams is a cache with a leading batch axis on every array (`batch_streams`, or
 `init_cache` under `jax.vmap`); every stream keeps its own counters. Every fixed-shape cache's empty
@@ -38,6 +38,7 @@ A fixed cache that is full never overwrites a row. What happens instead is the c
   This mode uses no host callback, so it is the one an exported step uses.
 """
 
+import abc
 import contextlib
 import contextvars
 from collections.abc import Iterator
@@ -49,12 +50,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ..core import ShapeError
+from ..core import ShapeError, sees
 from .counter import Counter
 
 __all__ = [
     "FixedKVCache",
     "KVCache",
+    "KeyValueCache",
     "KVUpdate",
     "MeanCache",
     "PositionCache",
@@ -83,6 +85,27 @@ class KVUpdate(NamedTuple):
     hidden_zeros: bool = False
 
 
+class KeyValueCache(eqx.Module):
+    """The protocol every key/value cache answers (abstract; each cache class is final).
+
+    `update(keys, values, window, owner)` takes the new steps' keys and values per head,
+    `(n_heads, K, d_head)` for `K` steps, and returns a `KVUpdate`: what the attention reads and
+    the updated cache. `window` is the layer's (a ring cache needs one, the others refuse one);
+    `owner` names the method that called, for the errors. `guard(y, fits)` applies the cache's
+    overflow rule to the `K` output rows. `fixed_shape` says whether the cache's shapes stay the
+    same from step to step (what a jitted or exported step needs)."""
+
+    fixed_shape: eqx.AbstractClassVar[bool]
+
+    @abc.abstractmethod
+    def update(self, keys: Array, values: Array, window: int | None, owner: str) -> KVUpdate:
+        """The new steps written; what they attend over."""
+
+    @abc.abstractmethod
+    def guard(self, y: Array, fits: Array) -> Array:
+        """`y (K, ...)` under the overflow rule, `fits (K,)` saying which steps the cache held."""
+
+
 def _heads(a: Array, n_heads: int) -> Array:
     """`(L, n_heads * d_head) -> (n_heads, L, d_head)`."""
     return a.reshape(a.shape[0], n_heads, a.shape[1] // n_heads).transpose(1, 0, 2)
@@ -96,10 +119,10 @@ def _refuse_window(window: int | None, owner: str) -> None:
         )
 
 
-def _check_buffers(buffer: Array, new: Array, rows: str) -> None:
+def _check_buffers(buffer: Array, new: Array, rows: str, owner: str) -> None:
     if buffer.ndim != 3 or (buffer.shape[0], buffer.shape[2]) != (new.shape[0], new.shape[2]):
         raise ShapeError(
-            f"MultiHeadSelfAttention.step: received `cache.keys.shape={buffer.shape}`; expected "
+            f"{owner}: received `cache.keys.shape={buffer.shape}`; expected "
             f"`(n_heads={new.shape[0]}, {rows}, d_head={new.shape[2]})`. Use this layer's "
             "`init_cache`."
         )
@@ -166,22 +189,24 @@ def _select_rows(buffer: Array, rows: Array, slots: Array, keep: Array | None) -
     return jnp.where(written, jnp.where(bad, jnp.asarray(jnp.nan, buffer.dtype), new), buffer)
 
 
-class KVCache(NamedTuple):
-    """The growing cache: keys and values of the steps seen so far, shape `(t, d_model)` each."""
+class KVCache(KeyValueCache):
+    """The growing cache: keys and values of the steps seen so far, shape `(t, d_model)` each (two
+    arrays: `keys, values = cache`)."""
 
     keys: Float[Array, "t d_model"]
     values: Float[Array, "t d_model"]
 
-    @property
-    def fixed_shape(self) -> bool:  # a NamedTuple holds no class variables
-        return False
+    fixed_shape: ClassVar[bool] = False
 
-    def update(self, keys: Array, values: Array, window: int | None) -> KVUpdate:
-        _refuse_window(window, "MultiHeadSelfAttention.step")
+    def __iter__(self) -> Iterator[Array]:
+        return iter((self.keys, self.values))
+
+    def update(self, keys: Array, values: Array, window: int | None, owner: str) -> KVUpdate:
+        _refuse_window(window, owner)
         n_heads, steps, d_head = keys.shape
         if self.keys.ndim != 2 or self.keys.shape[1] != n_heads * d_head:
             raise ShapeError(
-                f"MultiHeadSelfAttention.step: received `cache.keys.shape={self.keys.shape}`; "
+                f"{owner}: received `cache.keys.shape={self.keys.shape}`; "
                 f"expected `(t, {n_heads * d_head})` (key/value heads x d_head). Use "
                 "`init_cache()`."
             )
@@ -192,7 +217,7 @@ class KVCache(NamedTuple):
 
         all_keys, all_values = grown(self.keys, keys), grown(self.values, values)
         seen = self.keys.shape[0]
-        visible = jnp.arange(seen + steps)[None, :] <= seen + jnp.arange(steps)[:, None]
+        visible = sees(seen + jnp.arange(steps)[:, None], jnp.arange(seen + steps)[None, :])
         return KVUpdate(
             _heads(all_keys, n_heads),
             _heads(all_values, n_heads),
@@ -227,7 +252,7 @@ class Counted(eqx.Module):
         return self.counter.on_overflow
 
 
-class FixedKVCache(Counted):
+class FixedKVCache(KeyValueCache, Counted):
     """Preallocated keys and values, per head: `(n_heads, capacity, d_head)`; rows `>= index` are
     unwritten. Its `counter` holds the index, the overflow flag and the overflow mode."""
 
@@ -241,13 +266,15 @@ class FixedKVCache(Counted):
     def capacity(self) -> int:
         return self.keys.shape[1]
 
-    def update(self, keys: Array, values: Array, window: int | None) -> KVUpdate:
-        _refuse_window(window, "MultiHeadSelfAttention.step")
-        _check_buffers(self.keys, keys, "capacity")
+    def update(self, keys: Array, values: Array, window: int | None, owner: str) -> KVUpdate:
+        _refuse_window(window, owner)
+        _check_buffers(self.keys, keys, "capacity", owner)
         positions, fits, counter = self.counter.advance(keys.shape[1], self.capacity)
         new_keys = _write_rows(self.keys, keys, positions, keep=~fits)
         new_values = _write_rows(self.values, values, positions, keep=~fits)
-        visible = jnp.arange(self.capacity, dtype=positions.dtype)[None, :] <= positions[:, None]
+        visible = sees(
+            positions[:, None], jnp.arange(self.capacity, dtype=positions.dtype)[None, :]
+        )
         return KVUpdate(
             new_keys,
             new_values,
@@ -266,7 +293,7 @@ class FixedKVCache(Counted):
         )
 
 
-class RingKVCache(eqx.Module):
+class RingKVCache(KeyValueCache):
     """The cache of a sliding-window layer: the keys and values of the last `window` steps, in a
     ring of `window` rows per head, `(n_heads, window, d_head)`. It never fills up, so a stream can
     go on forever in constant memory.
@@ -286,16 +313,16 @@ class RingKVCache(eqx.Module):
     def window(self) -> int:
         return self.keys.shape[1]
 
-    def update(self, keys: Array, values: Array, window: int | None) -> KVUpdate:
+    def update(self, keys: Array, values: Array, window: int | None, owner: str) -> KVUpdate:
         if window is None:
             raise ValueError(
-                "MultiHeadSelfAttention.step: a windowed layer steps with the ring cache of its "
-                "own `init_cache()`, and only a windowed layer does."
+                f"{owner}: a windowed layer steps with the ring cache of its own `init_cache()`, "
+                "and only a windowed layer does."
             )
-        _check_buffers(self.keys, keys, f"window={window}")
+        _check_buffers(self.keys, keys, f"window={window}", owner)
         if self.window != window:
             raise ShapeError(
-                f"MultiHeadSelfAttention.step: the ring cache holds {self.window} steps; this "
+                f"{owner}: the ring cache holds {self.window} steps; this "
                 f"layer's window is {window}. Use this layer's `init_cache()`."
             )
         steps, n = keys.shape[1], self.index
@@ -305,9 +332,7 @@ class RingKVCache(eqx.Module):
         new = n + jnp.arange(steps, dtype=n.dtype)
         positions = jnp.concatenate([held, new])
         written = jnp.concatenate([held >= 0, jnp.ones(steps, bool)])
-        query = new[:, None]
-        later = positions[None, :]
-        visible = written[None, :] & (later <= query) & (later > query - window)
+        visible = written[None, :] & sees(new[:, None], positions[None, :], window)
         # The softmax does not care about the order of the keys, so the ring needs no rotation.
         # Only the last `window` new steps stay in the ring, each in its own row; the earlier
         # ones of a long chunk are not written (a comparison, so `steps` may be symbolic).

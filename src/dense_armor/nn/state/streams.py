@@ -9,12 +9,13 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool
 
 from ..core import ShapeError, require_int
+from .cache import KeyValueCache
 
 __all__ = ["batch_streams", "reset"]
 
 
 def _is_growing(node: Any) -> bool:
-    return getattr(node, "fixed_shape", True) is False
+    return isinstance(node, KeyValueCache) and not node.fixed_shape
 
 
 def _refuse_growing(cache: Any, what: str) -> None:
