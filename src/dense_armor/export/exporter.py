@@ -126,6 +126,60 @@ def export_model(
     Nothing is left half-written: the directory is assembled beside `out` and renamed into place.
     """
     started = time.perf_counter()
+    target = pathlib.Path(out)
+    capacity, shapes = _check_export(
+        config, target, capacity, platforms, static_shapes, force, seed, matmul_precision
+    )
+    check_fits(config, tree_arrays(model))  # the config and the weights must agree
+    causal_config = config.causal()
+    causal_model = (
+        model if causal_config == config else fill_tree(skeleton(causal_config), tree_arrays(model))
+    )
+    with exporting():  # cuDNN's attention lowers as XLA's: jax.export refuses its custom call
+        lowering = Lowering(model, causal_model, config, capacity)
+        functions = lowering.functions()
+    summary: dict[str, Any] = {}
+
+    def fill(tmp: pathlib.Path) -> None:
+        exported, stripped = _write_portable(tmp, functions, lowering, platforms)
+        static_entries, static_stripped = _write_static(tmp, functions, lowering, platforms, shapes)
+        save_file(
+            dict(zip(lowering.names, map(np.asarray, lowering.weights), strict=True)),
+            str(tmp / "weights.safetensors"),
+        )
+        golden_arrays, golden_plan = golden(lowering, seed, functions, static_entries)
+        save_file(golden_arrays, str(tmp / "golden.safetensors"))
+        (tmp / "run.py").write_text(pathlib.Path(standalone.__file__).read_text())
+        manifest = _manifest(
+            lowering, functions, exported, config, causal_config, platforms, static_entries
+        )
+        manifest["golden"] = golden_plan
+        manifest["matmul_precision"] = matmul_precision
+        manifest["debug_locations"] = "stripped" if stripped and static_stripped else "kept"
+        manifest["files"] = standalone.file_table(tmp)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        summary["manifest"] = manifest
+
+    # the golden outputs too: a cuDNN model computes them as XLA's; every product traced (and
+    # so written into the modules) at `matmul_precision`
+    with exporting(), jax.default_matmul_precision(matmul_precision):
+        _atomic.write_directory(target, fill)
+    files = {str(p.relative_to(target)): p.stat().st_size for p in target.rglob("*") if p.is_file()}
+    return ExportSummary(target, files, time.perf_counter() - started, summary["manifest"])
+
+
+def _check_export(
+    config: ModelConfig,
+    target: pathlib.Path,
+    capacity: Any,
+    platforms: Any,
+    static_shapes: Sequence[tuple[int, ...]] | None,
+    force: Any,
+    seed: Any,
+    matmul_precision: Any,
+) -> tuple[int, list[dict[str, int]]]:
+    """`export_model`'s arguments checked before any work; the capacity, and the sizes of each
+    static module."""
     try:  # a string such as "false" would be a true `force`, and replace the user's directory
         require_bool(force=force)
     except ValueError as error:
@@ -137,9 +191,10 @@ def export_model(
             f"export_model: `platforms` must be a list of platform names from {PLATFORMS}, e.g. "
             f'["cpu"]; received {platforms!r}.'
         )
-    target = pathlib.Path(out)
     if target.exists() and not force:
         raise ArtifactError(f"{target} exists; pass force=True (`--force`) to replace it.")
+    if target.exists() and not target.is_dir():
+        raise ArtifactError(f"{target} exists and is not a directory.")
     if matmul_precision not in MATMUL_PRECISIONS:
         raise ArtifactError(
             f"matmul_precision must be one of {MATMUL_PRECISIONS}; got {matmul_precision!r}."
@@ -153,7 +208,6 @@ def export_model(
     max_len = family.max_length(config.arguments)
     capacity = max_len if capacity is None else capacity
     require_int(1, caller="export_model", error=ArtifactError, capacity=capacity)
-    capacity = int(capacity)
     end = family.positions_end(config.arguments)
     if end is not None and capacity > end:
         raise ArtifactError(
@@ -167,94 +221,75 @@ def export_model(
         _static_sizes(s, max_len, with_context)
         for s in ([(1, max_len), (8, max_len)] if static_shapes is None else static_shapes)
     ]
-    check_fits(config, tree_arrays(model))  # the config and the weights must agree
+    return int(capacity), shapes
 
-    causal_config = config.causal()
-    causal_model = (
-        model if causal_config == config else fill_tree(skeleton(causal_config), tree_arrays(model))
-    )
-    with exporting():  # cuDNN's attention lowers as XLA's: jax.export refuses its custom call
-        lowering = Lowering(model, causal_model, config, capacity)
-        functions = lowering.functions()
-    weight_avals = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in lowering.weights]
 
-    summary: dict[str, Any] = {}
-
-    def fill(tmp: pathlib.Path) -> None:
-        exported = {}
-        stripped = []
-        for name, function in functions.items():
-            exported[name], done = strip_locations(
-                export.export(function.jitted(), platforms=tuple(platforms))(
-                    *function.arguments(weight_avals, function.symbolic_sizes())
-                )
+def _write_portable(
+    tmp: pathlib.Path, functions: dict[str, Function], lowering: Lowering, platforms: Sequence[str]
+) -> tuple[dict[str, Any], bool]:
+    """Each function's portable `jax.export` artifact (symbolic shapes, every platform); whether
+    every one's debug locations were stripped."""
+    weights = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in lowering.weights]
+    exported, stripped = {}, []
+    for name, function in functions.items():
+        exported[name], done = strip_locations(
+            export.export(function.jitted(), platforms=tuple(platforms))(
+                *function.arguments(weights, function.symbolic_sizes())
             )
-            stripped.append(done)
-            (tmp / f"{name}.jax_exported").write_bytes(exported[name].serialize())
+        )
+        stripped.append(done)
+        (tmp / f"{name}.jax_exported").write_bytes(exported[name].serialize())
+    return exported, all(stripped)
 
-        static_entries = []
-        written: dict[bytes, str] = {}  # a module's bytes -> the stem it was written under
-        (tmp / "static").mkdir()
-        for platform in platforms:
-            for name, function in functions.items():
-                seen = set()
-                for shape in shapes:
-                    sizes = {d: shape[d] for d in function.symbols}
-                    if tuple(sizes.items()) in seen:
-                        continue
-                    seen.add(tuple(sizes.items()))
-                    with portable_writes():  # no scatter: IREE rejects batched ones
-                        module, done = strip_locations(
-                            export.export(function.jitted(donate=False), platforms=(platform,))(
-                                *function.arguments(weight_avals, sizes)
-                            )
+
+def _write_static(
+    tmp: pathlib.Path,
+    functions: dict[str, Function],
+    lowering: Lowering,
+    platforms: Sequence[str],
+    shapes: list[dict[str, int]],
+) -> tuple[list[dict[str, Any]], bool]:
+    """The static modules (one platform, one shape each; a module identical to one already
+    written is written once) and their manifest entries; whether every one's debug locations
+    were stripped."""
+    weights = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in lowering.weights]
+    entries, stripped = [], []
+    written: dict[bytes, str] = {}  # a module's bytes -> the stem it was written under
+    (tmp / "static").mkdir()
+    for platform in platforms:
+        for name, function in functions.items():
+            seen = set()
+            for shape in shapes:
+                sizes = {d: shape[d] for d in function.symbols}
+                if tuple(sizes.items()) in seen:
+                    continue
+                seen.add(tuple(sizes.items()))
+                with portable_writes():  # no scatter: IREE rejects batched ones
+                    module, done = strip_locations(
+                        export.export(function.jitted(donate=False), platforms=(platform,))(
+                            *function.arguments(weights, sizes)
                         )
-                    stripped.append(done)
-                    stem = ".".join([name, platform, *(f"{d}{v}" for d, v in sizes.items())])
-                    bytecode = module.mlir_module_serialized
-                    if bytecode not in written:  # a platform's identical module is written once
-                        written[bytecode] = stem
-                        (tmp / "static" / f"{stem}.mlir").write_text(module.mlir_module())
-                        (tmp / "static" / f"{stem}.mlirbc").write_bytes(bytecode)
-                    static_entries.append(
-                        {
-                            "function": name,
-                            "platform": platform,
-                            "shape": sizes,
-                            "text": f"static/{written[bytecode]}.mlir",
-                            "bytecode": f"static/{written[bytecode]}.mlirbc",
-                            # jax.export drops the inputs a function never reads (an encoder's
-                            # init_cache reads none): the module takes these of `inputs`.
-                            "kept_inputs": sorted(module.module_kept_var_idx),
-                        }
                     )
-
-        save_file(
-            dict(zip(lowering.names, map(np.asarray, lowering.weights), strict=True)),
-            str(tmp / "weights.safetensors"),
-        )
-        golden_arrays, golden_plan = golden(lowering, seed, functions, static_entries)
-        save_file(golden_arrays, str(tmp / "golden.safetensors"))
-        (tmp / "run.py").write_text(pathlib.Path(standalone.__file__).read_text())
-
-        manifest = _manifest(
-            lowering, functions, exported, config, causal_config, platforms, static_entries
-        )
-        manifest["golden"] = golden_plan
-        manifest["matmul_precision"] = matmul_precision
-        manifest["debug_locations"] = "stripped" if all(stripped) else "kept"
-        manifest["files"] = standalone.file_table(tmp)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        summary["manifest"] = manifest
-
-    if target.exists() and not target.is_dir():
-        raise ArtifactError(f"{target} exists and is not a directory.")
-    # the golden outputs too: a cuDNN model computes them as XLA's; every product traced (and
-    # so written into the modules) at `matmul_precision`
-    with exporting(), jax.default_matmul_precision(matmul_precision):
-        _atomic.write_directory(target, fill)
-    files = {str(p.relative_to(target)): p.stat().st_size for p in target.rglob("*") if p.is_file()}
-    return ExportSummary(target, files, time.perf_counter() - started, summary["manifest"])
+                stripped.append(done)
+                stem = ".".join([name, platform, *(f"{d}{v}" for d, v in sizes.items())])
+                bytecode = module.mlir_module_serialized
+                if bytecode not in written:
+                    written[bytecode] = stem
+                    (tmp / "static" / f"{stem}.mlir").write_text(module.mlir_module())
+                    (tmp / "static" / f"{stem}.mlirbc").write_bytes(bytecode)
+                entries.append(
+                    {
+                        "function": name,
+                        "platform": platform,
+                        "shape": sizes,
+                        "text": f"static/{written[bytecode]}.mlir",
+                        "bytecode": f"static/{written[bytecode]}.mlirbc",
+                        # jax.export drops the inputs a function never reads (an encoder's
+                        # init_cache reads none): the module takes these of `inputs`.
+                        "kept_inputs": sorted(module.module_kept_var_idx),
+                    }
+                )
+    return entries, all(stripped)
 
 
 def _static_sizes(shape: Sequence[int], max_len: int, with_context: bool) -> dict[str, int]:
