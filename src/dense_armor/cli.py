@@ -92,7 +92,7 @@ def _inspect(directory: pathlib.Path) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dense-armor", description="dense_armor tools")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -143,61 +143,73 @@ def main(argv: Sequence[str] | None = None) -> int:
     ins = commands.add_parser("inspect", help="print an artifact's manifest and verify its files")
     ins.add_argument("directory", type=pathlib.Path)
 
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _export(args: argparse.Namespace) -> None:
+    from .export import export_checkpoint
+
+    summary = export_checkpoint(
+        args.checkpoint,
+        args.out,
+        capacity=args.capacity,
+        platforms=args.platforms,
+        static_shapes=args.static,
+        force=args.force,
+        matmul_precision=args.matmul_precision,
+    )
+    print(summary)
+
+
+def _compile(args: argparse.Namespace) -> None:
+    from .export.iree import compile_artifact
+    from .export.standalone import check_iree
+
+    print(compile_artifact(args.directory, args.target, cpu=args.cpu, cuda_arch=args.cuda_arch))
+    if "llvm-cpu" in args.target:
+        print("checked with iree-run-module against the golden outputs:")
+        for name, error in check_iree(args.directory).items():
+            print(f"  {name:<40} max |error| = {error:.3e}")
+
+
+def _import_torch(args: argparse.Namespace) -> None:
+    from .checkpoint import CheckpointError, ModelConfig, save_checkpoint
+    from .interop import InteropError, import_torch
+
+    data = _read_config(args.config)
+    missing = [key for key in ("factory", "arguments") if key not in data]
+    if missing:
+        raise InteropError(
+            f"{args.config}: the config lacks {', '.join(map(repr, missing))}; it must "
+            'be {"factory": ..., "arguments": {...}}.'
+        )
+    try:
+        config = ModelConfig(data["factory"], data["arguments"])
+    except CheckpointError as error:
+        raise InteropError(f"{args.config}: {error}") from None
+    model = import_torch(args.state, config, {"embed": args.embed, "head": args.head})
+    print(f"imported {args.state} into {save_checkpoint(args.out, model, config)}")
+
+
+COMMANDS = {
+    "export": _export,
+    "compile": _compile,
+    "import-torch": _import_torch,
+    "inspect": lambda args: print(_inspect(args.directory)),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line: `dense-armor export | compile | import-torch | inspect`; exit 2 with
+    one line naming the error for what a user can fix."""
+    args = _parser().parse_args(argv)
     from .checkpoint import CheckpointError
-    from .export import ArtifactError, export_checkpoint
+    from .export import ArtifactError
     from .interop import InteropError
 
     try:
-        if args.command == "export":
-            summary = export_checkpoint(
-                args.checkpoint,
-                args.out,
-                capacity=args.capacity,
-                platforms=args.platforms,
-                static_shapes=args.static,
-                force=args.force,
-                matmul_precision=args.matmul_precision,
-            )
-            print(summary)
-        elif args.command == "compile":
-            from .export.iree import compile_artifact
-            from .export.standalone import check_iree
-
-            print(
-                compile_artifact(
-                    args.directory, args.target, cpu=args.cpu, cuda_arch=args.cuda_arch
-                )
-            )
-            if "llvm-cpu" in args.target:
-                print("checked with iree-run-module against the golden outputs:")
-                for name, error in check_iree(args.directory).items():
-                    print(f"  {name:<40} max |error| = {error:.3e}")
-        elif args.command == "import-torch":
-            from .checkpoint import ModelConfig, save_checkpoint
-            from .interop import import_torch
-
-            data = _read_config(args.config)
-            missing = [key for key in ("factory", "arguments") if key not in data]
-            if missing:
-                raise InteropError(
-                    f"{args.config}: the config lacks {', '.join(map(repr, missing))}; it must "
-                    'be {"factory": ..., "arguments": {...}}.'
-                )
-            try:
-                config = ModelConfig(data["factory"], data["arguments"])
-            except CheckpointError as error:
-                raise InteropError(f"{args.config}: {error}") from None
-            model = import_torch(args.state, config, {"embed": args.embed, "head": args.head})
-            print(f"imported {args.state} into {save_checkpoint(args.out, model, config)}")
-        else:
-            print(_inspect(args.directory))
-    except (
-        ArtifactError,
-        CheckpointError,
-        InteropError,
-        OSError,
-    ) as error:  # OSError: an unusable --out
+        COMMANDS[args.command](args)
+    except (ArtifactError, CheckpointError, InteropError, OSError) as error:  # OSError: --out
         print(f"dense-armor {args.command}: error: {error}", file=sys.stderr)
         return 2
     return 0
