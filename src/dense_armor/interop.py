@@ -27,6 +27,9 @@ from typing import Any
 import numpy as np
 
 from .checkpoint import ModelConfig
+from .families import FAMILIES
+from .nn.blocks.transformer_block import TransformerBlock
+from .nn.layers.basic import Dense, LayerNorm
 from .trees import CheckpointError, fill_tree, skeleton, slots
 
 __all__ = ["InteropError", "import_torch", "read_state_dict"]
@@ -156,8 +159,31 @@ def import_torch(
             "import into the unrolled model (scan_layers=False), then stack it with "
             "`stack_layers` or load its checkpoint with `scan_layers=True`."
         )
-    decoder = config.factory == "transformer_decoder"
+    decoder = FAMILIES[config.factory].kind == "decoder"
+    depth = int(config.arguments["depth"])
+    stack = _stack_prefix(state, depth)
+    embed, head, blocks, final = _places(model, decoder, depth)
+    plan: dict[str, tuple[str, Any]] = {}
+    for path, source in _linear(names["embed"]).items():
+        plan[f"{embed}.{path}.value"] = source
+    for path, source in _linear(names["head"]).items():
+        plan[f"{head}.{path}.value"] = source
     d_model = int(config.arguments["d_model"])
+    for i, block in enumerate(blocks):
+        for path, source in _block(f"{stack}layers.{i}", d_model, decoder).items():
+            plan[f"{block}{path}.value"] = source
+    for path, source in _norm(f"{stack}norm").items():
+        plan[f"{final}.{path}.value"] = source
+    arrays = _arrays(slots(model), plan, state)
+    try:
+        return fill_tree(model, arrays)
+    except CheckpointError as error:
+        raise InteropError(f"the state dict does not fit the model: {error}") from None
+
+
+def _stack_prefix(state: Mapping[str, Any], depth: int) -> str:
+    """The prefix of the state dict's one stack of layers (`encoder.`, `decoder.`, ...), whose
+    layers must be `0 .. depth - 1`."""
     found = sorted(
         {m.group(1) for k in state if (m := re.match(r"^(.*?)layers\.\d+\.(self_attn|linear1)", k))}
     )
@@ -167,45 +193,35 @@ def import_torch(
             f"{found or 'none'}."
         )
     stack = found[0]
-    depth = int(config.arguments["depth"])
-    layers = sorted(
-        {
-            int(m.group(1))
-            for k in state
-            if (m := re.match(rf"^{re.escape(stack)}layers\.(\d+)\.", k))
-        }
-    )
+    pattern = rf"^{re.escape(stack)}layers\.(\d+)\."
+    layers = sorted({int(m.group(1)) for k in state if (m := re.match(pattern, k))})
     if layers != list(range(depth)):
         raise InteropError(
             f"the state dict's stack has layers {layers}; the model has depth {depth}."
         )
+    return stack
 
-    ours = slots(model)  # every array path of the model, with its shape
+
+def _places(model: Any, decoder: bool, depth: int) -> tuple[str, str, list[str], str]:
+    """The paths in `model` of the input projection, the output projection, each block and the
+    final LayerNorm (`.none` for a model without one)."""
     if decoder:
-        embed, head, blocks, final = (
-            ".embed",
-            ".head",
-            [f".blocks[{i}]" for i in range(depth)],
-            ".final_norm",
-        )
-    else:
-        kinds = [type(layer).__name__ for layer in model.layers]
-        dense = [i for i, kind in enumerate(kinds) if kind == "Dense"]
-        embed, head = f".layers[{dense[0]}]", f".layers[{dense[-1]}]"
-        blocks = [f".layers[{i}]" for i, kind in enumerate(kinds) if kind == "TransformerBlock"]
-        norms = [i for i, kind in enumerate(kinds) if kind == "LayerNorm"]
-        final = f".layers[{norms[0]}]" if norms else ".none"
-    plan: dict[str, tuple[str, Any]] = {}
-    for path, source in _linear(names["embed"]).items():
-        plan[f"{embed}.{path}.value"] = source
-    for path, source in _linear(names["head"]).items():
-        plan[f"{head}.{path}.value"] = source
-    for i, block in enumerate(blocks):
-        for path, source in _block(f"{stack}layers.{i}", d_model, decoder).items():
-            plan[f"{block}{path}.value"] = source
-    for path, source in _norm(f"{stack}norm").items():
-        plan[f"{final}.{path}.value"] = source
+        return ".embed", ".head", [f".blocks[{i}]" for i in range(depth)], ".final_norm"
+    layers = model.layers
+    dense = [i for i, layer in enumerate(layers) if isinstance(layer, Dense)]
+    blocks = [
+        f".layers[{i}]" for i, layer in enumerate(layers) if isinstance(layer, TransformerBlock)
+    ]
+    norms = [i for i, layer in enumerate(layers) if isinstance(layer, LayerNorm)]
+    final = f".layers[{norms[0]}]" if norms else ".none"
+    return f".layers[{dense[0]}]", f".layers[{dense[-1]}]", blocks, final
 
+
+def _arrays(
+    ours: Mapping[str, Any], plan: Mapping[str, tuple[str, Any]], state: Mapping[str, Any]
+) -> dict[str, np.ndarray]:
+    """Every array of the model (`ours`: path -> slot) from the tensor `plan` names, each checked
+    whole against the shape the model needs; every tensor of `state` must be used."""
     arrays, used = {}, set()
     for path, slot in ours.items():
         if path not in plan:
@@ -228,7 +244,4 @@ def import_torch(
             "build it with the PyTorch model's options (use_bias=True for its attention biases, "
             "norm_first=True for a final norm, ...)."
         )
-    try:
-        return fill_tree(model, arrays)
-    except CheckpointError as error:
-        raise InteropError(f"the state dict does not fit the model: {error}") from None
+    return arrays
