@@ -47,6 +47,7 @@ from ...nn.models.stack import Stack as Stack
 from ...nn.models.stack import stack_layers as stack_layers
 from ...nn.models.stack import unstack_layers as unstack_layers
 from ...nn.state.cache import FixedKVCache as FixedKVCache
+from ...nn.state.cache import KeyValueCache as KeyValueCache
 from ...nn.state.cache import KVCache as KVCache
 from ...nn.state.cache import KVUpdate as KVUpdate
 from ...nn.state.cache import MeanCache as MeanCache

@@ -2,6 +2,7 @@
 (this module defines nothing of its own)."""
 
 from ...nn.state.cache import FixedKVCache as FixedKVCache
+from ...nn.state.cache import KeyValueCache as KeyValueCache
 from ...nn.state.cache import KVCache as KVCache
 from ...nn.state.cache import KVUpdate as KVUpdate
 from ...nn.state.cache import MeanCache as MeanCache
