@@ -445,6 +445,8 @@ BAD = [
     ("save-onto-a-file", lambda tmp, _: onto_a_file(tmp), CheckpointError, r"refusing to replace .*file"),
     # training
     ("fit-batch-size-float", lambda: fit_with(batch_size=4.0), TypeError, r"fit: `batch_size` must be a positive integer; received `batch_size=4\.0` \(float\)"),
+    ("fit-loss-a-string", lambda: fit_with(loss_fn="cross_entropy"), TypeError, r"`loss_fn` must be a Loss or a function `\(model, xs, labels, key\) -> mean loss`; received str"),
+    ("evaluate-loss-none", lambda: evaluate(MODEL, XS, LABELS, loss_fn=None), TypeError, r"`loss_fn` must be a Loss.*received NoneType"),
     ("fit-steps-float", lambda: fit_with(steps=2.5), TypeError, r"fit: `steps` must be an integer >= 0; received `steps=2\.5`"),
     ("fit-steps-negative", lambda: fit_with(steps=-1), ValueError, r"fit: `steps` must be an integer >= 0; received `steps=-1`"),
     ("fit-eval-every-zero", lambda: fit_with(eval_every=0), ValueError, r"fit: `eval_every` must be a positive integer; received `eval_every=0`"),

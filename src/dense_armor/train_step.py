@@ -113,7 +113,14 @@ cross_entropy_loss = CrossEntropy()
 
 def as_loss(loss_fn: LossFn | Loss) -> Loss:
     """`loss_fn` as a `Loss`: itself if it is one, else wrapped (no label checks, no accuracy)."""
-    return loss_fn if isinstance(loss_fn, Loss) else Loss(loss_fn)
+    if isinstance(loss_fn, Loss):
+        return loss_fn
+    if not callable(loss_fn):
+        raise TypeError(
+            "`loss_fn` must be a Loss or a function `(model, xs, labels, key) -> mean loss`; "
+            f"received {type(loss_fn).__name__}."
+        )
+    return Loss(loss_fn)
 
 
 def make_train_step(
@@ -129,6 +136,7 @@ def make_train_step(
     round-off, for a loss that is a mean over the batch. With dropout, each micro-batch draws its
     own masks."""
     require_int(1, caller="make_train_step", accumulate=accumulate)
+    loss_fn = as_loss(loss_fn)
 
     def value_and_grad(model: Any, xs: jax.Array, labels: jax.Array, key: jax.Array) -> Any:
         if accumulate == 1:
