@@ -52,10 +52,10 @@ from ..checkpoint import (
 from ..families import FAMILIES
 from ..nn.core import require_bool, require_int
 from ..nn.kernels.choice import exporting
-from ..nn.state.cache import portable_writes
 from . import standalone
 from .golden import golden
-from .lowering import Function, Lowering, spec, strip_locations
+from .lowering import Function, Lowering, spec
+from .modules import write_portable, write_static
 from .standalone import FORMAT, FORMAT_VERSION, MANIFEST, ArtifactError
 
 __all__ = ["PLATFORMS", "ExportSummary", "export_checkpoint", "export_model"]
@@ -141,8 +141,8 @@ def export_model(
     summary: dict[str, Any] = {}
 
     def fill(tmp: pathlib.Path) -> None:
-        exported, stripped = _write_portable(tmp, functions, lowering, platforms)
-        static_entries, static_stripped = _write_static(tmp, functions, lowering, platforms, shapes)
+        exported, stripped = write_portable(tmp, functions, lowering, platforms)
+        static_entries, static_stripped = write_static(tmp, functions, lowering, platforms, shapes)
         save_file(
             dict(zip(lowering.names, map(np.asarray, lowering.weights), strict=True)),
             str(tmp / "weights.safetensors"),
@@ -222,74 +222,6 @@ def _check_export(
         for s in ([(1, max_len), (8, max_len)] if static_shapes is None else static_shapes)
     ]
     return int(capacity), shapes
-
-
-def _write_portable(
-    tmp: pathlib.Path, functions: dict[str, Function], lowering: Lowering, platforms: Sequence[str]
-) -> tuple[dict[str, Any], bool]:
-    """Each function's portable `jax.export` artifact (symbolic shapes, every platform); whether
-    every one's debug locations were stripped."""
-    weights = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in lowering.weights]
-    exported, stripped = {}, []
-    for name, function in functions.items():
-        exported[name], done = strip_locations(
-            export.export(function.jitted(), platforms=tuple(platforms))(
-                *function.arguments(weights, function.symbolic_sizes())
-            )
-        )
-        stripped.append(done)
-        (tmp / f"{name}.jax_exported").write_bytes(exported[name].serialize())
-    return exported, all(stripped)
-
-
-def _write_static(
-    tmp: pathlib.Path,
-    functions: dict[str, Function],
-    lowering: Lowering,
-    platforms: Sequence[str],
-    shapes: list[dict[str, int]],
-) -> tuple[list[dict[str, Any]], bool]:
-    """The static modules (one platform, one shape each; a module identical to one already
-    written is written once) and their manifest entries; whether every one's debug locations
-    were stripped."""
-    weights = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in lowering.weights]
-    entries, stripped = [], []
-    written: dict[bytes, str] = {}  # a module's bytes -> the stem it was written under
-    (tmp / "static").mkdir()
-    for platform in platforms:
-        for name, function in functions.items():
-            seen = set()
-            for shape in shapes:
-                sizes = {d: shape[d] for d in function.symbols}
-                if tuple(sizes.items()) in seen:
-                    continue
-                seen.add(tuple(sizes.items()))
-                with portable_writes():  # no scatter: IREE rejects batched ones
-                    module, done = strip_locations(
-                        export.export(function.jitted(donate=False), platforms=(platform,))(
-                            *function.arguments(weights, sizes)
-                        )
-                    )
-                stripped.append(done)
-                stem = ".".join([name, platform, *(f"{d}{v}" for d, v in sizes.items())])
-                bytecode = module.mlir_module_serialized
-                if bytecode not in written:
-                    written[bytecode] = stem
-                    (tmp / "static" / f"{stem}.mlir").write_text(module.mlir_module())
-                    (tmp / "static" / f"{stem}.mlirbc").write_bytes(bytecode)
-                entries.append(
-                    {
-                        "function": name,
-                        "platform": platform,
-                        "shape": sizes,
-                        "text": f"static/{written[bytecode]}.mlir",
-                        "bytecode": f"static/{written[bytecode]}.mlirbc",
-                        # jax.export drops the inputs a function never reads (an encoder's
-                        # init_cache reads none): the module takes these of `inputs`.
-                        "kept_inputs": sorted(module.module_kept_var_idx),
-                    }
-                )
-    return entries, all(stripped)
 
 
 def _static_sizes(shape: Sequence[int], max_len: int, with_context: bool) -> dict[str, int]:

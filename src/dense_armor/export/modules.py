@@ -1,0 +1,83 @@
+"""The exported modules written into an artifact's directory: each function's portable
+`jax.export` artifact (symbolic shapes, every platform) and its static modules (one platform and
+one shape each) with their manifest entries."""
+
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax import export
+
+from ..nn.state.cache import portable_writes
+from .lowering import Function, Lowering, strip_locations
+
+__all__ = ["write_portable", "write_static"]
+
+
+def write_portable(
+    tmp: pathlib.Path, functions: dict[str, Function], lowering: Lowering, platforms: Sequence[str]
+) -> tuple[dict[str, Any], bool]:
+    """Each function's portable `jax.export` artifact (symbolic shapes, every platform); whether
+    every one's debug locations were stripped."""
+    weights = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in lowering.weights]
+    exported, stripped = {}, []
+    for name, function in functions.items():
+        exported[name], done = strip_locations(
+            export.export(function.jitted(), platforms=tuple(platforms))(
+                *function.arguments(weights, function.symbolic_sizes())
+            )
+        )
+        stripped.append(done)
+        (tmp / f"{name}.jax_exported").write_bytes(exported[name].serialize())
+    return exported, all(stripped)
+
+
+def write_static(
+    tmp: pathlib.Path,
+    functions: dict[str, Function],
+    lowering: Lowering,
+    platforms: Sequence[str],
+    shapes: list[dict[str, int]],
+) -> tuple[list[dict[str, Any]], bool]:
+    """The static modules (one platform, one shape each; a module identical to one already
+    written is written once) and their manifest entries; whether every one's debug locations
+    were stripped."""
+    weights = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in lowering.weights]
+    entries, stripped = [], []
+    written: dict[bytes, str] = {}  # a module's bytes -> the stem it was written under
+    (tmp / "static").mkdir()
+    for platform in platforms:
+        for name, function in functions.items():
+            seen = set()
+            for shape in shapes:
+                sizes = {d: shape[d] for d in function.symbols}
+                if tuple(sizes.items()) in seen:
+                    continue
+                seen.add(tuple(sizes.items()))
+                with portable_writes():  # no scatter: IREE rejects batched ones
+                    module, done = strip_locations(
+                        export.export(function.jitted(donate=False), platforms=(platform,))(
+                            *function.arguments(weights, sizes)
+                        )
+                    )
+                stripped.append(done)
+                stem = ".".join([name, platform, *(f"{d}{v}" for d, v in sizes.items())])
+                bytecode = module.mlir_module_serialized
+                if bytecode not in written:
+                    written[bytecode] = stem
+                    (tmp / "static" / f"{stem}.mlir").write_text(module.mlir_module())
+                    (tmp / "static" / f"{stem}.mlirbc").write_bytes(bytecode)
+                entries.append(
+                    {
+                        "function": name,
+                        "platform": platform,
+                        "shape": sizes,
+                        "text": f"static/{written[bytecode]}.mlir",
+                        "bytecode": f"static/{written[bytecode]}.mlirbc",
+                        # jax.export drops the inputs a function never reads (an encoder's
+                        # init_cache reads none): the module takes these of `inputs`.
+                        "kept_inputs": sorted(module.module_kept_var_idx),
+                    }
+                )
+    return entries, all(stripped)
