@@ -13,9 +13,6 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from ..core import (
     python_scalar,
-    require_bool,
-    require_key,
-    require_positive,
     shape_checked,
 )
 from ..layers.basic import Dropout, FeedForward, LayerNorm
@@ -24,7 +21,7 @@ from ..mixers.heads import _check_heads
 from ..mixers.options import attention_options
 from ..mixers.self_attention import MultiHeadSelfAttention
 from ..state.cache import FixedKVCache, KVCache, RingKVCache
-from .mixer_block import Block, Gate, _check_remat, _rematerialised
+from .mixer_block import Block, Gate, _check_block, _check_remat, _rematerialised
 
 __all__ = ["DecoderCache", "TransformerDecoderBlock"]
 
@@ -87,10 +84,8 @@ class TransformerDecoderBlock(Block):
         layer_norm_eps: float = 1e-5,
         **attention: Any,
     ):
-        require_key(key)
+        _check_block(key, d_model, d_ff, gate, norm_first)
         _check_heads(d_model, n_heads)
-        require_positive(d_ff=d_ff)
-        require_bool(gate=gate, norm_first=norm_first)
         owner = "TransformerDecoderBlock"
         skey, ckey, fkey = jr.split(key, 3)
         self.self_attention = MultiHeadSelfAttention(

@@ -1,6 +1,7 @@
-"""What every block shares: `MixerBlock`, the block equations written once around a sequence mixer
-(`forward` passes the mixer's forward, `step` and `prefill` its `prefill` on the cache), the
-learned `Gate` that can replace a residual addition, and the residual and remat helpers. The
+"""What every block shares: `Block`, the residual equations written once over a tuple of
+sub-layers; `MixerBlock`, those equations around a sequence mixer and the feed-forward (`forward`
+passes the mixer's forward, `step` and `prefill` its `prefill` on the cache); the learned `Gate`
+that can replace a residual addition; the checks every block's arguments share, and remat. The
 blocks themselves: `transformer_block`, `recurrent_block`, `decoder_block`.
 """
 
@@ -19,13 +20,14 @@ from ..core import (
     Layer,
     Param,
     python_scalar,
+    require_bool,
     require_key,
     require_positive,
     shape_checked,
 )
 from ..layers.basic import Dropout, FeedForward, LayerNorm
 
-__all__ = ["Gate", "MixerBlock"]
+__all__ = ["Block", "Gate", "MixerBlock"]
 
 
 REMAT = (None, "block", "attention")
@@ -38,6 +40,13 @@ def _check_remat(remat: str | None) -> str | None:
             f"block, or the attention); received `remat={remat!r}`."
         )
     return remat
+
+
+def _check_block(key: Any, d_model: int, d_ff: int, gate: Any, norm_first: Any) -> None:
+    """The arguments every block takes, checked: its key, widths and flags."""
+    require_key(key)
+    require_positive(d_model=d_model, d_ff=d_ff)
+    require_bool(gate=gate, norm_first=norm_first)
 
 
 def _rematerialised(attention: Callable[[Array], Array], remat: str | None) -> Any:

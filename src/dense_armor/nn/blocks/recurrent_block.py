@@ -5,10 +5,10 @@ import equinox as eqx
 import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from ..core import python_scalar, require_bool, require_key, require_positive, shape_checked
+from ..core import python_scalar, shape_checked
 from ..layers.basic import Dropout, FeedForward, LayerNorm
 from ..mixers.recurrent import RECURRENT, HiddenState, LSTMState, Recurrent
-from .mixer_block import Gate, MixerBlock
+from .mixer_block import Gate, MixerBlock, _check_block
 
 __all__ = ["RecurrentBlock"]
 
@@ -51,9 +51,7 @@ class RecurrentBlock(MixerBlock):
         activation: str = "relu",
         layer_norm_eps: float = 1e-5,
     ):
-        require_key(key)
-        require_positive(d_model=d_model, d_ff=d_ff)
-        require_bool(gate=gate, norm_first=norm_first)
+        _check_block(key, d_model, d_ff, gate, norm_first)
         if mixer not in RECURRENT:
             raise ValueError(
                 f"`mixer` of a RecurrentBlock must be one of {tuple(RECURRENT)}; received "

@@ -7,13 +7,13 @@ import equinox as eqx
 import jax.random as jr
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
-from ..core import python_scalar, require_bool, require_key, require_positive, shape_checked
+from ..core import python_scalar, shape_checked
 from ..layers.basic import Dropout, FeedForward, LayerNorm
 from ..mixers.heads import _check_heads
 from ..mixers.options import attention_options
 from ..mixers.self_attention import MultiHeadSelfAttention
 from ..state.cache import FixedKVCache, KVCache, RingKVCache
-from .mixer_block import Gate, MixerBlock
+from .mixer_block import Gate, MixerBlock, _check_block
 
 __all__ = ["TransformerBlock"]
 
@@ -71,10 +71,8 @@ class TransformerBlock(MixerBlock):
         layer_norm_eps: float = 1e-5,
         **attention: Any,
     ):
-        require_key(key)
+        _check_block(key, d_model, d_ff, gate, norm_first)
         _check_heads(d_model, n_heads)
-        require_positive(d_ff=d_ff)
-        require_bool(gate=gate, norm_first=norm_first)
         options = attention_options("TransformerBlock", attention)
         akey, fkey = jr.split(key)
         self.attention = MultiHeadSelfAttention(d_model, n_heads, akey, causal=causal, **options)

@@ -57,8 +57,14 @@ def choose_kernel(implementation: str, queries: object, keys: object) -> str:
     step) asks here."""
     if implementation in ("xla", "cudnn"):
         return implementation
-    memory_efficient = {"auto": None, "blocked": True}.get(implementation, False)
+    memory_efficient = older_spelling(implementation)
     return "blocked" if use_blocked(memory_efficient, queries, keys) else "materialised"
+
+
+def older_spelling(implementation: str) -> bool | None:
+    """`implementation` as `memory_efficient`: blocked (`True`), by length (`None`), or not
+    (`False`)."""
+    return {"auto": None, "blocked": True}.get(implementation, False)
 
 
 def _dot_product_attention(

@@ -18,7 +18,7 @@ from jaxtyping import Array, PRNGKeyArray
 
 from ..core import CannotStream, Layer, Param, require_bool, require_positive, sees
 from ..kernels.blocked import blocked_attention
-from ..kernels.choice import _dot_product_attention, choose_kernel
+from ..kernels.choice import _dot_product_attention, choose_kernel, older_spelling
 from ..kernels.materialised import _attention, attention_weights
 from ..kernels.rotary import rotate
 
@@ -156,7 +156,7 @@ class MultiHeadAttention(Layer):
     @property
     def memory_efficient(self) -> bool | None:
         """`implementation` in the older spelling: blocked (`True`), not (`False`) or by length."""
-        return {"auto": None, "blocked": True}.get(self.implementation, False)
+        return older_spelling(self.implementation)
 
     @staticmethod
     def _affine(x: Array, weight: Param, bias: Param | None) -> Array:
