@@ -177,7 +177,8 @@ def test_a_loss_is_an_object_that_knows_its_checks_and_metrics():
         ({"positions": "learned"}, 6),
         ({"positions": "rope"}, None),
         ({"positions": "none"}, None),
-        ({"causal": True, "window": 3}, None),  # a window's positions never end
+        ({"causal": True, "window": 3}, None),  # a window's sinusoids never end
+        ({"causal": True, "window": 3, "positions": "learned"}, 6),  # a table still does
     ],
 )
 def test_the_family_registry_says_where_a_models_positions_end(arguments, end):

@@ -68,6 +68,10 @@ KEY = jax.random.PRNGKey(0)
 ARGUMENTS = {"n_in": 3, "d_model": 8, "n_heads": 2, "d_ff": 16, "depth": 1, "n_out": 2}
 CONFIG = ModelConfig("transformer_encoder", {**ARGUMENTS, "max_len": 6, "causal": True})
 MODEL = CONFIG.build(KEY)
+# a window, but positions from a table of max_len rows: a stream still ends at max_len
+WINDOWED_LEARNED = ModelConfig(
+    "transformer_encoder", {**CONFIG.arguments, "window": 2, "positions": "learned"}
+)
 XS = np.asarray(jax.random.normal(KEY, (8, 6, 3)))
 LABELS = np.array([0, 1] * 4, np.int32)
 ADAM = optax.adam(1e-3)
@@ -537,6 +541,7 @@ BAD = [
     ("export-static-shape-float", lambda tmp, _: export_model(MODEL, CONFIG, tmp / "art", static_shapes=[(1, 2.5)]), ArtifactError, r"static shape \(1, 2.5\): `T` must be a positive integer; received `T=2.5`"),
     ("export-static-shape-a-number", lambda tmp, _: export_model(MODEL, CONFIG, tmp / "art", static_shapes=[4]), ArtifactError, r"a static shape is \(B, T\), a tuple of integers; got 4"),
     ("export-platforms-a-string", lambda tmp, _: export_model(MODEL, CONFIG, tmp / "art", platforms="cpu"), ArtifactError, r"`platforms` must be a list of platform names.*'cpu'"),
+    ("export-capacity-past-a-learned-table", lambda tmp, _: export_model(WINDOWED_LEARNED.build(KEY), WINDOWED_LEARNED, tmp / "art", capacity=10), ArtifactError, r"capacity 10 > max_len 6: the positional encoding of this model stops at step 6"),
     ("export-capacity-bool", lambda tmp, _: export_model(MODEL, CONFIG, tmp / "art", capacity=True), ArtifactError, r"`capacity` must be a positive integer; received `capacity=True`"),
     ("export-seed-negative", lambda tmp, _: export_model(MODEL, CONFIG, tmp / "art", seed=-1), ArtifactError, r"`seed` must be an integer >= 0; received `seed=-1`"),
     ("sequential-step-two-dimensional", lambda: MODEL.step(jnp.ones((1, 3)), MODEL.init_cache(6)), ShapeError, r"Sequential.step: `x_t` must be one step of shape \(n_in=3,\).*`x_t.shape=\(1, 3\)`.*jax.vmap"),

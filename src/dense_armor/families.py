@@ -56,9 +56,11 @@ class Family:
         return int(arguments["max_len"])
 
     def positions_end(self, arguments: Arguments) -> int | None:
-        # rotary positions, or none, or a window's sinusoids: no table that ends
-        unbounded = arguments.get("positions", "sinusoidal") in ("rope", "none")
-        if unbounded or arguments.get("window") is not None:
+        positions = arguments.get("positions", "sinusoidal")
+        if positions == "learned":  # a table of max_len rows, window or not
+            return self.max_length(arguments)
+        # rotary positions, or none, or a window's sinusoids (computed for any step): no end
+        if positions in ("rope", "none") or arguments.get("window") is not None:
             return None
         return self.max_length(arguments)
 
