@@ -4,12 +4,14 @@ A layer acts on one unbatched sequence of shape `(T, features)`; batches go thro
 (or `eqx.filter_vmap`), as in Equinox.
 """
 
+import contextlib
+import contextvars
 import functools
 import inspect
 import numbers
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar, TypeVar
 
 import equinox as eqx
@@ -310,6 +312,53 @@ def shape_checked(method: Fn) -> Fn:
     return wrapper  # type: ignore[return-value]
 
 
+_CALLER: contextvars.ContextVar[tuple[Any, str] | None] = contextvars.ContextVar(
+    "dense_armor_caller", default=None
+)
+
+
+@contextlib.contextmanager
+def _calling(layer: Any, name: str) -> Iterator[None]:
+    token = _CALLER.set((layer, name))
+    try:
+        yield
+    finally:
+        _CALLER.reset(token)
+
+
+def called_as(layer: Any, default: str) -> str:
+    """The method of `layer` its errors should name: `X.step` while `layer.step` runs its
+    `prefill`, else `default`. Only `layer` itself sees it: the layers inside it keep their own
+    names."""
+    caller = _CALLER.get()
+    return caller[1] if caller is not None and caller[0] is layer else default
+
+
+@functools.cache
+def _step_check(cls: type, method: str = "prefill") -> Callable[..., None]:
+    """`cls.step`'s input check, derived from the annotations of `cls.prefill` (its `x` less the
+    leading step axis: `Float[Array, "K d_model"]` becomes `Float[Array, " d_model"]` for `x_t`;
+    its cache's annotation as it is) or of `cls.forward` (a pointwise layer's: its `x` takes any
+    leading axes, so it fits `x_t` as it is), run by `shape_checked` under the name `cls.step`."""
+    parameters = list(inspect.signature(inspect.unwrap(getattr(cls, method))).parameters.values())
+    parameters = [p for p in parameters[1:3] if p.kind is p.POSITIONAL_OR_KEYWORD]
+    chunk: Any = parameters[0].annotation if parameters else None
+    dims = getattr(chunk, "dim_str", None)
+
+    def check(self: Any, x_t: Any, cache: Any = None) -> None:
+        return None
+
+    if not isinstance(dims, str) or not dims.split():
+        return check
+    if method == "prefill":
+        chunk = chunk.dtype[chunk.array_type, " " + " ".join(dims.split()[1:])]
+    check.__annotations__ = {"x_t": chunk}
+    if method == "prefill" and len(parameters) > 1:
+        check.__annotations__["cache"] = parameters[1].annotation
+    check.__qualname__ = f"{cls.__name__}.step"
+    return shape_checked(check)
+
+
 class Layer(eqx.Module):
     """Base class of every dense_armor layer.
 
@@ -359,11 +408,28 @@ class Layer(eqx.Module):
     def init_cache(self, *args: Any, **kwargs: Any) -> Any:
         raise CannotStream(f"{type(self).__name__} does not stream: it has no `init_cache`.")
 
-    def step(self, x_t: Any, cache: Any) -> tuple[Any, Any]:
-        raise CannotStream(f"{type(self).__name__} does not stream: it has no `step`.")
-
     def prefill(self, x: Any, cache: Any) -> tuple[Any, Any]:
         raise CannotStream(f"{type(self).__name__} does not stream: it has no `prefill`.")
+
+    def step(self, x_t: Any, cache: Any) -> tuple[Any, Any]:
+        """One step, `x_t` one row of what `prefill` takes: `prefill` of the one-step chunk
+        `x_t[None]`, its row `0`, and the cache after it. After `t+1` steps, row `t` of `forward`
+        on those steps.
+
+        Defined here once for every layer (a layer streams by defining `prefill`). `x_t` is
+        checked first against `prefill`'s annotation less its leading step axis (or by the
+        layer's `check_step`), so a wrong input is named as the caller passed it, and the errors
+        of `prefill` name `step` as the method called."""
+        self.check_step(x_t, cache)
+        with _calling(self, f"{type(self).__name__}.step"):
+            y, cache = self.prefill(x_t[None], cache)
+        return y[0], cache
+
+    def check_step(self, x_t: Any, cache: Any) -> None:
+        """Check what `step` receives, before it runs `prefill`: by default against `prefill`'s
+        jaxtyping annotations, the leading step axis of `x` removed (nothing where `prefill` has
+        none). Runs at trace time."""
+        _step_check(type(self))(self, x_t, cache)
 
 
 class Pointwise(Layer):
@@ -375,8 +441,9 @@ class Pointwise(Layer):
     def init_cache(self, capacity: int | None = None, *, on_overflow: str = "raise") -> None:
         return None
 
-    def step(self, x_t: Any, cache: None) -> tuple[Any, None]:
-        return self.forward(x_t), cache
-
     def prefill(self, x: Any, cache: None) -> tuple[Any, None]:
         return self.forward(x), cache
+
+    def check_step(self, x_t: Any, cache: None) -> None:
+        """`forward`'s check, on `x_t` as it is (a pointwise layer takes any leading axes)."""
+        _step_check(type(self), "forward")(self, x_t)

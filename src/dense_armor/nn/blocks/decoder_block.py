@@ -164,14 +164,6 @@ class TransformerDecoderBlock(Block):
         )
 
     @shape_checked
-    def step(
-        self, x_t: Float[Array, " d_model"], cache: DecoderCache
-    ) -> tuple[Float[Array, " d_model"], DecoderCache]:
-        """One step; after `t+1` steps, row `t` of `forward` on them (with the same context)."""
-        y, cache = self.prefill(x_t[None], cache)
-        return y[0], cache
-
-    @shape_checked
     def prefill(
         self, x: Float[Array, "K d_model"], cache: DecoderCache
     ) -> tuple[Float[Array, "K d_model"], DecoderCache]:

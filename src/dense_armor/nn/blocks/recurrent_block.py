@@ -73,11 +73,3 @@ class RecurrentBlock(MixerBlock):
     ) -> tuple[Float[Array, "K d_model"], HiddenState | LSTMState]:
         """`K` steps of the block at once; see `Recurrent.prefill`."""
         return self._prefill(x, cache)
-
-    @shape_checked
-    def step(
-        self, x_t: Float[Array, " d_model"], cache: HiddenState | LSTMState
-    ) -> tuple[Float[Array, " d_model"], HiddenState | LSTMState]:
-        """One step of the block; after `t+1` steps, row `t` of `forward`."""
-        y, cache = self.prefill(x_t[None], cache)
-        return y[0], cache

@@ -97,11 +97,3 @@ class TransformerBlock(MixerBlock):
     ) -> tuple[Float[Array, "K d_model"], KVCache | FixedKVCache | RingKVCache]:
         """`K` causal steps of the block at once; see `MultiHeadSelfAttention.prefill`."""
         return self._prefill(x, cache)
-
-    @shape_checked
-    def step(
-        self, x_t: Float[Array, " d_model"], cache: KVCache | FixedKVCache | RingKVCache
-    ) -> tuple[Float[Array, " d_model"], KVCache | FixedKVCache | RingKVCache]:
-        """One causal step of the block; see `MultiHeadSelfAttention.step`."""
-        y, cache = self.prefill(x_t[None], cache)
-        return y[0], cache

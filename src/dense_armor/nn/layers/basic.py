@@ -282,10 +282,3 @@ class MeanOverTime(Layer):
         counts = cache.count + jnp.arange(1, x.shape[0] + 1, dtype=cache.count.dtype)
         means = totals / counts.astype(totals.dtype)[:, None]
         return means.astype(x.dtype), MeanCache(totals[-1], counts[-1])
-
-    @shape_checked
-    def step(
-        self, x_t: Float[Array, " features"], cache: MeanCache
-    ) -> tuple[Float[Array, " features"], MeanCache]:
-        y, cache = self.prefill(x_t[None], cache)
-        return y[0], cache

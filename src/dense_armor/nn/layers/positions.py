@@ -105,14 +105,6 @@ class PositionalEncoding(Layer):
         message = f"{type(self).__name__}: step at a position >= max_len={self.max_len}"
         return counter.guard(y, fits, message), PositionCache(counter)
 
-    @shape_checked
-    def step(
-        self, x_t: Float[Array, " d_model"], cache: PositionCache
-    ) -> tuple[Float[Array, " d_model"], PositionCache]:
-        """Add the row of the cache's position to `x_t`, and count one step."""
-        y, cache = self.prefill(x_t[None], cache)
-        return y[0], cache
-
 
 class LearnedPositions(PositionalEncoding):
     """A learned table `P` of shape `(max_len, d_model)`; adds `P[:T]` to a sequence of `T` steps.

@@ -10,6 +10,7 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 from ..core import (
     Param,
     ShapeError,
+    called_as,
     python_scalar,
     require_key,
     require_positive,
@@ -122,21 +123,15 @@ class MultiHeadCrossAttention(MultiHeadAttention):
         return self.attend_sequence(x, cache.keys, cache.values, cache.mask)
 
     @shape_checked
-    def step(
-        self, x_t: Float[Array, " d_model"], cache: ContextCache
-    ) -> tuple[Float[Array, " d_model"], ContextCache]:
-        """One query against the cached context; the cache comes back unchanged."""
-        width = self.W_K.value.shape[1]
-        if cache.keys.ndim != 2 or cache.keys.shape[1] != width:
-            raise ShapeError(
-                f"MultiHeadCrossAttention.step: received `cache.keys.shape={cache.keys.shape}`; "
-                f"expected `(S, {width})`. Use `init_cache(context)`."
-            )
-        return self.step_sequence(x_t[None], cache)[0], cache
-
-    @shape_checked
     def prefill(
         self, x: Float[Array, "K d_model"], cache: ContextCache
     ) -> tuple[Float[Array, "K d_model"], ContextCache]:
         """`K` queries against the cached context at once; the cache comes back unchanged."""
+        width = self.W_K.value.shape[1]
+        if cache.keys.ndim != 2 or cache.keys.shape[1] != width:
+            caller = called_as(self, "MultiHeadCrossAttention.prefill")
+            raise ShapeError(
+                f"{caller}: received `cache.keys.shape={cache.keys.shape}`; "
+                f"expected `(S, {width})`. Use `init_cache(context)`."
+            )
         return self.step_sequence(x, cache), cache

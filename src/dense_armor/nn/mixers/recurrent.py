@@ -172,14 +172,6 @@ class Recurrent(Layer):
         self._check_state(cache, "prefill")
         return self._run(x, cache, mask)
 
-    @shape_checked
-    def step(
-        self, x_t: Float[Array, " n_in"], cache: HiddenState | LSTMState
-    ) -> tuple[Float[Array, " d_hidden"], HiddenState | LSTMState]:
-        """One step: `(h_t, state)`; after `t+1` steps, row `t` of `forward`."""
-        y, cache = self.prefill(x_t[None], cache)
-        return y[0], cache
-
 
 class GRU(Recurrent):
     """The gated recurrent unit (Cho et al. 2014), in PyTorch's `nn.GRU` form:

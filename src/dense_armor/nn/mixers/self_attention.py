@@ -13,6 +13,7 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from ..core import (
     Param,
+    called_as,
     python_scalar,
     require_bool,
     require_key,
@@ -215,7 +216,7 @@ class MultiHeadSelfAttention(MultiHeadAttention):
         float32 round-off. A fixed cache with too little room applies its overflow rule to the
         rows past its capacity, as `step` would.
         """
-        return self._steps(x, cache, "MultiHeadSelfAttention.prefill")
+        return self._steps(x, cache, called_as(self, "MultiHeadSelfAttention.prefill"))
 
     def _steps(self, x: Array, cache: Cache, owner: str) -> tuple[Array, Cache]:
         """`prefill`'s work, for `prefill` and `step` (`owner`, in the cache's errors)."""
@@ -266,15 +267,3 @@ class MultiHeadSelfAttention(MultiHeadAttention):
             x, update.keys, update.values, update.visible, positions, update.hidden_zeros
         )
         return update.cache.guard(y, update.fits), update.cache
-
-    @shape_checked
-    def step(
-        self, x_t: Float[Array, " d_model"], cache: Cache
-    ) -> tuple[Float[Array, " d_model"], Cache]:
-        """One causal step: append `x_t`'s key and value to `cache`, attend over the cache.
-
-        **Returns:** `(y_t, cache)`, `y_t` of shape `(d_model,)`: after `t+1` steps, row `t` of
-        `forward` on those steps.
-        """
-        y, cache = self._steps(x_t[None], cache, "MultiHeadSelfAttention.step")
-        return y[0], cache

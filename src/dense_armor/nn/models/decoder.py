@@ -76,10 +76,9 @@ class TransformerDecoder(Layer):
             ),
         )
 
-    def step(self, x_t: Array, cache: tuple[Any, ...]) -> tuple[Array, tuple[Any, ...]]:
+    def check_step(self, x_t: Any, cache: Any) -> None:
+        """`step`'s own check: `x_t` one step of width `n_in`."""
         check_steps("TransformerDecoder.step", "x_t", x_t, self.embed.n_in, one_step=True)
-        y, cache = self.prefill(x_t[None], cache)
-        return y[0], cache
 
     def prefill(self, x: Array, cache: tuple[Any, ...]) -> tuple[Array, tuple[Any, ...]]:
         """`K` steps at once, `x (K, n_in)`: what `K` calls of `step` return, stacked."""

@@ -66,12 +66,10 @@ class Sequential(Layer):
                 f"`init_cache`; received {received}."
             )
 
-    def step(self, x_t: Array, cache: tuple[Any, ...]) -> tuple[Array, tuple[Any, ...]]:
-        """One step through every layer; after `t+1` steps, `forward` on those steps."""
+    def check_step(self, x_t: Any, cache: Any) -> None:
+        """`step`'s own check: the caches, and `x_t` one step of the first layer's width."""
         self._check_caches(cache, "step")
         check_steps("Sequential.step", "x_t", x_t, self._n_in(), one_step=True)
-        y, cache = self.prefill(x_t[None], cache)
-        return y[0], cache
 
     def _n_in(self) -> int | None:
         """The input width, where the first layer says it (a `Dense`); else None."""

@@ -101,10 +101,6 @@ class Stack(Layer):
 
         return self._scan(body, x, cache)
 
-    def step(self, x_t: Array, cache: Any) -> tuple[Array, Any]:
-        y, cache = self.prefill(x_t[None], cache)
-        return y[0], cache
-
 
 def _is_stackable(layer: Any) -> bool:
     return isinstance(layer, Layer) and layer.stackable
