@@ -169,12 +169,9 @@ def fit(
     train_step = make_train_step(optimizer, objective, accumulate)
     root_key = jax.random.PRNGKey(seed)
     bar = tqdm(
-        total=steps,
-        initial=run.start,
-        disable=not progress or jax.process_index() != 0,
-        unit="step",
-        dynamic_ncols=True,
-    )
+        total=steps, initial=run.start, disable=not progress or jax.process_index() != 0,
+        unit="step", dynamic_ncols=True,
+    )  # fmt: skip
     run.tick = time.perf_counter()
     try:
         for step in range(run.start, steps):
@@ -183,21 +180,14 @@ def fit(
                 check_batch = check_batch or objective.batch_checker(model, xs)
                 if check_batch is not None:
                     check_batch("fit (data source)", labels, rows, f" at step {step}")
-            if mesh is None:
-                xb, yb = jnp.asarray(xs), jnp.asarray(labels)
-            else:  # this process's rows of the global batch
-                xb, yb = global_batch(mesh, xs), global_batch(mesh, labels)
+            xb, yb = _placed(mesh, xs, labels)
             model, opt_state, loss = train_step(
                 model, opt_state, xb, yb, jax.random.fold_in(root_key, step)
             )
             run.losses.append(loss)
             bar.update(1)
             done = step + 1
-            # The previous step's loss is ready by now: checking it costs no wait on this one.
-            if len(run.losses) > 1 and not math.isfinite(float(run.losses[-2])):
-                raise FloatingPointError(
-                    f"fit: the training loss is {float(run.losses[-2])} at step {done - 1}."
-                )
+            run.check_previous(done)
             if done % eval_every and done != steps:
                 continue
             score, improved = run.record(done, batch_size, model, valid, mesh, objective, bar)
@@ -261,6 +251,13 @@ def _check_fit(
     return source, len(range(batch_size)[process_rows(mesh, batch_size)])
 
 
+def _placed(mesh: Mesh | None, xs: Any, labels: Any) -> tuple[jax.Array, jax.Array]:
+    """A batch on the device, or, with a mesh, this process's rows of the global batch."""
+    if mesh is None:
+        return jnp.asarray(xs), jnp.asarray(labels)
+    return global_batch(mesh, xs), global_batch(mesh, labels)
+
+
 @dataclasses.dataclass
 class _Run:
     """Where a `fit` stands: its first step (after a resume), its records, the best of them, and
@@ -271,6 +268,14 @@ class _Run:
     best: dict[str, float] | None = None
     losses: list[jax.Array] = dataclasses.field(default_factory=list)
     tick: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def check_previous(self, done: int) -> None:
+        """Refuse a non-finite loss of the step before `done`: it is ready by now, so checking it
+        costs no wait on the step just dispatched."""
+        if len(self.losses) > 1 and not math.isfinite(float(self.losses[-2])):
+            raise FloatingPointError(
+                f"fit: the training loss is {float(self.losses[-2])} at step {done - 1}."
+            )
 
     def record(
         self,

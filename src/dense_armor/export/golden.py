@@ -46,68 +46,81 @@ def golden(
     two, `min(capacity, GOLDEN_STEPS)` steps long: `init_cache`, `prefill` of the first steps,
     `step` over the rest with stream 1 reset part-way (to a new context, for a family with one);
     and a case for every static module's function and shape (`_static_cases`)."""
-    key = jax.random.PRNGKey(seed)
-    arrays: dict[str, np.ndarray] = {}
+    data = _Golden(lowering, jax.random.PRNGKey(seed))
+    forward = data.forward_cases()
+    stream = data.stream()
+    static = _static_cases(lowering, functions, static_entries, data.key, data.arrays)
+    plan = {"file": "golden.safetensors", "static": static, "forward": forward, "stream": stream}
+    return data.arrays, plan
 
-    def normal(i: int, shape: tuple[int, ...]) -> np.ndarray:
-        return np.asarray(jax.random.normal(jax.random.fold_in(key, i), shape), np.float32)
 
-    def context(name: str, i: int, b: int, s: int, padded: bool) -> list[str]:
-        if lowering.width is None:
+class _Golden:
+    """The golden arrays as they are made (`arrays`, by name), from one key."""
+
+    def __init__(self, lowering: Lowering, key: jax.Array) -> None:
+        self.lowering, self.key = lowering, key
+        self.arrays: dict[str, np.ndarray] = {}
+
+    def normal(self, i: int, shape: tuple[int, ...]) -> np.ndarray:
+        return np.asarray(jax.random.normal(jax.random.fold_in(self.key, i), shape), np.float32)
+
+    def context(self, name: str, i: int, b: int, s: int, padded: bool) -> list[str]:
+        """A context and its mask for a family that takes one (else nothing): their names."""
+        if self.lowering.width is None:
             return []
-        arrays[f"{name}.context"] = normal(1000 + i, (b, s, lowering.width))
+        self.arrays[f"{name}.context"] = self.normal(1000 + i, (b, s, self.lowering.width))
         mask = np.ones((b, s), bool)
         if padded and s > 1:
             mask[0, -1] = False  # one padded context step in the first sequence
-        arrays[f"{name}.context_mask"] = mask
+        self.arrays[f"{name}.context_mask"] = mask
         return [f"{name}.context", f"{name}.context_mask"]
 
-    forward = jax.jit(lowering.forward)
-    forward_cases = []
-    for i, (b, t, s) in enumerate(
-        [(2, lowering.max_len, 5), (3, min(5, lowering.max_len), 3), (1, 1, 1)]
-    ):
-        arrays[f"forward{i}.x"] = normal(i, (b, t, lowering.n_in))
-        inputs = [f"forward{i}.x", *context(f"forward{i}", i, b, s, padded=True)]
-        arrays[f"forward{i}.y"] = np.asarray(  # outputs are stored as float32
-            forward(lowering.weights, *(arrays[k] for k in inputs)), np.float32
+    def forward_cases(self) -> list[dict[str, Any]]:
+        """Three batches of sequences, the longest `max_len` steps, and the outputs for them."""
+        lowering, arrays = self.lowering, self.arrays
+        forward = jax.jit(lowering.forward)
+        cases = []
+        for i, (b, t, s) in enumerate(
+            [(2, lowering.max_len, 5), (3, min(5, lowering.max_len), 3), (1, 1, 1)]
+        ):
+            arrays[f"forward{i}.x"] = self.normal(i, (b, t, lowering.n_in))
+            inputs = [f"forward{i}.x", *self.context(f"forward{i}", i, b, s, padded=True)]
+            arrays[f"forward{i}.y"] = np.asarray(  # outputs are stored as float32
+                forward(lowering.weights, *(arrays[k] for k in inputs)), np.float32
+            )
+            cases.append({"inputs": inputs, "output": f"forward{i}.y", "B": b, "T": t})
+        return cases
+
+    def stream(self) -> dict[str, Any]:
+        """Two streams from their empty caches (what `init_cache` must return), stepped one at a
+        time; stream 1 starts again at `reset_at`, from its new context."""
+        lowering, arrays = self.lowering, self.arrays
+        b, n = 2, min(lowering.capacity, GOLDEN_STEPS)
+        prefilled, reset_at = max(1, n // 3), max(1, n // 3, (2 * n) // 3)
+        xs = self.normal(100, (b, n, lowering.n_in))
+        arrays["stream.x"] = xs
+        arrays["stream.streams"] = np.ones(b, bool)
+        init = self.context("stream", 9, b, 4, padded=True) or ["stream.streams"]
+        arrays["reset.streams"] = np.array([False, True])
+        reset = ["reset.streams", *self.context("reset", 10, b, 4, padded=False)]
+
+        def row(keys: Sequence[str], i: int) -> list[np.ndarray]:
+            return [arrays[k][i] for k in keys if k != "stream.streams"]
+
+        model = lowering.causal_model
+        starts = [
+            lowering.family.start(model, lowering.capacity, tuple(row(init, i)), "nan")
+            for i in range(b)
+        ]
+        leaves = [np.stack(a) for a in zip(*map(jax.tree_util.tree_leaves, starts), strict=True)]
+        cache_keys = [f"init_cache.{i}" for i in range(len(leaves))]
+        arrays.update(zip(cache_keys, leaves, strict=True))
+        again = [_run(lowering, xs[1, reset_at:], row(reset[1:], 1))] if reset_at < n else []
+        first = _run(lowering, xs[0], row(init, 0))
+        arrays["stream.y"] = np.stack(
+            [first, np.concatenate([_run(lowering, xs[1, :reset_at], row(init, 1)), *again])]
         )
-        forward_cases.append({"inputs": inputs, "output": f"forward{i}.y", "B": b, "T": t})
-
-    b, n = 2, min(lowering.capacity, GOLDEN_STEPS)
-    prefilled, reset_at = max(1, n // 3), max(1, n // 3, (2 * n) // 3)
-    xs = normal(100, (b, n, lowering.n_in))
-    arrays["stream.x"] = xs
-    arrays["stream.streams"] = np.ones(b, bool)
-    init = context("stream", 9, b, 4, padded=True) or ["stream.streams"]
-    arrays["reset.streams"] = np.array([False, True])
-    reset = ["reset.streams", *context("reset", 10, b, 4, padded=False)]
-
-    def row(keys: Sequence[str], i: int) -> list[np.ndarray]:
-        return [arrays[k][i] for k in keys if k != "stream.streams"]
-
-    # The empty cache of each stream, stacked: what init_cache must return.
-    model = lowering.causal_model
-    starts = [
-        lowering.family.start(model, lowering.capacity, tuple(row(init, i)), "nan")
-        for i in range(b)
-    ]
-    leaves = [np.stack(a) for a in zip(*map(jax.tree_util.tree_leaves, starts), strict=True)]
-    cache_keys = [f"init_cache.{i}" for i in range(len(leaves))]
-    arrays.update(zip(cache_keys, leaves, strict=True))
-
-    # Stream 0 runs uninterrupted; stream 1 starts again at `reset_at`, from its new context.
-    again = [_run(lowering, xs[1, reset_at:], row(reset[1:], 1))] if reset_at < n else []
-    first = _run(lowering, xs[0], row(init, 0))
-    arrays["stream.y"] = np.stack(
-        [first, np.concatenate([_run(lowering, xs[1, :reset_at], row(init, 1)), *again])]
-    )
-    static = _static_cases(lowering, functions, static_entries, key, arrays)
-    return arrays, {
-        "file": "golden.safetensors",
-        "static": static,
-        "forward": forward_cases,
-        "stream": {
+        return {
             "B": b,
             "steps": n,
             "prefill": prefilled,
@@ -116,8 +129,7 @@ def golden(
             "reset": {"inputs": reset},
             "x": "stream.x",
             "y": "stream.y",
-        },
-    }
+        }
 
 
 def _static_cases(
@@ -154,33 +166,7 @@ def _static_cases(
                 mask[0, -1] = False
             context = [normal(0, (b, sizes["S"], lowering.width)), mask]
         init_inputs = context or [np.ones(b, bool)]
-        cache = list(jax.jit(lowering.init_cache)(lowering.weights, *init_inputs))
-        steps = None
-        if name == "forward":
-            inputs = [normal(1, concrete(lowering.x["shape"], sizes)), *context]
-            outputs = [jax.jit(lowering.forward)(lowering.weights, *inputs)]
-        elif name == "init_cache":
-            inputs, outputs = init_inputs, cache
-        elif name == "step":
-            steps = min(lowering.capacity, GOLDEN_STEPS)
-            xs = normal(2, (b, steps, lowering.n_in))
-            step, ys, state = jax.jit(lowering.step), [], cache
-            for t in range(steps):
-                y_t, state, overflow = step(lowering.weights, xs[:, t], state)
-                ys.append(y_t)
-            inputs, outputs = [xs, *cache], [jnp.stack(ys, axis=1), *state, overflow]
-        elif name == "prefill":
-            inputs = [normal(3, concrete(lowering.x["shape"], sizes)), *cache]
-            y, state, overflow = jax.jit(lowering.prefill)(lowering.weights, *inputs[:1], cache)
-            outputs = [y, *state, overflow]
-        else:  # reset: a cache part-way through a stream, every other stream reset
-            _, state, _ = jax.jit(lowering.prefill)(
-                lowering.weights,
-                normal(4, (b, max(1, min(lowering.capacity, GOLDEN_STEPS) // 2), lowering.n_in)),
-                cache,
-            )
-            inputs = [np.arange(b) % 2 == 1, *context, *state]
-            outputs = jax.jit(lowering.reset)(lowering.weights, inputs[0], *context, state)
+        inputs, outputs, steps = _static_run(lowering, name, sizes, normal, init_inputs, context)
         names = [f"{prefix}.in{i}" for i in range(len(inputs))]
         out_names = [f"{prefix}.out{i}" for i in range(len(outputs))]
         arrays.update(zip(names, map(_stored, inputs), strict=True))
@@ -196,6 +182,47 @@ def _static_cases(
             }
         )
     return cases
+
+
+def _static_run(
+    lowering: Lowering,
+    name: str,
+    sizes: dict[str, int],
+    normal: Any,
+    init_inputs: list[Any],
+    context: list[Any],
+) -> tuple[list[Any], list[Any], int | None]:
+    """One static case's inputs and the Python outputs for them (`steps`: a step case's
+    length), the cache starting empty."""
+    b = sizes["B"]
+    cache = list(jax.jit(lowering.init_cache)(lowering.weights, *init_inputs))
+    steps = None
+    if name == "forward":
+        inputs = [normal(1, concrete(lowering.x["shape"], sizes)), *context]
+        outputs = [jax.jit(lowering.forward)(lowering.weights, *inputs)]
+    elif name == "init_cache":
+        inputs, outputs = init_inputs, cache
+    elif name == "step":
+        steps = min(lowering.capacity, GOLDEN_STEPS)
+        xs = normal(2, (b, steps, lowering.n_in))
+        step, ys, state = jax.jit(lowering.step), [], cache
+        for t in range(steps):
+            y_t, state, overflow = step(lowering.weights, xs[:, t], state)
+            ys.append(y_t)
+        inputs, outputs = [xs, *cache], [jnp.stack(ys, axis=1), *state, overflow]
+    elif name == "prefill":
+        inputs = [normal(3, concrete(lowering.x["shape"], sizes)), *cache]
+        y, state, overflow = jax.jit(lowering.prefill)(lowering.weights, *inputs[:1], cache)
+        outputs = [y, *state, overflow]
+    else:  # reset: a cache part-way through a stream, every other stream reset
+        _, state, _ = jax.jit(lowering.prefill)(
+            lowering.weights,
+            normal(4, (b, max(1, min(lowering.capacity, GOLDEN_STEPS) // 2), lowering.n_in)),
+            cache,
+        )
+        inputs = [np.arange(b) % 2 == 1, *context, *state]
+        outputs = jax.jit(lowering.reset)(lowering.weights, inputs[0], *context, state)
+    return inputs, outputs, steps
 
 
 def _stored(a: Any) -> np.ndarray:

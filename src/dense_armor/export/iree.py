@@ -116,10 +116,7 @@ def compile_artifact(
     if jobs is not None:
         require_int(1, caller="compile_artifact (or None)", error=ArtifactError, jobs=jobs)
     jobs = int(jobs or os.cpu_count() or 1)
-    cache = os.environ.get("DENSE_ARMOR_IREE_CACHE") if cache is None else cache
-    store = pathlib.Path(cache) if cache else None
-    if store is not None and store.is_file():
-        raise ArtifactError(f"the compile cache {store} is a file, not a directory.")
+    store = _compile_cache(cache)
 
     def fill(tmp: pathlib.Path) -> None:
         shutil.copytree(target, tmp, dirs_exist_ok=True)
@@ -130,21 +127,7 @@ def compile_artifact(
         work = [(module, t) for module in modules for t in flags]
 
         def one(item: tuple[str, str]) -> dict[str, Any]:
-            module, t = item
-            out = module.removesuffix(".mlirbc") + f".{t}.vmfb"
-            key = None if store is None else _cache_key(tmp / module, flags[t])
-            if store is None or key is None or not _cached(store, key, tmp / out):
-                try:
-                    tools.compile_file(
-                        str(tmp / module), output_file=str(tmp / out), extra_args=flags[t]
-                    )
-                except tools.CompilerToolError as error:
-                    raise ArtifactError(
-                        f"iree-compile failed on {module} for {t}: {error}"
-                    ) from None
-                if store is not None and key is not None:
-                    _store(tmp / out, store, key)
-            return {"module": module, "target": t, "file": out, "flags": flags[t]}
+            return _compile_module(tools, tmp, item[0], item[1], flags[item[1]], store)
 
         with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
             compiled = list(pool.map(one, work))
@@ -160,6 +143,37 @@ def compile_artifact(
         c["file"]: (target / c["file"]).stat().st_size for c in written if c["target"] in flags
     }
     return CompileSummary(target, files, time.perf_counter() - started)
+
+
+def _compile_cache(cache: str | os.PathLike[str] | None) -> pathlib.Path | None:
+    """The directory of compiled modules to reuse: `cache`, else `$DENSE_ARMOR_IREE_CACHE`."""
+    cache = os.environ.get("DENSE_ARMOR_IREE_CACHE") if cache is None else cache
+    store = pathlib.Path(cache) if cache else None
+    if store is not None and store.is_file():
+        raise ArtifactError(f"the compile cache {store} is a file, not a directory.")
+    return store
+
+
+def _compile_module(
+    tools: Any,
+    tmp: pathlib.Path,
+    module: str,
+    target: str,
+    flags: list[str],
+    store: pathlib.Path | None,
+) -> dict[str, Any]:
+    """Compile one static module of the artifact being written at `tmp` for `target` (or take
+    it from the cache `store`): its entry in the manifest's `compiled` list."""
+    out = module.removesuffix(".mlirbc") + f".{target}.vmfb"
+    key = None if store is None else _cache_key(tmp / module, flags)
+    if store is None or key is None or not _cached(store, key, tmp / out):
+        try:
+            tools.compile_file(str(tmp / module), output_file=str(tmp / out), extra_args=flags)
+        except tools.CompilerToolError as error:
+            raise ArtifactError(f"iree-compile failed on {module} for {target}: {error}") from None
+        if store is not None and key is not None:
+            _store(tmp / out, store, key)
+    return {"module": module, "target": target, "file": out, "flags": flags}
 
 
 def _host_cpu() -> str:

@@ -78,6 +78,38 @@ def blocked_attention(
     sees a non-finite value gets NaN in its whole row.
     """
     block_q, block_k = block_size
+    batch, valid = _check_blocked(q, k, v, causal, window, key_mask, block_q, block_k)
+    T, S = q.shape[-2], k.shape[-2]
+    if T == 0 or S == 0:  # no query, or no key to see: zeros, as a fully hidden row gets
+        return jnp.zeros((*batch, T, v.shape[-1]), v.dtype)
+    v, sees_non_finite = _finite_values(v, valid, batch, T, causal, window)
+    n = math.prod(batch)
+    block_q, block_k = min(block_q, max(T, 1)), min(block_k, max(S, 1))
+    t_pad, s_pad = -T % block_q, -S % block_k
+
+    def flat(a: Array, length: int, pad: int) -> Array:
+        a = jnp.broadcast_to(a.astype(jnp.float32), (*batch, length, a.shape[-1]))
+        return jnp.pad(a.reshape(n, length, a.shape[-1]), ((0, 0), (0, pad), (0, 0)))
+
+    valid = jnp.pad(valid.reshape(n, S), ((0, 0), (0, s_pad)))
+    blocks = _Blocks(causal, window, block_q, block_k)
+    out = _blocked(blocks, flat(q, T, t_pad), flat(k, S, s_pad), flat(v, S, s_pad), valid)
+    out = out[:, :T].reshape(*batch, T, v.shape[-1])
+    return jnp.where(sees_non_finite[..., None], jnp.nan, out).astype(v.dtype)
+
+
+def _check_blocked(
+    q: Array,
+    k: Array,
+    v: Array,
+    causal: bool,
+    window: int | None,
+    key_mask: Array | None,
+    block_q: int,
+    block_k: int,
+) -> tuple[tuple[int, ...], Array]:
+    """`blocked_attention`'s checks of its arguments; returns the broadcast batch axes and the
+    key mask broadcast to `(*batch, S)`."""
     require_positive(block_q=block_q, block_k=block_k)
     require_bool(causal=causal)
     if window is not None:
@@ -117,22 +149,7 @@ def blocked_attention(
             f"blocked_attention: the leading axes of q {q.shape}, k {k.shape}, v {v.shape} and "
             f"`key_mask` {None if key_mask is None else key_mask.shape} do not broadcast."
         ) from None
-    if T == 0 or S == 0:  # no query, or no key to see: zeros, as a fully hidden row gets
-        return jnp.zeros((*batch, T, v.shape[-1]), v.dtype)
-    v, sees_non_finite = _finite_values(v, valid, batch, T, causal, window)
-    n = math.prod(batch)
-    block_q, block_k = min(block_q, max(T, 1)), min(block_k, max(S, 1))
-    t_pad, s_pad = -T % block_q, -S % block_k
-
-    def flat(a: Array, length: int, pad: int) -> Array:
-        a = jnp.broadcast_to(a.astype(jnp.float32), (*batch, length, a.shape[-1]))
-        return jnp.pad(a.reshape(n, length, a.shape[-1]), ((0, 0), (0, pad), (0, 0)))
-
-    valid = jnp.pad(valid.reshape(n, S), ((0, 0), (0, s_pad)))
-    blocks = _Blocks(causal, window, block_q, block_k)
-    out = _blocked(blocks, flat(q, T, t_pad), flat(k, S, s_pad), flat(v, S, s_pad), valid)
-    out = out[:, :T].reshape(*batch, T, v.shape[-1])
-    return jnp.where(sees_non_finite[..., None], jnp.nan, out).astype(v.dtype)
+    return batch, valid
 
 
 def _finite_values(
