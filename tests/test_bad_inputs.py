@@ -40,6 +40,14 @@ from dense_armor.export.iree import compile_artifact, target_flags
 from dense_armor.export.standalone import check_iree
 from dense_armor.export.standalone import main as run_py
 from dense_armor.interop import InteropError, import_torch
+from dense_armor.nn.layers.language import (
+    Embedding,
+    GatedFeedForward,
+    LMHead,
+    RMSNorm,
+    TokenIdError,
+)
+from dense_armor.nn.sampling import greedy, sample
 from dense_armor.sharded_checkpoint import ShardedCheckpoints, to_safetensors
 from dense_armor.training import evaluate, fit
 from dense_armor.utility.neural import (
@@ -373,7 +381,7 @@ BAD = [
     ("kv-heads-string", lambda: transformer_decoder(3, 8, 2, 16, 1, 2, KEY, 6, n_kv_heads="1"), ValueError, r"`n_kv_heads` must be a positive integer.*'1'"),
     ("attention-dropout-above-one", lambda: transformer_encoder(3, 8, 2, 16, 1, 2, KEY, 6, attention_dropout=1.5), ValueError, r"`attention_dropout` must be a number in \[0, 1\].*1\.5"),
     ("attention-dropout-string", lambda: transformer_decoder(3, 8, 2, 16, 1, 2, KEY, 6, attention_dropout="0.1"), ValueError, r"`attention_dropout` must be a number in \[0, 1\].*'0\.1'"),
-    ("activation-unknown", lambda: transformer_encoder(3, 8, 2, 16, 1, 2, KEY, 6, activation="tanh"), ValueError, r"`activation` must be one of \('relu', 'gelu'\).*'tanh'"),
+    ("activation-unknown", lambda: transformer_encoder(3, 8, 2, 16, 1, 2, KEY, 6, activation="tanh"), ValueError, r"`activation` must be one of \('relu', 'gelu', 'gelu_tanh', 'silu'\).*'tanh'"),
     ("layer-norm-eps-zero", lambda: transformer_decoder(3, 8, 2, 16, 1, 2, KEY, 6, layer_norm_eps=0), ValueError, r"`eps` must be a positive number; received `eps=0`"),
     ("use-bias-string", lambda: MultiHeadSelfAttention(8, 2, KEY, use_bias="yes"), ValueError, r"`use_bias` must be True or False.*'yes'"),
     ("export-capacity-string", lambda: export_model(MODEL, CONFIG, "never-written", capacity="4"), ArtifactError, r"export_model: `capacity` must be a positive integer; received `capacity='4'` \(str\)"),
@@ -560,6 +568,30 @@ BAD = [
     ("init-streams-float", lambda: MODEL.init_streams(2.0, 6), ValueError, r"`batch` must be a positive integer; received `batch=2.0` \(float\)"),
     ("initialize-timeout-float", lambda: initialize("127.0.0.1:1", 2, 0, timeout=1.5), ValueError, r"`timeout` must be a positive number of seconds; got 1.5"),
     ("evaluate-batch-size-string", lambda: evaluate(MODEL, XS, LABELS, batch_size="8"), TypeError, r"evaluate: `batch_size` must be a positive integer; received `batch_size='8'`"),
+    # the layers of a token language model, and the sampling rules
+    ("embedding-float-ids", lambda: Embedding(11, 4, KEY)(jnp.array([1.0])), ShapeError, r"Embedding.forward.*`ids`: expected Int"),
+    ("embedding-id-past-the-vocabulary", lambda: Embedding(11, 4, KEY)(jnp.array([3, 11])), TokenIdError, r"token id 11 at position \(1,\) is outside the vocabulary \[0, 11\)"),
+    ("embedding-negative-id", lambda: Embedding(11, 4, KEY)(jnp.array([-1])), TokenIdError, r"token id -1 at position \(0,\)"),
+    ("embedding-on-invalid-unknown", lambda: Embedding(11, 4, KEY, on_invalid="clip"), ValueError, r"`on_invalid` must be one of \('raise', 'nan'\); received `on_invalid='clip'`"),
+    ("embedding-vocab-zero", lambda: Embedding(0, 4, KEY), ValueError, r"`vocab` must be a positive integer; received `vocab=0`"),
+    ("rms-norm-eps-nan", lambda: RMSNorm(4, eps=float("nan")), ValueError, r"`eps` must be a positive finite number; received `eps=nan`"),
+    ("rms-norm-eps-string", lambda: RMSNorm(4, eps="1e-6"), ValueError, r"`eps` must be a positive finite number; received `eps='1e-6'` \(str\)"),
+    ("rms-norm-wrong-width", lambda: RMSNorm(4)(jnp.ones((2, 5))), ShapeError, r"RMSNorm.forward: received `x.shape=\(2, 5\)`; expected `\(\*T, d_model=4\)`"),
+    ("gated-feed-forward-activation-unknown", lambda: GatedFeedForward(4, 8, KEY, "swish"), ValueError, r"`activation` must be one of \('relu', 'gelu', 'gelu_tanh', 'silu'\); received `activation='swish'`"),
+    ("lm-head-wrong-width", lambda: LMHead(4, 9, KEY)(jnp.ones((2, 5))), ShapeError, r"LMHead.forward: received `h.shape=\(2, 5\)`"),
+    ("sample-top-p-zero", lambda: sample(jnp.zeros(5), KEY, top_p=0.0), ValueError, r"`top_p` must be a number in \(0, 1\] \(or None\); received `top_p=0.0`"),
+    ("sample-top-p-above-one", lambda: sample(jnp.zeros(5), KEY, top_p=1.5), ValueError, r"`top_p` must be a number in \(0, 1\]"),
+    ("sample-top-p-nan", lambda: sample(jnp.zeros(5), KEY, top_p=float("nan")), ValueError, r"`top_p` must be a number in \(0, 1\]"),
+    ("sample-temperature-negative", lambda: sample(jnp.zeros(5), KEY, temperature=-1.0), ValueError, r"`temperature` must be a finite number >= 0 \(0 is greedy\); received `temperature=-1.0`"),
+    ("sample-temperature-nan", lambda: sample(jnp.zeros(5), KEY, temperature=float("nan")), ValueError, r"`temperature` must be a finite number >= 0"),
+    ("sample-temperature-string", lambda: sample(jnp.zeros(5), KEY, temperature="0.7"), ValueError, r"received `temperature='0.7'` \(str\)"),
+    ("sample-top-k-zero", lambda: sample(jnp.zeros(5), KEY, top_k=0), ValueError, r"`top_k` must be a positive integer; received `top_k=0`"),
+    ("sample-top-k-float", lambda: sample(jnp.zeros(5), KEY, top_k=2.5), TypeError, r"`top_k` must be a positive integer; received `top_k=2.5`"),
+    ("sample-top-k-bool", lambda: sample(jnp.zeros(5), KEY, top_k=True), TypeError, r"`top_k` must be a positive integer; received `top_k=True`"),
+    ("sample-min-p-negative", lambda: sample(jnp.zeros(5), KEY, min_p=-0.1), ValueError, r"`min_p` must be a number in \[0, 1\] \(or None\); received `min_p=-0.1`"),
+    ("sample-integer-logits", lambda: sample(jnp.zeros(5, int), KEY), ValueError, r"`logits` must be a floating-point array `\(..., vocab\)`.*dtype int32"),
+    ("sample-empty-vocabulary", lambda: sample(jnp.zeros((2, 0)), KEY), ValueError, r"`logits` must be a floating-point array.*shape \(2, 0\)"),
+    ("greedy-a-list", lambda: greedy([1.0, 2.0]), ShapeError, r"`logits`: expected Float"),
     # several processes
     ("coordinator-without-port", with_env(DENSE_ARMOR_COORDINATOR="127.0.0.1"), ValueError, r"DENSE_ARMOR_COORDINATOR must be `host:port`.*'127.0.0.1'"),
     ("coordinator-port-not-a-number", with_env(DENSE_ARMOR_COORDINATOR="127.0.0.1:http"), ValueError, r"DENSE_ARMOR_COORDINATOR.*'127.0.0.1:http'"),

@@ -5,8 +5,8 @@ leading axes, so they serve both a sequence `(T, features)` and a single step `(
 """
 
 import numbers
-from collections.abc import Mapping
-from typing import ClassVar
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -29,6 +29,7 @@ from ..core import (
 from ..state.cache import MeanCache
 
 __all__ = [
+    "ACTIVATIONS",
     "COMPUTE_DTYPES",
     "Cast",
     "Dense",
@@ -184,14 +185,42 @@ class Dropout(Pointwise):
         return jnp.where(keep, x / (1.0 - self.rate), jnp.zeros_like(x))
 
 
-ACTIVATIONS = ("relu", "gelu")
+def gelu(x: Array) -> Array:
+    """The exact, erf-based GELU (PyTorch's `F.gelu`)."""
+    return jax.nn.gelu(x, approximate=False)
+
+
+def gelu_tanh(x: Array) -> Array:
+    """GELU's tanh approximation, `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`: GPT-2's
+    `gelu_new`, PyTorch's `F.gelu(approximate="tanh")`."""
+    return jax.nn.gelu(x, approximate=True)
+
+
+# The feed-forward activations by name, for `FeedForward` and `GatedFeedForward`: `"silu"` is
+# `x sigmoid(x)` (Llama's and Qwen2's, in their gated feed-forward).
+ACTIVATIONS: Mapping[str, Callable[[Array], Array]] = {
+    "relu": relu,
+    "gelu": gelu,
+    "gelu_tanh": gelu_tanh,
+    "silu": jax.nn.silu,
+}
+
+
+def check_activation(activation: Any) -> None:
+    """Refuse an activation name that `ACTIVATIONS` does not hold."""
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise ValueError(
+            f"`activation` must be one of {tuple(ACTIVATIONS)}; received "
+            f"`activation={activation!r}`."
+        )
 
 
 class FeedForward(Pointwise):
     """`FFN(x) = max(0, x W_1 + b_1) W_2 + b_2` (Vaswani et al. 2017, Eq.(2), page 5).
 
     `activation="relu"` (the page's); `"gelu"` is the exact, erf-based GELU (PyTorch's default
-    `F.gelu`, and its `nn.TransformerEncoderLayer(activation="gelu")`).
+    `F.gelu`, and its `nn.TransformerEncoderLayer(activation="gelu")`); `"gelu_tanh"` its tanh
+    approximation (GPT-2's); `"silu"` is `x sigmoid(x)` (see `ACTIVATIONS`).
     `params()` is `[W_1, b_1, W_2, b_2]` (the two `Dense` layers `hidden` and `out`).
     """
 
@@ -209,10 +238,7 @@ class FeedForward(Pointwise):
     def __init__(self, d_model: int, d_ff: int, key: PRNGKeyArray, activation: str = "relu"):
         require_key(key)
         require_positive(d_model=d_model, d_ff=d_ff)
-        if activation not in ACTIVATIONS:
-            raise ValueError(
-                f"`activation` must be one of {ACTIVATIONS}; received `activation={activation!r}`."
-            )
+        check_activation(activation)
         hkey, okey = jr.split(key)
         self.hidden = Dense(d_model, d_ff, hkey)
         self.out = Dense(d_ff, d_model, okey)
@@ -224,8 +250,7 @@ class FeedForward(Pointwise):
         self, x: Float[Array, "*T d_model"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "*T d_model"]:
         h = self.hidden(x)
-        h = relu(h) if self.activation == "relu" else jax.nn.gelu(h, approximate=False)
-        return self.out(h)
+        return self.out(ACTIVATIONS[self.activation](h))
 
 
 class MeanOverTime(Layer):

@@ -1,0 +1,134 @@
+"""Sampling rules: the next token from a language model's logits, plain functions of the logits
+and a key.
+
+`sample(logits, key, temperature=, top_k=, top_p=, min_p=)` draws from the softmax of the logits
+after the rules, applied in transformers' order: the temperature divides the logits, then top-k,
+top-p (nucleus) and min-p each remove tokens (their logits become `-inf`; `filter_logits` returns
+what is left). `temperature=0` is `greedy`, the argmax (the first of equal maxima, as
+`jnp.argmax`). The same key gives the same tokens; the rules run under `jax.jit` and in an
+exported graph (their settings are Python numbers, fixed when traced).
+
+- top-k keeps the `top_k` largest logits (every token tied with the `top_k`-th largest too).
+- top-p keeps the most probable tokens whose probabilities, taken from the largest down, first
+  reach `top_p`: a token stays while the mass of the tokens more probable than it is below
+  `top_p` (transformers' rule, from the other end of the sorted list); ties with the last token
+  kept stay.
+- min-p keeps the tokens whose probability is at least `min_p` times the largest.
+
+The most probable token always stays, so a row never ends with nothing to draw from.
+"""
+
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from .core import require_int, require_key, type_checked
+
+__all__ = ["check_sampling", "filter_logits", "greedy", "sample"]
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
+
+
+def check_sampling(
+    temperature: Any = 1.0, top_k: Any = None, top_p: Any = None, min_p: Any = None
+) -> None:
+    """Refuse a sampling setting out of its range, naming it: `temperature` a finite number
+    `>= 0`, `top_k` a positive integer, `top_p` a number in `(0, 1]`, `min_p` one in `[0, 1]`
+    (each of the last three `None` for off)."""
+    if not _real(temperature) or not np.isfinite(temperature) or temperature < 0:
+        raise ValueError(
+            f"`temperature` must be a finite number >= 0 (0 is greedy); received "
+            f"`temperature={temperature!r}` ({type(temperature).__name__})."
+        )
+    if top_k is not None:
+        require_int(1, caller="sampling (or None)", top_k=top_k)
+    if top_p is not None and (not _real(top_p) or not 0.0 < top_p <= 1.0):
+        raise ValueError(
+            f"`top_p` must be a number in (0, 1] (or None); received `top_p={top_p!r}` "
+            f"({type(top_p).__name__})."
+        )
+    if min_p is not None and (not _real(min_p) or not 0.0 <= min_p <= 1.0):
+        raise ValueError(
+            f"`min_p` must be a number in [0, 1] (or None); received `min_p={min_p!r}` "
+            f"({type(min_p).__name__})."
+        )
+
+
+@type_checked
+def greedy(logits: Float[Array, "*B vocab"]) -> Int[Array, "*B"]:
+    """The most probable token of each row: the argmax over the last axis, as `int32`."""
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def _checked_logits(logits: Any) -> Array:
+    """`logits` as a JAX array, refused unless floating point with a vocabulary axis."""
+    shape, dtype = getattr(logits, "shape", None), getattr(logits, "dtype", None)
+    floating = dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+    if shape is None or len(shape) < 1 or shape[-1] < 1 or not floating:
+        received = type(logits).__name__ if shape is None else f"shape {shape} dtype {dtype}"
+        raise ValueError(
+            f"sampling: `logits` must be a floating-point array `(..., vocab)`, vocab >= 1; "
+            f"received {received}."
+        )
+    return jnp.asarray(logits)
+
+
+def _softmax(logits: Array) -> Array:
+    return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+
+
+def filter_logits(
+    logits: Float[Array, "*B vocab"],
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+) -> Float[Array, "*B vocab"]:
+    """The logits `sample` draws from, in float32: divided by `temperature` (`0` counts as 1:
+    greedy needs no scaling), the tokens that top-k, top-p and min-p remove set to `-inf`."""
+    check_sampling(temperature, top_k, top_p, min_p)
+    logits = _checked_logits(logits).astype(jnp.float32)
+    if temperature > 0:
+        logits = logits / temperature
+    removed = jnp.float32(-jnp.inf)
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, int(top_k))[0][..., -1:]
+        logits = jnp.where(logits < kth, removed, logits)
+    if top_p is not None and top_p < 1.0:
+        probs = _softmax(logits)
+        descending = -jnp.sort(-probs, axis=-1)
+        before = jnp.cumsum(descending, axis=-1) - descending  # the mass of the more probable
+        kept = jnp.where(before < top_p, descending, jnp.inf)
+        logits = jnp.where(probs < jnp.min(kept, axis=-1, keepdims=True), removed, logits)
+    if min_p is not None and min_p > 0.0:
+        probs = _softmax(logits)
+        floor = min_p * jnp.max(probs, axis=-1, keepdims=True)
+        logits = jnp.where(probs < floor, removed, logits)
+    return logits
+
+
+def sample(
+    logits: Float[Array, "*B vocab"],
+    key: PRNGKeyArray,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+) -> Int[Array, "*B"]:
+    """A token for each row of `logits`, drawn with `key` from the softmax of `filter_logits`
+    (`temperature=0`: `greedy`, the key unused). `int32`, the shape of `logits` less its last
+    axis."""
+    require_key(key)
+    check_sampling(temperature, top_k, top_p, min_p)
+    if temperature == 0:
+        return greedy(_checked_logits(logits))
+    kept = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    return jax.random.categorical(key, kept, axis=-1).astype(jnp.int32)

@@ -1,0 +1,232 @@
+"""The layers of a token language model and the sampling rules, against float64 NumPy written
+from the papers' and transformers' formulas, hand-made logits and a chi-square test."""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dense_armor.nn.core import ShapeError
+from dense_armor.nn.layers.basic import FeedForward
+from dense_armor.nn.layers.language import (
+    Embedding,
+    GatedFeedForward,
+    LMHead,
+    RMSNorm,
+    TokenIdError,
+)
+from dense_armor.nn.sampling import filter_logits, greedy, sample
+
+KEY = jax.random.PRNGKey(0)
+
+
+def f64(a):
+    return np.asarray(a, np.float64)
+
+
+def silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def gelu_tanh(x):  # GPT-2's gelu_new
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def gelu_erf(x):
+    return 0.5 * x * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0)))
+
+
+# Embedding and the heads
+
+
+def test_embedding_gives_the_rows_of_its_ids_on_any_batch_shape():
+    emb = Embedding(11, 4, KEY)
+    ids = np.array([[0, 10, 3], [3, 3, 7]])
+    np.testing.assert_array_equal(
+        np.asarray(emb(jnp.asarray(ids))), np.asarray(emb.table.value)[ids]
+    )
+    assert emb.params() == [emb.table]
+    assert emb.table.value.shape == (11, 4)
+    assert 0.015 < float(jnp.std(Embedding(1000, 16, KEY).table.value)) < 0.025  # std 0.02
+
+
+def test_embedding_steps_one_id_as_its_forward_row():
+    emb = Embedding(11, 4, KEY)
+    y, cache = emb.step(jnp.array(7), emb.init_cache())
+    assert cache is None
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(emb.table.value)[7])
+
+
+@pytest.mark.parametrize("bad", [11, -1, 1000])
+def test_an_id_outside_the_vocabulary_is_refused_eagerly_naming_it(bad):
+    emb = Embedding(11, 4, KEY)
+    with pytest.raises(
+        TokenIdError, match=rf"token id {bad} at position \(1, 0\) is outside .*\[0, 11\)"
+    ):
+        emb(jnp.array([[1, 2], [bad, 3]]))
+
+
+def test_an_id_outside_the_vocabulary_is_refused_under_filter_jit():
+    emb = Embedding(11, 4, KEY)
+    forward = eqx.filter_jit(lambda m, ids: m(ids))
+    forward(emb, jnp.array([1, 2]))  # compiles, and runs
+    with pytest.raises(Exception, match=r"token id is outside \[0, 11\)"):
+        jax.block_until_ready(forward(emb, jnp.array([1, 11])))
+
+
+def test_with_on_invalid_nan_an_outside_id_is_a_nan_row_and_a_false_flag():
+    emb = Embedding(11, 4, KEY, on_invalid="nan")
+    ids = jnp.array([1, 11, -3, 10])
+    rows = np.asarray(jax.jit(lambda i: emb(i))(ids))
+    assert np.isnan(rows[1]).all() and np.isnan(rows[2]).all()
+    np.testing.assert_array_equal(rows[[0, 3]], np.asarray(emb.table.value)[[1, 10]])
+    np.testing.assert_array_equal(np.asarray(emb.in_range(ids)), [True, False, False, True])
+
+
+def test_float_ids_are_refused():
+    with pytest.raises(ShapeError, match=r"ids.*expected Int"):
+        Embedding(11, 4, KEY)(jnp.array([1.0, 2.0]))
+
+
+def test_the_tied_head_is_the_table_transposed_and_its_gradient_is_the_sum_of_both_uses():
+    emb = Embedding(7, 4, KEY)
+    h = jax.random.normal(jax.random.PRNGKey(1), (3, 4))
+    table = f64(emb.table.value)
+    np.testing.assert_allclose(np.asarray(emb.attend(h)), f64(h) @ table.T, rtol=1e-5, atol=1e-6)
+
+    ids = jnp.array([2, 5, 2])
+
+    def tied(e):
+        return jnp.sum(jnp.sin(e.attend(jnp.tanh(e(ids)))))
+
+    def untied(t_in, t_out):  # the same computation with the two uses given separate arrays
+        return jnp.sum(jnp.sin(jnp.tanh(t_in[ids]) @ t_out.T))
+
+    grad = eqx.filter_grad(tied)(emb).table.value
+    g_in, g_out = jax.grad(untied, argnums=(0, 1))(emb.table.value, emb.table.value)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(g_in + g_out), rtol=1e-5, atol=1e-7)
+    assert float(jnp.abs(g_in).sum()) > 0 and float(jnp.abs(g_out).sum()) > 0
+
+
+def test_the_untied_head_is_a_product_without_bias():
+    head = LMHead(4, 9, KEY)
+    h = jax.random.normal(jax.random.PRNGKey(2), (5, 4))
+    np.testing.assert_allclose(
+        np.asarray(head(h)), f64(h) @ f64(head.W.value), rtol=1e-5, atol=1e-6
+    )
+    assert head.params() == [head.W] and head.W.value.shape == (4, 9)
+
+
+# RMSNorm and the feed-forwards
+
+
+def test_rms_norm_is_llamas_formula():
+    norm = RMSNorm(6, eps=1e-6)
+    norm = eqx.tree_at(lambda m: m.gain.value, norm, jnp.arange(1.0, 7.0))
+    x = jax.random.normal(jax.random.PRNGKey(3), (4, 6)) * 3.0
+    xs = f64(x)
+    want = xs / np.sqrt((xs**2).mean(-1, keepdims=True) + 1e-6) * np.arange(1.0, 7.0)
+    np.testing.assert_allclose(np.asarray(norm(x)), want, rtol=1e-5, atol=1e-6)
+    assert norm(x.astype(jnp.bfloat16)).dtype == jnp.bfloat16
+    assert norm.params() == [norm.gain]
+
+
+@pytest.mark.parametrize(
+    "activation, act", [("silu", silu), ("gelu_tanh", gelu_tanh), ("gelu", gelu_erf)]
+)
+def test_the_gated_feed_forward_is_shazeers_glu(activation, act):
+    ff = GatedFeedForward(4, 10, KEY, activation)
+    x = jax.random.normal(jax.random.PRNGKey(4), (3, 4))
+    g, u, d = (f64(p.value) for p in ff.params())
+    want = (act(f64(x) @ g) * (f64(x) @ u)) @ d
+    np.testing.assert_allclose(np.asarray(ff(x)), want, rtol=1e-4, atol=1e-7)
+    assert [p.value.shape for p in ff.params()] == [(4, 10), (4, 10), (10, 4)]
+
+
+def test_the_feed_forward_takes_gpt2s_tanh_gelu():
+    ff = FeedForward(4, 8, KEY, activation="gelu_tanh")
+    x = jax.random.normal(jax.random.PRNGKey(5), (3, 4))
+    w1, b1, w2, b2 = (f64(p.value) for p in ff.params())
+    want = gelu_tanh(f64(x) @ w1 + b1) @ w2 + b2
+    np.testing.assert_allclose(np.asarray(ff(x)), want, rtol=1e-5, atol=1e-6)
+
+
+# Sampling
+
+PROBS = np.array([0.5, 0.2, 0.15, 0.1, 0.05])
+LOGITS = jnp.asarray(np.log(PROBS), jnp.float32)
+
+
+def kept(**rules):
+    return np.isfinite(np.asarray(filter_logits(LOGITS, **rules)))
+
+
+@pytest.mark.parametrize(
+    "rules, keep",
+    [
+        ({"top_k": 2}, [1, 1, 0, 0, 0]),
+        ({"top_k": 5}, [1, 1, 1, 1, 1]),
+        ({"top_k": 50}, [1, 1, 1, 1, 1]),
+        # mass before each token: 0, .5, .7, .85, .95
+        ({"top_p": 0.75}, [1, 1, 1, 0, 0]),
+        ({"top_p": 0.4}, [1, 0, 0, 0, 0]),
+        ({"top_p": 0.9}, [1, 1, 1, 1, 0]),
+        ({"top_p": 1.0}, [1, 1, 1, 1, 1]),
+        # the floor is min_p * 0.5
+        ({"min_p": 0.25}, [1, 1, 1, 0, 0]),
+        ({"min_p": 0.5}, [1, 0, 0, 0, 0]),
+        ({"min_p": 0.0}, [1, 1, 1, 1, 1]),
+        ({"min_p": 1.0}, [1, 0, 0, 0, 0]),
+        # in order: top-k 4 leaves .5 .2 .15 .1 (mass .95); top-p .8 of those keeps three
+        ({"top_k": 4, "top_p": 0.8}, [1, 1, 1, 0, 0]),
+    ],
+)
+def test_each_rule_keeps_exactly_the_tokens_it_should(rules, keep):
+    np.testing.assert_array_equal(kept(**rules), np.array(keep, bool))
+
+
+def test_temperature_divides_the_logits():
+    np.testing.assert_allclose(
+        np.asarray(filter_logits(LOGITS, temperature=0.5)), np.log(PROBS) / 0.5, rtol=1e-6
+    )
+
+
+def test_temperature_zero_and_top_k_one_are_greedy():
+    logits = jax.random.normal(jax.random.PRNGKey(6), (64, 50))
+    want = np.argmax(np.asarray(logits), axis=-1)
+    np.testing.assert_array_equal(np.asarray(greedy(logits)), want)
+    for i in range(3):
+        key = jax.random.PRNGKey(10 + i)
+        np.testing.assert_array_equal(np.asarray(sample(logits, key, temperature=0)), want)
+        np.testing.assert_array_equal(np.asarray(sample(logits, key, top_k=1)), want)
+    assert sample(logits, KEY).shape == (64,) and sample(logits, KEY).dtype == jnp.int32
+
+
+def test_the_same_key_gives_the_same_tokens_and_another_key_others():
+    logits = jnp.zeros((256, 10))
+    a, b = sample(logits, KEY), sample(logits, KEY)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.any(np.asarray(a) != np.asarray(sample(logits, jax.random.PRNGKey(1))))
+
+
+# chi-square critical value for 2 degrees of freedom at p = 0.001 (statistical tables): 13.816
+CHI2_2_DOF_P001 = 13.816
+
+
+def test_draws_follow_the_truncated_softmax():
+    logits = np.array([2.0, 1.0, 0.5, -1.0, 0.0])
+    n = 20000
+    draws = jax.jit(
+        lambda k: sample(jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (n, 5)), k,
+                         temperature=0.7, top_k=3)
+    )(jax.random.PRNGKey(42))  # fmt: skip
+    counts = np.bincount(np.asarray(draws), minlength=5)
+    scaled = np.exp(logits / 0.7)
+    top = [0, 1, 2]  # the three largest logits
+    expected = n * scaled[top] / scaled[top].sum()
+    assert counts[3] == counts[4] == 0
+    chi2 = float(((counts[top] - expected) ** 2 / expected).sum())
+    assert chi2 < CHI2_2_DOF_P001, (counts, expected, chi2)
