@@ -3,7 +3,9 @@
 import nox
 
 nox.options.sessions = ["tests", "lint", "typecheck"]
-nox.options.default_venv_backend = "venv"
+# uv where it is installed (`pip install "nox[uv]"`: the environments build in seconds, from
+# its cache), else the standard library's venv.
+nox.options.default_venv_backend = "uv|venv"
 nox.options.reuse_venv = "yes"
 
 PYTHON = "3.11"
