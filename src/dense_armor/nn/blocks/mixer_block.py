@@ -26,11 +26,18 @@ from ..core import (
     shape_checked,
 )
 from ..layers.basic import Dropout, FeedForward, LayerNorm
+from ..layers.language import GatedFeedForward, RMSNorm
 
 __all__ = ["Block", "Gate", "MixerBlock"]
 
 
 REMAT = (None, "block", "attention")
+# A block's normalisation (`norm=`): LayerNorm (the page's; GPT-2's) or RMSNorm (Llama's); its
+# feed-forward (`feed_forward=`): the two-layer MLP or the gated one (SwiGLU with "silu").
+NORMS = ("layer", "rms")
+FEED_FORWARDS = ("mlp", "gated")
+Norm = LayerNorm | RMSNorm
+Feed = FeedForward | GatedFeedForward
 
 
 def _check_remat(remat: str | None) -> str | None:
@@ -40,6 +47,11 @@ def _check_remat(remat: str | None) -> str | None:
             f"block, or the attention); received `remat={remat!r}`."
         )
     return remat
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"`{name}` must be one of {choices}; received `{name}={value!r}`.")
 
 
 def _check_block(key: Any, d_model: int, d_ff: int, gate: Any, norm_first: Any) -> None:
@@ -74,8 +86,8 @@ class Block(Layer):
 
     @property
     @abc.abstractmethod
-    def norms(self) -> tuple[LayerNorm, ...]:
-        """The LayerNorm of each sub-layer, in order."""
+    def norms(self) -> tuple[Norm, ...]:
+        """The LayerNorm (or RMSNorm) of each sub-layer, in order."""
 
     def _apply(
         self,
@@ -104,9 +116,9 @@ class MixerBlock(Block):
     callable that mixes the steps, for `forward`, `step` and `prefill`; `TransformerBlock` and
     `RecurrentBlock` differ only in their mixer."""
 
-    norm1: eqx.AbstractVar[LayerNorm]
-    feed_forward: eqx.AbstractVar[FeedForward]
-    norm2: eqx.AbstractVar[LayerNorm]
+    norm1: eqx.AbstractVar[Norm]
+    feed_forward: eqx.AbstractVar[Feed]
+    norm2: eqx.AbstractVar[Norm]
     accepts_mask: ClassVar[bool] = True
 
     @property
@@ -115,7 +127,7 @@ class MixerBlock(Block):
         """The layer that mixes the steps (an attention or a recurrent layer)."""
 
     @property
-    def norms(self) -> tuple[LayerNorm, ...]:
+    def norms(self) -> tuple[Norm, ...]:
         return (self.norm1, self.norm2)
 
     def _build_around_mixer(
@@ -130,11 +142,17 @@ class MixerBlock(Block):
         remat: str | None,
         activation: str,
         layer_norm_eps: float,
+        norm: str = "layer",
+        feed_forward: str = "mlp",
     ) -> None:
         """The fields every block has besides its mixer (called from a block's `__init__`)."""
-        self.norm1 = LayerNorm(d_model, layer_norm_eps)
-        self.feed_forward = FeedForward(d_model, d_ff, ffn_key, activation)
-        self.norm2 = LayerNorm(d_model, layer_norm_eps)
+        _check_choice("norm", norm, NORMS)
+        _check_choice("feed_forward", feed_forward, FEED_FORWARDS)
+        make_norm = LayerNorm if norm == "layer" else RMSNorm
+        self.norm1 = make_norm(d_model, layer_norm_eps)
+        feed = FeedForward if feed_forward == "mlp" else GatedFeedForward
+        self.feed_forward = feed(d_model, d_ff, ffn_key, activation)
+        self.norm2 = make_norm(d_model, layer_norm_eps)
         self.dropout = Dropout(dropout)
         # Gate keys come from a separate fold, so gate=False models keep their weights.
         gate_keys = jr.split(jr.fold_in(key, 1), 2)

@@ -8,12 +8,12 @@ import jax.random as jr
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from ..core import python_scalar, shape_checked
-from ..layers.basic import Dropout, FeedForward, LayerNorm
+from ..layers.basic import Dropout
 from ..mixers.heads import _check_heads
 from ..mixers.options import attention_options
 from ..mixers.self_attention import MultiHeadSelfAttention
 from ..state.cache import FixedKVCache, KVCache, RingKVCache
-from .mixer_block import Gate, MixerBlock, _check_block
+from .mixer_block import Feed, Gate, MixerBlock, Norm, _check_block
 
 __all__ = ["TransformerBlock"]
 
@@ -24,19 +24,21 @@ class TransformerBlock(MixerBlock):
     `y = LayerNorm(x + Dropout(Attention(x)))`, then `z = LayerNorm(y + Dropout(FFN(y)))`.
 
     **Arguments:** `d_model`, `n_heads`, `d_ff` (the hidden width of the feed-forward), `key`,
-    `causal=False`, `dropout=0.0` (applied to each sub-layer's output before the residual
-    addition, only when `forward` gets a `key`), `gate=False` (a `Gate` replaces each residual
-    addition: `y = LayerNorm(Gate(x, Attention(x)))`, ...), `norm_first=False` (pre-LN instead:
-    `y = x + Attention(LayerNorm(x))`, `z = y + FFN(LayerNorm(y))`, Xiong et al. 2020),
-    `remat=None` (`"block"`: the block's activations are recomputed in the backward pass instead
-    of stored, `jax.checkpoint`; `"attention"`: only the attention's, whose `(n_heads, T, T)`
-    scores are most of them), and as PyTorch's layers: `activation="relu"` (or `"gelu"`, of the
-    feed-forward) and `layer_norm_eps=1e-5`. Every other keyword is an option of the attention
-    (`**attention`, `mixers.options.ATTENTION_OPTIONS`), passed to its `MultiHeadSelfAttention`
-    as given: `window=None` (sliding-window attention), `implementation=None` (how the scores
-    are computed) and its older spelling `memory_efficient=None`, `n_kv_heads=None`
-    (grouped-query attention), `rope_base=None` (rotary positions), `use_bias=False` (biases on
-    the projections) and `attention_dropout=0.0` (on the attention weights).
+    `causal=False`, `dropout=0.0` (applied to each sub-layer's output before the residual addition,
+    only when `forward` gets a `key`), `gate=False` (a `Gate` replaces each residual addition: `y =
+    LayerNorm(Gate(x, Attention(x)))`, ...), `norm_first=False` (pre-LN instead: `y = x +
+    Attention(LayerNorm(x))`, `z = y + FFN(LayerNorm(y))`, Xiong et al. 2020), `remat=None`
+    (`"block"`: the block's activations are recomputed in the backward pass instead of stored,
+    `jax.checkpoint`; `"attention"`: only the attention's, whose `(n_heads, T, T)` scores are most
+    of them), and as PyTorch's layers: `activation="relu"` (or `"gelu"`, of the feed-forward;
+    `"gelu_tanh"`, `"silu"`) and `layer_norm_eps=1e-5`; `norm="layer"` (or `"rms"`: `RMSNorm`,
+    Llama's, `layer_norm_eps` its eps) and `feed_forward="mlp"` (or `"gated"`: `GatedFeedForward`,
+    SwiGLU with `activation="silu"`). Every other keyword is an option of the attention
+    (`**attention`, `mixers.options.ATTENTION_OPTIONS`), passed to its `MultiHeadSelfAttention` as
+    given: `window=None` (sliding-window attention), `implementation=None` (how the scores are
+    computed) and its older spelling `memory_efficient=None`, `n_kv_heads=None` (grouped-query
+    attention), `rope_base=None` (rotary positions), `use_bias=False` (biases on the projections)
+    and `attention_dropout=0.0` (on the attention weights).
 
     `forward(x, mask=None)`, `mask` the padding mask of `Layer`.
 
@@ -47,9 +49,9 @@ class TransformerBlock(MixerBlock):
     """
 
     attention: MultiHeadSelfAttention
-    norm1: LayerNorm
-    feed_forward: FeedForward
-    norm2: LayerNorm
+    norm1: Norm
+    feed_forward: Feed
+    norm2: Norm
     dropout: Dropout
     gates: "tuple[Gate, ...]"
     d_model: int = eqx.field(static=True, converter=python_scalar)
@@ -69,6 +71,8 @@ class TransformerBlock(MixerBlock):
         remat: str | None = None,
         activation: str = "relu",
         layer_norm_eps: float = 1e-5,
+        norm: str = "layer",
+        feed_forward: str = "mlp",
         **attention: Any,
     ):
         _check_block(key, d_model, d_ff, gate, norm_first)
@@ -77,8 +81,9 @@ class TransformerBlock(MixerBlock):
         akey, fkey = jr.split(key)
         self.attention = MultiHeadSelfAttention(d_model, n_heads, akey, causal=causal, **options)
         self._build_around_mixer(
-            d_model, d_ff, key, fkey, dropout, gate, norm_first, remat, activation, layer_norm_eps
-        )
+            d_model, d_ff, key, fkey, dropout, gate, norm_first, remat, activation,
+            layer_norm_eps, norm, feed_forward,
+        )  # fmt: skip
 
     @property
     def mixer(self) -> MultiHeadSelfAttention:

@@ -1,0 +1,156 @@
+"""`TransformerLM`: a decoder-only language model, token ids `(T,)` to logits `(T, vocab)`, in
+the two lineages of the checkpoints it loads: GPT-2 (learned positions, LayerNorm, the MLP with
+GPT-2's tanh GELU, biases, a tied head) and Llama / Qwen2 (rotary positions, RMSNorm, SwiGLU,
+grouped-query attention, an untied or tied head, Qwen2's query/key/value biases)."""
+
+from typing import Any, ClassVar
+
+import equinox as eqx
+import jax.random as jr
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from ..blocks.mixer_block import Norm
+from ..blocks.transformer_block import TransformerBlock
+from ..core import Layer, python_scalar, require_bool, require_key, require_positive, shape_checked
+from ..layers.basic import LayerNorm
+from ..layers.language import Embedding, LMHead, RMSNorm
+from ..layers.positions import LearnedPositions
+from ..mixers.options import attention_options
+from .stack import Stack
+
+__all__ = ["LM_POSITIONS", "TransformerLM"]
+
+LM_POSITIONS = ("rope", "learned")
+
+
+class TransformerLM(Layer):
+    """A decoder-only, pre-LN Transformer language model: `Embedding`, learned positions (GPT-2)
+    or rotary ones inside every attention (Llama), `depth` causal `TransformerBlock`s, a final
+    norm and the head: `Embedding.attend` (tied) or an `LMHead`.
+
+    **Arguments:** `vocab`, `d_model`, `n_heads`, `d_ff`, `depth`, `key`, `max_len` (the longest
+    sequence: the learned positions' rows; rotary positions have no bound but the cache's
+    capacity); then `positions="rope"` (or `"learned"`), `rope_base=10000.0`, `norm="rms"` (or
+    `"layer"`), `feed_forward="gated"` (or `"mlp"`), `activation="silu"` (`"gelu_tanh"` for
+    GPT-2's MLP), `eps=1e-6` (every norm's), `tie_embeddings=True`, `scan_layers=False` (the
+    blocks in one `Stack`), `remat=None`, `on_invalid="raise"` (`Embedding`'s rule for ids outside
+    the vocabulary) and, as for every block, the attention's options (`**attention`:
+    `n_kv_heads`, `use_bias`, `window`, `implementation`, ...). The defaults are Llama's;
+    GPT-2 is `positions="learned", norm="layer", feed_forward="mlp", activation="gelu_tanh",
+    eps=1e-5, use_bias=True`.
+
+    `forward(ids)` gives the logits of every position; it streams: `init_cache(capacity)`, then
+    `prefill(ids, cache)` over a prompt and `step(id, cache)` one token at a time, each giving the
+    logits of its positions.
+    """
+
+    embed: Embedding
+    positions: LearnedPositions | None
+    blocks: tuple[TransformerBlock, ...] | Stack
+    norm: Norm
+    head: LMHead | None
+    vocab: int = eqx.field(static=True, converter=python_scalar)
+    d_model: int = eqx.field(static=True, converter=python_scalar)
+    causal: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        vocab: int,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        depth: int,
+        key: PRNGKeyArray,
+        max_len: int,
+        *,
+        positions: str = "rope",
+        rope_base: float = 10000.0,
+        norm: str = "rms",
+        feed_forward: str = "gated",
+        activation: str = "silu",
+        eps: float = 1e-6,
+        tie_embeddings: bool = True,
+        scan_layers: bool = False,
+        remat: str | None = None,
+        on_invalid: str = "raise",
+        **attention: Any,
+    ):
+        require_key(key)
+        require_positive(vocab=vocab, d_model=d_model, depth=depth, max_len=max_len)
+        require_bool(tie_embeddings=tie_embeddings, scan_layers=scan_layers)
+        if not isinstance(positions, str) or positions not in LM_POSITIONS:
+            raise ValueError(
+                f"`positions` must be one of {LM_POSITIONS}; received `positions={positions!r}`."
+            )
+        options = attention_options("TransformerLM", attention)
+        options["rope_base"] = rope_base if positions == "rope" else None
+        embed_key, position_key, head_key, *block_keys = jr.split(key, 3 + depth)
+        self.embed = Embedding(vocab, d_model, embed_key, on_invalid=on_invalid)
+        self.positions = (
+            LearnedPositions(max_len, d_model, position_key) if positions == "learned" else None
+        )
+        block: dict[str, Any] = dict(  # what every block takes
+            causal=True, norm_first=True, remat=remat, activation=activation,
+            layer_norm_eps=eps, norm=norm, feed_forward=feed_forward,
+        )  # fmt: skip
+        blocks = tuple(
+            TransformerBlock(d_model, n_heads, d_ff, k, **block, **options) for k in block_keys
+        )
+        self.blocks = Stack(blocks) if scan_layers else blocks
+        self.norm = _norm_class(norm)(d_model, eps)  # `norm` was checked by the blocks
+        self.head = None if tie_embeddings else LMHead(d_model, vocab, head_key)
+        self.vocab, self.d_model = vocab, d_model
+
+    def _logits(self, h: Array) -> Array:
+        h = self.norm(h)
+        return self.embed.attend(h) if self.head is None else self.head(h)
+
+    @shape_checked
+    def forward(
+        self, ids: Int[Array, " T"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "T vocab"]:
+        """The logits `(T, vocab)` of the next token after each position of `ids (T,)`."""
+        h = self.embed(ids)
+        if self.positions is not None:
+            h = self.positions(h)
+        if isinstance(self.blocks, Stack):
+            h = self.blocks(h, key=key)
+        else:
+            keys = [None] * len(self.blocks) if key is None else jr.split(key, len(self.blocks))
+            for block, block_key in zip(self.blocks, keys, strict=True):
+                h = block(h, key=block_key)
+        return self._logits(h)
+
+    def init_cache(self, capacity: int | None = None, *, on_overflow: str = "raise") -> Any:
+        """`(positions' cache, the blocks' caches)`: a growing cache, or fixed with `capacity`."""
+        position_cache = (
+            None
+            if self.positions is None
+            else self.positions.init_cache(capacity, on_overflow=on_overflow)
+        )
+        if isinstance(self.blocks, Stack):
+            blocks = self.blocks.init_cache(capacity, on_overflow=on_overflow)
+        else:
+            blocks = tuple(b.init_cache(capacity, on_overflow=on_overflow) for b in self.blocks)
+        return (position_cache, blocks)
+
+    @shape_checked
+    def prefill(self, ids: Int[Array, " K"], cache: tuple) -> tuple[Float[Array, "K vocab"], tuple]:
+        """`K` tokens at once: their logits `(K, vocab)`, and the cache after them."""
+        position_cache, block_caches = cache
+        h = self.embed(ids)
+        if self.positions is not None:
+            h, position_cache = self.positions.prefill(h, position_cache)
+        if isinstance(self.blocks, Stack):
+            h, block_caches = self.blocks.prefill(h, block_caches)
+        else:
+            new = []
+            for block, block_cache in zip(self.blocks, block_caches, strict=True):
+                h, block_cache = block.prefill(h, block_cache)
+                new.append(block_cache)
+            block_caches = tuple(new)
+        return self._logits(h), (position_cache, block_caches)
+
+
+def _norm_class(norm: str) -> type[LayerNorm] | type[RMSNorm]:
+    return LayerNorm if norm == "layer" else RMSNorm

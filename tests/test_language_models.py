@@ -1,0 +1,160 @@
+"""`TransformerLM` and `import_hf` against transformers: tiny random GPT-2, Llama (grouped-query
+and sharded; multi-head and tied) and Qwen2 models, their logits and greedy generations committed
+as data by tests/torch_reference/make_hf_golden.py (neither torch nor transformers runs here)."""
+
+import json
+import pathlib
+import shutil
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from dense_armor.huggingface import HuggingFaceError, import_hf
+from dense_armor.nn.models.language_model import TransformerLM
+from dense_armor.nn.models.stack import Stack
+
+DATA = pathlib.Path(__file__).parent / "data" / "hf"
+CASES = ["gpt2", "llama_gqa", "llama_tied", "qwen2"]
+
+
+@pytest.fixture(scope="module", params=CASES)
+def case(request):
+    model, arguments = import_hf(DATA / request.param)
+    return request.param, model, arguments, load_file(str(DATA / f"{request.param}.io.safetensors"))
+
+
+def test_the_logits_are_transformers_within_1e_5(case):
+    name, model, _, golden = case
+    logits = eqx.filter_jit(lambda m, ids: jax.vmap(m)(ids))(model, jnp.asarray(golden["ids"]))
+    np.testing.assert_allclose(
+        np.asarray(logits), golden["logits"], atol=1e-5, rtol=0, err_msg=name
+    )
+
+
+def greedy_stream(model, prompt, new_tokens):
+    """`prefill` the prompt, then `step` each argmax: the generated ids."""
+    cache = model.init_cache(len(prompt) + new_tokens)
+    prefill, step = eqx.filter_jit(model.prefill), eqx.filter_jit(model.step)
+    logits, cache = prefill(jnp.asarray(prompt), cache)
+    token, out = jnp.argmax(logits[-1]).astype(jnp.int32), []
+    for _ in range(new_tokens):
+        out.append(int(token))
+        logits, cache = step(token, cache)
+        token = jnp.argmax(logits).astype(jnp.int32)
+    return np.array(out)
+
+
+def test_greedy_generation_through_prefill_and_step_is_transformers_token_for_token(case):
+    _, model, _, golden = case
+    prompt, want = golden["prompt"][0], golden["generated"][0]
+    np.testing.assert_array_equal(greedy_stream(model, prompt, len(want)), want)
+    # and the uncached forward's argmax after every prefix of the whole sequence
+    logits = eqx.filter_jit(lambda m, ids: m(ids))(model, jnp.asarray(np.r_[prompt, want]))
+    following = np.argmax(np.asarray(logits), axis=-1)[len(prompt) - 1 : -1]
+    np.testing.assert_array_equal(following, want)
+
+
+def test_scan_over_layers_gives_the_same_logits(case):
+    _, model, _, golden = case
+    scanned = eqx.tree_at(lambda m: m.blocks, model, Stack(model.blocks))
+    forward = eqx.filter_jit(lambda m, ids: jax.vmap(m)(ids))
+    np.testing.assert_allclose(
+        np.asarray(forward(scanned, jnp.asarray(golden["ids"]))),
+        golden["logits"],
+        atol=1e-5,
+        rtol=0,
+    )
+    want = golden["generated"][0][:8]
+    np.testing.assert_array_equal(greedy_stream(scanned, golden["prompt"][0], len(want)), want)
+
+
+def test_the_arguments_build_the_same_model_shape(case):
+    _, model, arguments, _ = case
+    json.dumps(arguments)  # JSON values
+    again = TransformerLM(**arguments, key=jax.random.PRNGKey(1))
+    shapes = lambda m: [p.value.shape for p in m.params()]  # noqa: E731
+    assert shapes(again) == shapes(model)
+
+
+def test_tied_models_hold_one_table_and_untied_ones_a_head(case):
+    name, model, arguments, _ = case
+    assert (model.head is None) == arguments["tie_embeddings"]
+    assert arguments["tie_embeddings"] == (name in ("gpt2", "llama_tied"))
+
+
+# A damaged directory: each is a clear `HuggingFaceError`
+
+
+def damaged(tmp_path, case, change):
+    target = tmp_path / case
+    shutil.copytree(DATA / case, target)
+    change(target)
+    return target
+
+
+def edit_config(**changes):
+    def change(target):
+        config = json.loads((target / "config.json").read_text())
+        config.update(changes)
+        (target / "config.json").write_text(json.dumps(config))
+
+    return change
+
+
+def edit_tensors(change_tensors):
+    def change(target):
+        tensors = load_file(str(target / "model.safetensors"))
+        change_tensors(tensors)
+        save_file(tensors, str(target / "model.safetensors"))
+
+    return change
+
+
+def truncate(target):
+    path = target / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def nan_in(name):
+    def change(tensors):
+        tensors[name] = tensors[name].copy()
+        tensors[name][0, 0] = np.nan
+
+    return change
+
+
+BROKEN = [
+    ("unknown-architecture", "gpt2", edit_config(architectures=["BertModel"]), r"`architectures` is \['BertModel'\]; this importer reads one of"),
+    ("rope-scaling", "qwen2", edit_config(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), r"rope type 'yarn' \(scaled rotary positions\)"),
+    ("old-rope-scaling", "qwen2", edit_config(rope_scaling={"type": "linear", "factor": 2.0}), r"`rope_scaling` asks for rope type 'linear'"),
+    ("attention-by-layer-index", "gpt2", edit_config(scale_attn_by_inverse_layer_idx=True), r"`scale_attn_by_inverse_layer_idx=True` \(attention scaled by 1/layer\) is not implemented"),
+    ("sliding-window", "qwen2", edit_config(use_sliding_window=True), r"`use_sliding_window=True` \(sliding-window layers\)"),
+    ("another-activation", "qwen2", edit_config(hidden_act="gelu"), r"`hidden_act='gelu'`"),
+    ("missing-tensor", "qwen2", edit_tensors(lambda t: t.pop("model.layers.1.mlp.up_proj.weight")), r"has no tensor 'model.layers.1.mlp.up_proj.weight'"),
+    ("extra-tensor", "qwen2", edit_tensors(lambda t: t.update(extra=np.zeros(3, np.float32))), r"1 tensors of the checkpoint have no place in the model \(first: \['extra'\]\)"),
+    ("mis-shaped-tensor", "gpt2", edit_tensors(lambda t: t.update({"transformer.ln_f.weight": np.ones(31, np.float32)})), r"tensor 'transformer.ln_f.weight' has shape \(31,\); the config asks for \(32,\)"),
+    ("nan-tensor", "gpt2", edit_tensors(nan_in("transformer.wte.weight")), r"tensor 'transformer.wte.weight' holds non-finite values"),
+    ("truncated-file", "gpt2", truncate, r"model.safetensors is not a readable safetensors file"),
+    ("config-not-json", "gpt2", lambda t: (t / "config.json").write_text("{"), r"config.json is not readable JSON"),
+    ("config-a-list", "gpt2", lambda t: (t / "config.json").write_text("[]"), r"config.json holds a list, not a JSON object"),
+    ("missing-shard", "llama_gqa", lambda t: (t / "model-00003-of-00007.safetensors").unlink(), r"model-00003-of-00007.safetensors is missing"),
+    ("vocab-a-string", "gpt2", edit_config(vocab_size="96"), r"`vocab_size` is '96'; expected a"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "case_name, change, words", [pytest.param(*r[1:], id=r[0]) for r in BROKEN]
+)
+def test_a_damaged_directory_is_refused_naming_what(tmp_path, case_name, change, words):
+    target = damaged(tmp_path, case_name, change)
+    with pytest.raises(HuggingFaceError, match=words):
+        import_hf(target)
+
+
+def test_a_missing_directory_is_refused(tmp_path):
+    with pytest.raises(HuggingFaceError, match=r"is not a directory"):
+        import_hf(tmp_path / "nowhere")
