@@ -14,11 +14,13 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from dense_armor.huggingface import HuggingFaceError, import_hf
+from dense_armor.nn.models.generation import generate
 from dense_armor.nn.models.language_model import TransformerLM
 from dense_armor.nn.models.stack import Stack
 
 DATA = pathlib.Path(__file__).parent / "data" / "hf"
 CASES = ["gpt2", "llama_gqa", "llama_tied", "qwen2"]
+CAPACITY = 48
 
 
 @pytest.fixture(scope="module", params=CASES)
@@ -37,7 +39,7 @@ def test_the_logits_are_transformers_within_1e_5(case):
 
 def greedy_stream(model, prompt, new_tokens):
     """`prefill` the prompt, then `step` each argmax: the generated ids."""
-    cache = model.init_cache(len(prompt) + new_tokens)
+    cache = model.init_cache(CAPACITY, on_overflow="nan")  # one capacity: one compilation
     prefill, step = eqx.filter_jit(model.prefill), eqx.filter_jit(model.step)
     logits, cache = prefill(jnp.asarray(prompt), cache)
     token, out = jnp.argmax(logits[-1]).astype(jnp.int32), []
@@ -158,3 +160,84 @@ def test_a_damaged_directory_is_refused_naming_what(tmp_path, case_name, change,
 def test_a_missing_directory_is_refused(tmp_path):
     with pytest.raises(HuggingFaceError, match=r"is not a directory"):
         import_hf(tmp_path / "nowhere")
+
+
+# generate: one compiled function
+
+
+def test_generate_is_transformers_greedy_generation(case):
+    _, model, _, golden = case
+    want = golden["generated"][0]
+    result = generate(model, [golden["prompt"][0]], len(want))
+    np.testing.assert_array_equal(np.asarray(result.tokens[0]), want)
+    assert int(result.lengths[0]) == len(want)
+
+
+def test_a_batch_of_prompts_of_different_lengths_gives_each_its_solo_generation(case):
+    _, model, _, golden = case
+    ids = golden["ids"]
+    prompts = [ids[0, :3], ids[1, :8], golden["prompt"][0], ids[0, :1]]
+    batch = generate(model, prompts, 6)
+    for i, prompt in enumerate(prompts):  # each prompt alone, streamed step by step in Python
+        np.testing.assert_array_equal(
+            np.asarray(batch.tokens[i]), greedy_stream(model, prompt, 6), err_msg=str(i)
+        )
+    np.testing.assert_array_equal(np.asarray(batch.lengths), [6, 6, 6, 6])
+
+
+def test_top_k_one_samples_the_greedy_tokens_and_a_key_reproduces_a_draw():
+    model, _ = import_hf(DATA / "llama_tied")
+    prompts = [[5, 9, 13], [7]]
+    greedy = generate(model, prompts, 5)
+    key = jax.random.PRNGKey(3)
+    np.testing.assert_array_equal(
+        np.asarray(generate(model, prompts, 5, key, temperature=1.0, top_k=1).tokens),
+        np.asarray(greedy.tokens),
+    )
+    first = generate(model, prompts, 5, key, temperature=1.5)
+    again = generate(model, prompts, 5, key, temperature=1.5)
+    np.testing.assert_array_equal(np.asarray(first.tokens), np.asarray(again.tokens))
+    assert np.all((np.asarray(first.tokens) >= 0) & (np.asarray(first.tokens) < model.vocab))
+
+
+def test_a_stop_token_ends_its_row_and_pads_the_rest():
+    model, _ = import_hf(DATA / "qwen2")
+    golden = load_file(str(DATA / "qwen2.io.safetensors"))
+    want = golden["generated"][0]
+    stop = int(want[3])
+    first = int(np.argmax(want == stop))  # where the stop token first comes
+    result = generate(model, [golden["prompt"][0]], len(want), stop_tokens=[stop])
+    assert int(result.lengths[0]) == first + 1
+    np.testing.assert_array_equal(np.asarray(result.tokens[0, : first + 1]), want[: first + 1])
+    assert np.all(np.asarray(result.tokens[0, first + 1 :]) == -1)
+
+
+BAD_GENERATE = [
+    ("float-ids", lambda m: generate(m, [[1.0, 2.0]], 3), r"prompt 0 must be a 1-D sequence of integer token ids"),
+    ("id-past-the-vocabulary", lambda m: generate(m, [[1, 96]], 3), r"prompt 0 holds token id 96, outside the vocabulary \[0, 96\)"),
+    ("negative-id", lambda m: generate(m, [[3], [-1]], 3), r"prompt 1 holds token id -1"),
+    ("empty-prompt", lambda m: generate(m, [[1, 2], []], 3), r"prompt 1 is empty"),
+    ("no-prompts", lambda m: generate(m, [], 3), r"`prompts` must be a non-empty list"),
+    ("a-string", lambda m: generate(m, "hello", 3), r"`prompts` must be a non-empty list.*received str"),
+    ("max-new-tokens-zero", lambda m: generate(m, [[1]], 0), r"`max_new_tokens` must be a positive integer; received `max_new_tokens=0`"),
+    ("max-new-tokens-negative", lambda m: generate(m, [[1]], -2), r"`max_new_tokens` must be a positive integer"),
+    ("prompt-longer-than-the-capacity", lambda m: generate(m, [list(range(3, 13))], 4, capacity=8), r"the longest prompt \(10 tokens\) and `max_new_tokens=4` need 14 cache slots; `capacity=8`"),
+    ("past-the-learned-positions", lambda m: generate(m, [[3] * 60], 8), r"reach position 67; the model's learned positions end at max_len=64"),
+    ("top-p-zero", lambda m: generate(m, [[1]], 3, jax.random.PRNGKey(0), temperature=1.0, top_p=0.0), r"`top_p` must be a number in \(0, 1\]"),
+    ("top-p-above-one", lambda m: generate(m, [[1]], 3, jax.random.PRNGKey(0), temperature=1.0, top_p=1.2), r"`top_p` must be a number in \(0, 1\]"),
+    ("temperature-negative", lambda m: generate(m, [[1]], 3, temperature=-0.5), r"`temperature` must be a finite number >= 0"),
+    ("temperature-nan", lambda m: generate(m, [[1]], 3, temperature=float("nan")), r"`temperature` must be a finite number >= 0"),
+    ("sampling-without-a-key", lambda m: generate(m, [[1]], 3, temperature=0.8), r"key"),
+    ("stop-token-outside", lambda m: generate(m, [[1]], 3, stop_tokens=[200]), r"`stop_tokens` \(200,\) must lie in \[0, 96\)"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return import_hf(DATA / "gpt2")[0]
+
+
+@pytest.mark.parametrize("action, words", [pytest.param(*r[1:], id=r[0]) for r in BAD_GENERATE])
+def test_generate_refuses_bad_inputs_naming_them(gpt2, action, words):
+    with pytest.raises((ValueError, TypeError), match=words):
+        action(gpt2)

@@ -1,0 +1,171 @@
+"""`generate`: token generation from a `TransformerLM` in one compiled function: the prompts'
+common length in one `prefill`, then a `jax.lax.while_loop` of `step`s over a fixed cache, every
+prompt its own stream (its own positions), sampling in the loop with the rules of
+`dense_armor.nn.sampling`."""
+
+import functools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..core import require_int, require_key
+from ..sampling import check_sampling, sample
+from .language_model import TransformerLM
+
+__all__ = ["Generation", "generate"]
+
+
+class Generation(NamedTuple):
+    """What `generate` returns: `tokens (B, max_new_tokens)` int32, each row's new tokens then
+    `-1` where it stopped early, and `lengths (B,)`, how many each row generated (a stop token
+    included)."""
+
+    tokens: jax.Array
+    lengths: jax.Array
+
+
+def _prompts(model: TransformerLM, prompts: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The prompts as a padded `(B, P)` int32 array and their lengths, checked: a list of id
+    sequences (of any lengths) or a 2-D integer array (every row whole)."""
+    if isinstance(prompts, np.ndarray | jax.Array) and np.ndim(prompts) == 2:
+        rows = list(np.asarray(prompts))
+    elif isinstance(prompts, Sequence) and not isinstance(prompts, str) and prompts:
+        rows = [np.asarray(p) for p in prompts]
+    else:
+        raise ValueError(
+            "generate: `prompts` must be a non-empty list of token id sequences or a 2-D integer "
+            f"array; received {type(prompts).__name__}."
+        )
+    for i, row in enumerate(rows):
+        if row.ndim != 1 or not (np.issubdtype(row.dtype, np.integer) or row.size == 0):
+            raise ValueError(
+                f"generate: prompt {i} must be a 1-D sequence of integer token ids; received "
+                f"shape {row.shape} dtype {row.dtype}."
+            )
+        if row.size == 0:
+            raise ValueError(f"generate: prompt {i} is empty; a prompt needs at least one token.")
+        outside = (row < 0) | (row >= model.vocab)
+        if outside.any():
+            raise ValueError(
+                f"generate: prompt {i} holds token id {int(row[outside][0])}, outside the "
+                f"vocabulary [0, {model.vocab})."
+            )
+    lengths = np.array([len(r) for r in rows], np.int32)
+    padded = np.zeros((len(rows), int(lengths.max())), np.int32)
+    for i, row in enumerate(rows):
+        padded[i, : len(row)] = row
+    return padded, lengths
+
+
+def generate(
+    model: TransformerLM,
+    prompts: Any,
+    max_new_tokens: int,
+    key: jax.Array | None = None,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    stop_tokens: Sequence[int] = (),
+    capacity: int | None = None,
+) -> Generation:
+    """Generate up to `max_new_tokens` tokens after each prompt, in one compiled function.
+
+    **Arguments:** `model`, `prompts` (a list of token id sequences, of any lengths, or a 2-D
+    integer array), `max_new_tokens`, `key` (needed unless `temperature=0`, greedy, the
+    default); the sampling rules `temperature`, `top_k`, `top_p`, `min_p` (see
+    `dense_armor.nn.sampling`); `stop_tokens`: a row stops after generating one of them;
+    `capacity`: the cache's slots per row (default: the longest prompt plus `max_new_tokens`).
+
+    Row `b` draws its token at position `p` with `fold_in(fold_in(key, b), p)`, so the same key
+    gives the same tokens. Each row is its own stream: greedy generation of a prompt in a batch
+    equals its generation alone. The function compiles once per prompt shape and settings.
+    """
+    padded, lengths = _prompts(model, prompts)
+    require_int(1, caller="generate", max_new_tokens=max_new_tokens)
+    check_sampling(temperature, top_k, top_p, min_p)
+    if temperature != 0:
+        require_key(key)
+    stops = tuple(int(t) for t in stop_tokens)
+    if any(not 0 <= t < model.vocab for t in stops):
+        raise ValueError(f"generate: `stop_tokens` {stops} must lie in [0, {model.vocab}).")
+    needed = padded.shape[1] + int(max_new_tokens)
+    capacity = needed if capacity is None else capacity
+    require_int(1, caller="generate (or None)", capacity=capacity)
+    if capacity < needed:
+        raise ValueError(
+            f"generate: the longest prompt ({padded.shape[1]} tokens) and `max_new_tokens="
+            f"{max_new_tokens}` need {needed} cache slots; `capacity={capacity}`."
+        )
+    if model.positions is not None and needed > model.positions.max_len:
+        raise ValueError(
+            f"generate: the longest prompt ({padded.shape[1]} tokens) and `max_new_tokens="
+            f"{max_new_tokens}` reach position {needed - 1}; the model's learned positions end "
+            f"at max_len={model.positions.max_len}."
+        )
+    run = _compiled(int(max_new_tokens), float(temperature), top_k, top_p, min_p, stops, capacity)
+    key = jax.random.PRNGKey(0) if key is None else key
+    common = int(lengths.min())  # static: one compilation per common length
+    return run(model, jnp.asarray(padded), jnp.asarray(lengths), key, common)
+
+
+@functools.cache
+def _compiled(
+    max_new: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    min_p: float | None,
+    stops: tuple[int, ...],
+    capacity: int,
+) -> Any:
+    """The compiled generation for these settings (one per distinct settings)."""
+
+    def choose(logits: jax.Array, key: jax.Array, position: jax.Array) -> jax.Array:
+        if temperature == 0:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        rows = jnp.arange(logits.shape[0])
+        keys = jax.vmap(lambda b: jax.random.fold_in(jax.random.fold_in(key, b), position))(rows)
+        draw = functools.partial(
+            sample, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p
+        )
+        return jax.vmap(draw)(logits, keys)
+
+    @eqx.filter_jit
+    def run(
+        model: TransformerLM, prompts: jax.Array, lengths: jax.Array, key: jax.Array, common: int
+    ) -> Generation:
+        batch, longest = prompts.shape
+        rows = jnp.arange(batch)
+        empty = model.init_cache(capacity, on_overflow="nan")
+        caches = jax.tree.map(lambda a: jnp.broadcast_to(a, (batch, *a.shape)), empty)
+        # The prompts' common length in one prefill; the loop feeds the rest of each prompt.
+        logits, caches = jax.vmap(model.prefill)(prompts[:, :common], caches)
+        stop_ids = jnp.asarray(stops or (-1,), jnp.int32)
+
+        def body(state: tuple) -> tuple:
+            position, logits, caches, out, made, done = state
+            chosen = choose(logits, key, position)  # the logits predict `position`'s token
+            in_prompt = position < lengths
+            token = jnp.where(in_prompt, prompts[:, jnp.minimum(position, longest - 1)], chosen)
+            new = ~in_prompt & ~done
+            slot = jnp.minimum(made, max_new - 1)
+            out = out.at[rows, slot].set(jnp.where(new, chosen, out[rows, slot]))
+            made = made + new.astype(jnp.int32)
+            stopped = new & jnp.any(chosen[:, None] == stop_ids[None, :], axis=1)
+            done = done | stopped | (made >= max_new)
+            logits, caches = jax.vmap(model.step)(token, caches)
+            return position + 1, logits, caches, out, made, done
+
+        out = jnp.full((batch, max_new), -1, jnp.int32)
+        made, done = jnp.zeros(batch, jnp.int32), jnp.zeros(batch, bool)
+        state = (jnp.int32(common), logits[:, -1], caches, out, made, done)
+        _, _, _, out, made, _ = jax.lax.while_loop(lambda s: ~jnp.all(s[-1]), body, state)
+        return Generation(out, made)
+
+    return run
