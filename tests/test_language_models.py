@@ -13,6 +13,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from dense_armor.checkpoint import ModelConfig, load_checkpoint, save_checkpoint
+from dense_armor.cli import main as cli
+from dense_armor.export import ArtifactError, export_checkpoint
 from dense_armor.huggingface import HuggingFaceError, import_hf
 from dense_armor.nn.models.generation import generate
 from dense_armor.nn.models.language_model import TransformerLM
@@ -241,3 +244,34 @@ def gpt2():
 def test_generate_refuses_bad_inputs_naming_them(gpt2, action, words):
     with pytest.raises((ValueError, TypeError), match=words):
         action(gpt2)
+
+
+# checkpoints and the command line
+
+
+def test_the_cli_imports_a_directory_into_a_checkpoint_that_loads_back_exactly(tmp_path, capsys):
+    assert cli(["import-hf", str(DATA / "llama_gqa"), "--out", str(tmp_path / "ckpt")]) == 0
+    assert "imported" in capsys.readouterr().out
+    checkpoint = load_checkpoint(tmp_path / "ckpt")
+    loaded = checkpoint.model
+    assert checkpoint.config.factory == "transformer_lm"
+    golden = load_file(str(DATA / "llama_gqa.io.safetensors"))
+    logits = eqx.filter_jit(lambda m, ids: jax.vmap(m)(ids))(loaded, jnp.asarray(golden["ids"]))
+    np.testing.assert_allclose(np.asarray(logits), golden["logits"], atol=1e-5, rtol=0)
+
+
+def test_the_cli_refuses_a_damaged_directory_in_one_line(tmp_path, capsys):
+    target = damaged(tmp_path, "gpt2", edit_config(architectures=["BertModel"]))
+    assert cli(["import-hf", str(target), "--out", str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dense-armor import-hf: error: ") and "BertModel" in err
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_language_model_checkpoint_is_refused_by_the_export_stage_naming_why(tmp_path):
+    model, arguments = import_hf(DATA / "gpt2")
+    save_checkpoint(tmp_path / "ckpt", model, ModelConfig("transformer_lm", arguments))
+    with pytest.raises(
+        ArtifactError, match=r"the 'transformer_lm' family .* has no export stage yet"
+    ):
+        export_checkpoint(tmp_path / "ckpt", tmp_path / "art")

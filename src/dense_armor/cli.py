@@ -6,6 +6,7 @@ dense-armor compile DIR [--target llvm-cpu[,cuda,vulkan-spirv]] [--cpu host] [--
 dense-armor inspect DIR
 dense-armor import-torch STATE.safetensors --config CONFIG.json --out CHECKPOINT_DIR
                          [--embed NAME] [--head NAME]
+dense-armor import-hf HF_MODEL_DIR --out CHECKPOINT_DIR
 """
 
 import argparse
@@ -140,6 +141,12 @@ def _parser() -> argparse.ArgumentParser:
     it.add_argument("--embed", default="embed", help="the input Linear's name (embed)")
     it.add_argument("--head", default="head", help="the output Linear's name (head)")
 
+    hf = commands.add_parser(
+        "import-hf", help="import a Hugging Face GPT-2, Llama or Qwen2 directory into a checkpoint"
+    )
+    hf.add_argument("directory", type=pathlib.Path, help="config.json and model.safetensors")
+    hf.add_argument("--out", type=pathlib.Path, required=True, help="checkpoint directory")
+
     ins = commands.add_parser("inspect", help="print an artifact's manifest and verify its files")
     ins.add_argument("directory", type=pathlib.Path)
 
@@ -191,8 +198,18 @@ def _import_torch(args: argparse.Namespace) -> None:
     print(f"imported {args.state} into {save_checkpoint(args.out, model, config)}")
 
 
+def _import_hf(args: argparse.Namespace) -> None:
+    from .checkpoint import ModelConfig, save_checkpoint
+    from .huggingface import import_hf
+
+    model, arguments = import_hf(args.directory)
+    written = save_checkpoint(args.out, model, ModelConfig("transformer_lm", arguments))
+    print(f"imported {args.directory} into {written}")
+
+
 COMMANDS = {
     "export": _export,
+    "import-hf": _import_hf,
     "compile": _compile,
     "import-torch": _import_torch,
     "inspect": lambda args: print(_inspect(args.directory)),
@@ -200,16 +217,17 @@ COMMANDS = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command line: `dense-armor export | compile | import-torch | inspect`; exit 2 with
-    one line naming the error for what a user can fix."""
+    """The command line: `dense-armor export | compile | import-torch | import-hf | inspect`;
+    exit 2 with one line naming the error for what a user can fix."""
     args = _parser().parse_args(argv)
     from .checkpoint import CheckpointError
     from .export import ArtifactError
+    from .huggingface import HuggingFaceError
     from .interop import InteropError
 
     try:
         COMMANDS[args.command](args)
-    except (ArtifactError, CheckpointError, InteropError, OSError) as error:  # OSError: --out
+    except (ArtifactError, CheckpointError, InteropError, HuggingFaceError, OSError) as error:
         print(f"dense-armor {args.command}: error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -14,6 +14,7 @@ from typing import Any
 
 from .nn.models.decoder import transformer_decoder
 from .nn.models.encoder import transformer_encoder
+from .nn.models.language_model import TransformerLM
 
 __all__ = ["FAMILIES", "Family", "family"]
 
@@ -27,7 +28,8 @@ class Family:
     - `name`: the factory's name, as configs store it;
     - `factory`: `factory(**arguments, key=key)` builds the model;
     - `kind`: what the artifact calls it (`"encoder"`: one output per sequence; `"decoder"`: one
-      per step, attending to a context);
+      per step, attending to a context; `"language_model"`: token ids in, logits per step, not
+      exported yet);
     - `causal`: the arguments of the model's causal form, which streams;
     - `context_width`: the width of the context it attends to, or `None`;
     - `apply(model, x, context)`: the forward of one sample, `context` a tuple `(context,
@@ -94,6 +96,15 @@ FAMILIES: dict[str, Family] = {
             context_width=lambda arguments: int(arguments.get("d_context") or arguments["d_model"]),
             apply=lambda model, x, context: model(x, context[0], context_mask=context[1]),
             start=_decoder_start,
+        ),
+        Family(
+            name="transformer_lm",
+            factory=TransformerLM,
+            kind="language_model",
+            causal=dict,  # causal already
+            context_width=lambda arguments: None,
+            apply=lambda model, x, context: model(x),
+            start=_encoder_start,
         ),
     )
 }

@@ -180,6 +180,11 @@ def _check_export(
 ) -> tuple[int, list[dict[str, int]]]:
     """`export_model`'s arguments checked before any work; the capacity, and the sizes of each
     static module."""
+    if FAMILIES[config.factory].kind == "language_model":
+        raise ArtifactError(
+            f"export_model: the {config.factory!r} family (token ids in, logits out) has no "
+            "export stage yet; its models run in JAX (`generate`)."
+        )
     try:  # a string such as "false" would be a true `force`, and replace the user's directory
         require_bool(force=force)
     except ValueError as error:
