@@ -4,22 +4,27 @@ as data by tests/torch_reference/make_hf_golden.py (neither torch nor transforme
 
 import json
 import pathlib
+import re
 import shutil
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from safetensors.numpy import load_file, save_file
 
 from dense_armor.checkpoint import ModelConfig, load_checkpoint, save_checkpoint
 from dense_armor.cli import main as cli
 from dense_armor.export import ArtifactError, export_checkpoint
-from dense_armor.huggingface import HuggingFaceError, import_hf
-from dense_armor.nn.models.generation import generate
+from dense_armor.huggingface import HuggingFaceError, import_hf, load_tokenizer
+from dense_armor.nn.models.generation import generate, stream_tokens
 from dense_armor.nn.models.language_model import TransformerLM
 from dense_armor.nn.models.stack import Stack
+from dense_armor.nn.state.streams import reset
+from dense_armor.train_step import next_token_loss
+from dense_armor.training import evaluate, fit
 
 DATA = pathlib.Path(__file__).parent / "data" / "hf"
 CASES = ["gpt2", "llama_gqa", "llama_tied", "qwen2"]
@@ -275,3 +280,146 @@ def test_a_language_model_checkpoint_is_refused_by_the_export_stage_naming_why(t
         ArtifactError, match=r"the 'transformer_lm' family .* has no export stage yet"
     ):
         export_checkpoint(tmp_path / "ckpt", tmp_path / "art")
+
+
+# training on next tokens
+
+
+def repeating_text():
+    """Windows of a text that repeats 8 tokens: inputs and the tokens that follow them."""
+    text = np.tile(np.arange(3, 11), 8)
+    windows = np.stack([text[i : i + 13] for i in range(32)])
+    return windows[:, :-1], windows[:, 1:]
+
+
+@pytest.mark.optax  # fit's optax updates mix int and float
+def test_fit_trains_a_language_model_on_next_tokens():
+    model = TransformerLM(16, 16, 2, 32, 1, jax.random.PRNGKey(0), 32, n_kv_heads=1)
+    xs, labels = repeating_text()
+    before = evaluate(model, xs, labels, loss_fn=next_token_loss)
+    result = fit(
+        model, optax.adam(1e-2), (xs, labels), steps=60, batch_size=8,
+        loss_fn=next_token_loss, progress=False, eval_every=60,
+    )  # fmt: skip
+    after = evaluate(result.model, xs, labels, loss_fn=next_token_loss)
+    assert after["loss"] < 0.2 * before["loss"], (before, after)
+    assert after["accuracy"] > 0.9 and 0.0 <= before["accuracy"] < 0.5
+
+
+BAD_NEXT_TOKEN = [
+    ("float-inputs", lambda m, xs, ys: (xs.astype(float), ys), r"`xs` must be integer token ids; received dtype float64"),
+    ("labels-past-the-vocabulary", lambda m, xs, ys: (xs, ys + 10), r"`labels` must lie in \[0, 16\), the model's vocabulary; received ids from 13 to 20"),
+    ("negative-inputs", lambda m, xs, ys: (xs - 5, ys), r"`xs` must lie in \[0, 16\).*from -2"),
+    ("labels-of-another-shape", lambda m, xs, ys: (xs, ys[:, :-1]), r"`labels` of the same shape; received shapes \(32, 12\) and \(32, 11\)"),
+    ("one-sequence", lambda m, xs, ys: (xs[0], ys[0]), r"token ids `xs \(B, T\)`.*received shapes \(12,\)"),
+]  # fmt: skip
+
+
+@pytest.mark.optax
+@pytest.mark.parametrize("change, words", [pytest.param(*r[1:], id=r[0]) for r in BAD_NEXT_TOKEN])
+def test_next_token_data_are_checked_naming_what(change, words):
+    model = TransformerLM(16, 16, 2, 32, 1, jax.random.PRNGKey(0), 32)
+    xs, labels = change(model, *repeating_text())
+    with pytest.raises(ValueError, match=words):
+        fit(
+            model,
+            optax.adam(1e-2),
+            (xs, labels),
+            steps=1,
+            batch_size=4,
+            loss_fn=next_token_loss,
+            progress=False,
+        )
+
+
+def test_a_batch_of_streams_steps_under_vmap_and_a_reset_stream_starts_again():
+    model, _ = import_hf(DATA / "llama_tied")
+    step = eqx.filter_jit(lambda m, ids, c: jax.vmap(m.step)(ids, c))
+    caches = model.init_streams(2, 8)
+    for ids in ([5, 9], [6, 10], [7, 11]):
+        _, caches = step(model, jnp.array(ids), caches)
+    caches = reset(caches, jnp.array([False, True]))
+    after, _ = step(model, jnp.array([8, 12]), caches)
+    alone, _ = model.step(jnp.array(12), model.init_cache(8))  # stream 1, started again
+    np.testing.assert_allclose(np.asarray(after[1]), np.asarray(alone), atol=1e-5)
+    solo = model(jnp.array([5, 6, 7, 8]))  # stream 0 went on from its three tokens
+    np.testing.assert_allclose(np.asarray(after[0]), np.asarray(solo[-1]), atol=1e-5)
+
+
+def test_streamed_tokens_are_generates_greedy_and_sampled_alike():
+    model, _ = import_hf(DATA / "gpt2")
+    golden = load_file(str(DATA / "gpt2.io.safetensors"))
+    prompt, want = list(golden["prompt"][0]), golden["generated"][0][:10]
+    np.testing.assert_array_equal(list(stream_tokens(model, prompt, 10)), want)
+    key = jax.random.PRNGKey(5)
+    settings = dict(temperature=1.3, top_p=0.95)
+    drawn = list(stream_tokens(model, prompt, 10, key, **settings))
+    np.testing.assert_array_equal(
+        drawn, np.asarray(generate(model, [prompt], 10, key, **settings).tokens[0])
+    )
+    stop = drawn[2]
+    assert (
+        list(stream_tokens(model, prompt, 10, key, stop_tokens=[stop], **settings))
+        == drawn[: drawn.index(stop) + 1]
+    )
+
+
+# text in and out: a tokenizer.json beside the weights, and `dense-armor generate`
+
+
+def word_tokenizer(path):
+    """A tokenizer.json of 96 words `t0` ... `t95`, the ids of the tiny models."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(96)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path))
+    return path
+
+
+def test_generate_from_the_command_line_reads_text_and_prints_text(tmp_path, capsys):
+    source = damaged(tmp_path, "gpt2", lambda t: word_tokenizer(t / "tokenizer.json"))
+    assert cli(["import-hf", str(source), "--out", str(tmp_path / "ckpt")]) == 0
+    assert (tmp_path / "ckpt" / "tokenizer.json").is_file()
+    capsys.readouterr()
+    args = ["generate", str(tmp_path / "ckpt"), "--prompt", "t50 t60 t70", "--max-new-tokens", "5"]
+    assert cli(args) == 0
+    model, _ = import_hf(DATA / "gpt2")
+    want = greedy_stream(model, [50, 60, 70], 5)
+    text = " ".join(f"t{i}" for i in want) + "\n"
+    assert capsys.readouterr().out == text
+    ids = ["--ids", "50,60,70", "--max-new-tokens", "5"]
+    assert cli(["generate", str(tmp_path / "ckpt"), *ids]) == 0
+    assert capsys.readouterr().out == text  # ids in, text out: the checkpoint has a tokenizer
+    assert cli(["import-hf", str(DATA / "gpt2"), "--out", str(tmp_path / "bare")]) == 0
+    capsys.readouterr()
+    assert cli(["generate", str(tmp_path / "bare"), *ids]) == 0
+    assert capsys.readouterr().out == " ".join(map(str, want)) + "\n"  # no tokenizer: ids
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--prompt", "t1 t2", "--tokenizer", "nowhere.json"], r"nowhere.json is missing"),
+        (["--ids", "1,2", "--temperature", "-1"], r"`temperature` must be a finite number >= 0"),
+        (["--ids", "1,200"], r"token id 200, outside the vocabulary \[0, 96\)"),
+        (["--ids", "1,2", "--max-new-tokens", "0"], r"`max_new_tokens` must be a positive integer"),
+    ],
+)
+def test_generate_from_the_command_line_refuses_in_one_line(tmp_path, capsys, extra, words):
+    assert cli(["import-hf", str(DATA / "gpt2"), "--out", str(tmp_path / "ckpt")]) == 0
+    capsys.readouterr()
+    assert cli(["generate", str(tmp_path / "ckpt"), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dense-armor generate: error: ") and re.search(words, err), err
+
+
+def test_generate_needs_a_tokenizer_for_text_and_a_language_model(tmp_path, capsys):
+    assert cli(["import-hf", str(DATA / "gpt2"), "--out", str(tmp_path / "ckpt")]) == 0
+    assert cli(["generate", str(tmp_path / "ckpt"), "--prompt", "hello"]) == 2
+    assert "--prompt needs a tokenizer" in capsys.readouterr().err
+    tokenizer = word_tokenizer(tmp_path / "tokenizer.json")
+    assert load_tokenizer(tokenizer).encode("t5 t7").ids == [5, 7]
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(HuggingFaceError, match=r"bad.json is not a readable tokenizer.json"):
+        load_tokenizer(tmp_path / "bad.json")

@@ -7,12 +7,16 @@ dense-armor inspect DIR
 dense-armor import-torch STATE.safetensors --config CONFIG.json --out CHECKPOINT_DIR
                          [--embed NAME] [--head NAME]
 dense-armor import-hf HF_MODEL_DIR --out CHECKPOINT_DIR
+dense-armor generate CHECKPOINT_DIR (--prompt TEXT | --ids 1,2,3) [--tokenizer tokenizer.json]
+                     [--max-new-tokens 32] [--temperature 0] [--top-k K] [--top-p P]
+                     [--min-p P] [--stop 2,...] [--seed 0]
 """
 
 import argparse
 import datetime
 import json
 import pathlib
+import shutil
 import sys
 from collections.abc import Sequence
 
@@ -25,6 +29,17 @@ def _shape(text: str) -> tuple[int, ...]:
     if len(sizes) not in (2, 3):
         raise argparse.ArgumentTypeError(f"expected B,T (or B,T,S for a decoder); got {text!r}")
     return sizes
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token ids like 1,2,3; got {text!r}") from None
+
+
+class UsageError(Exception):
+    """A command's settings that its library call refused (`ValueError`), reported in one line."""
 
 
 def _platforms(text: str) -> list[str]:
@@ -147,6 +162,22 @@ def _parser() -> argparse.ArgumentParser:
     hf.add_argument("directory", type=pathlib.Path, help="config.json and model.safetensors")
     hf.add_argument("--out", type=pathlib.Path, required=True, help="checkpoint directory")
 
+    ge = commands.add_parser("generate", help="generate from a language model checkpoint")
+    ge.add_argument("checkpoint", type=pathlib.Path, help="a transformer_lm checkpoint")
+    prompt = ge.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the prompt's text (needs a tokenizer)")
+    prompt.add_argument("--ids", type=_ids, help="the prompt's token ids, comma separated")
+    ge.add_argument(
+        "--tokenizer", type=pathlib.Path, help="a tokenizer.json (default: the checkpoint's)"
+    )
+    ge.add_argument("--max-new-tokens", type=int, default=32)
+    ge.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    ge.add_argument("--top-k", type=int)
+    ge.add_argument("--top-p", type=float)
+    ge.add_argument("--min-p", type=float)
+    ge.add_argument("--stop", type=_ids, default=[], help="stop tokens, comma separated")
+    ge.add_argument("--seed", type=int, default=0, help="the sampling key's seed")
+
     ins = commands.add_parser("inspect", help="print an artifact's manifest and verify its files")
     ins.add_argument("directory", type=pathlib.Path)
 
@@ -204,12 +235,54 @@ def _import_hf(args: argparse.Namespace) -> None:
 
     model, arguments = import_hf(args.directory)
     written = save_checkpoint(args.out, model, ModelConfig("transformer_lm", arguments))
+    tokenizer = args.directory / "tokenizer.json"
+    if tokenizer.is_file():  # beside the checkpoint, where `generate` looks for it
+        shutil.copyfile(tokenizer, written / "tokenizer.json")
     print(f"imported {args.directory} into {written}")
+
+
+def _generate(args: argparse.Namespace) -> None:
+    import jax
+
+    from .checkpoint import CheckpointError, load_checkpoint
+    from .huggingface import load_tokenizer
+    from .nn.models.generation import stream_tokens
+
+    checkpoint = load_checkpoint(args.checkpoint)
+    if checkpoint.config.factory != "transformer_lm":
+        raise CheckpointError(
+            f"{args.checkpoint} holds a {checkpoint.config.factory!r} model; generate needs a "
+            "'transformer_lm' one."
+        )
+    path = args.tokenizer or args.checkpoint / "tokenizer.json"
+    tokenizer = load_tokenizer(path) if args.tokenizer or path.is_file() else None
+    if args.prompt is None:
+        ids = args.ids
+    elif tokenizer is None:
+        raise UsageError(f"--prompt needs a tokenizer: pass --tokenizer (none in {path.parent}).")
+    else:
+        ids = tokenizer.encode(args.prompt).ids
+    settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    try:
+        tokens = stream_tokens(
+            checkpoint.model, ids, args.max_new_tokens, jax.random.PRNGKey(args.seed),
+            min_p=args.min_p, stop_tokens=args.stop, **settings,
+        )  # fmt: skip
+        shown, new = "", []
+        for token in tokens:  # text as it comes: the decoded whole, less what is shown
+            new.append(token)
+            text = tokenizer.decode(new) if tokenizer is not None else " ".join(map(str, new))
+            print(text[len(shown) :], end="", flush=True)
+            shown = text
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    print()
 
 
 COMMANDS = {
     "export": _export,
     "import-hf": _import_hf,
+    "generate": _generate,
     "compile": _compile,
     "import-torch": _import_torch,
     "inspect": lambda args: print(_inspect(args.directory)),
@@ -217,8 +290,8 @@ COMMANDS = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command line: `dense-armor export | compile | import-torch | import-hf | inspect`;
-    exit 2 with one line naming the error for what a user can fix."""
+    """The command line: `dense-armor export | compile | import-torch | import-hf | generate |
+    inspect`; exit 2 with one line naming the error for what a user can fix."""
     args = _parser().parse_args(argv)
     from .checkpoint import CheckpointError
     from .export import ArtifactError
@@ -227,7 +300,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         COMMANDS[args.command](args)
-    except (ArtifactError, CheckpointError, InteropError, HuggingFaceError, OSError) as error:
+    except (
+        ArtifactError,
+        CheckpointError,
+        InteropError,
+        HuggingFaceError,
+        UsageError,
+        OSError,
+    ) as error:
         print(f"dense-armor {args.command}: error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -25,7 +25,7 @@ from safetensors.numpy import load_file
 
 from .nn.models.language_model import TransformerLM
 
-__all__ = ["ARCHITECTURES", "HuggingFaceError", "import_hf"]
+__all__ = ["ARCHITECTURES", "HuggingFaceError", "import_hf", "load_tokenizer"]
 
 
 class HuggingFaceError(ValueError):
@@ -337,3 +337,23 @@ def _fill_block(model: TransformerLM, i: int, weights: dict[str, np.ndarray]) ->
 
         model = _set(model, where, value)
     return model
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Any:
+    """The `tokenizers.Tokenizer` of a `tokenizer.json` (or of a directory holding one), for text
+    in and out of a language model: `encode(text).ids`, `decode(ids)`. Needs the `tokenizers`
+    library (`pip install 'dense-armor[text]'`)."""
+    file = pathlib.Path(path)
+    file = file / "tokenizer.json" if file.is_dir() else file
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise HuggingFaceError(
+            "reading a tokenizer needs the `tokenizers` library: pip install 'dense-armor[text]'."
+        ) from None
+    if not file.is_file():
+        raise HuggingFaceError(f"{file} is missing: no tokenizer to read.")
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as error:  # the library raises its own exception type
+        raise HuggingFaceError(f"{file} is not a readable tokenizer.json: {error}") from None

@@ -20,12 +20,15 @@ __all__ = [
     "CrossEntropy",
     "Loss",
     "LossFn",
+    "NextToken",
     "as_loss",
     "check_classification_data",
+    "check_ids",
     "check_labels",
     "cross_entropy_loss",
     "evaluate",
     "make_train_step",
+    "next_token_loss",
 ]
 
 LossFn = Callable[[Any, jax.Array, jax.Array, jax.Array | None], jax.Array]
@@ -109,6 +112,74 @@ class CrossEntropy(Loss):
 
 
 cross_entropy_loss = CrossEntropy()
+
+
+class NextToken(Loss):
+    """A language model's loss: mean softmax cross-entropy of `model`'s logits on token ids
+    `xs (B, T)` against `labels (B, T)`, the token that follows each position (for a text
+    `tokens (B, T + 1)`: `xs = tokens[:, :-1]`, `labels = tokens[:, 1:]`). Both are checked as
+    integer ids of the model's vocabulary (an id outside would train silently), data sets and
+    every batch a source gives alike; the accuracy is that of the next token over all positions.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(self._next_token)
+
+    @staticmethod
+    def _next_token(
+        model: Any, xs: jax.Array, labels: jax.Array, key: jax.Array | None = None
+    ) -> jax.Array:
+        if key is None:
+            logits = jax.vmap(model)(xs)
+        else:
+            keys = jax.random.split(key, xs.shape[0])
+            logits = jax.vmap(lambda x, k: model(x, key=k))(xs, keys)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    def check_data(self, caller: str, model: Any, xs: Any, labels: Any) -> None:
+        xs, labels = np.asarray(xs), np.asarray(labels)
+        if xs.ndim != 2 or xs.size == 0 or labels.shape != xs.shape:
+            raise ValueError(
+                f"{caller}: next-token data are token ids `xs (B, T)` and the ids that follow "
+                f"them, `labels` of the same shape; received shapes {xs.shape} and "
+                f"{labels.shape}."
+            )
+        for name, ids in (("xs", xs), ("labels", labels)):
+            check_ids(caller, name, ids, None)  # integers, before the model sees them
+        vocab = output_width(model, xs)
+        for name, ids in (("xs", xs), ("labels", labels)):
+            check_ids(caller, name, ids, vocab)
+
+    def batch_checker(self, model: Any, xs: Any) -> Callable[..., None]:
+        vocab = output_width(model, xs)
+
+        def check(caller: str, labels: Any, rows: int, where: str) -> None:
+            check_ids(caller, "labels", np.asarray(labels), vocab, where)
+
+        return check
+
+    def correct(self, model: Any, xs: jax.Array, labels: jax.Array) -> jax.Array:
+        """The correct next tokens, as a fraction of each sequence's positions (so that the
+        accuracy over samples is the accuracy over tokens)."""
+        hits = jax.vmap(model)(xs).argmax(axis=-1) == labels
+        return hits.mean(axis=-1).sum()
+
+
+next_token_loss = NextToken()
+
+
+def check_ids(caller: str, name: str, ids: np.ndarray, vocab: int | None, where: str = "") -> None:
+    """Raise `ValueError` unless `ids` are integers in `[0, vocab)` (any, for `vocab=None`),
+    naming `name`."""
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(
+            f"{caller}: `{name}` must be integer token ids; received dtype {ids.dtype}{where}."
+        )
+    if vocab is not None and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(
+            f"{caller}: `{name}` must lie in [0, {vocab}), the model's vocabulary; received ids "
+            f"from {int(ids.min())} to {int(ids.max())}{where}."
+        )
 
 
 def as_loss(loss_fn: LossFn | Loss) -> Loss:
@@ -255,7 +326,7 @@ def evaluate_checked(
 ) -> dict[str, float]:
     """`evaluate` on data already checked."""
     loss = as_loss(loss_fn)
-    total_loss, correct = 0.0, 0
+    total_loss, correct = 0.0, 0.0
     reports_accuracy = True
     for start in range(0, len(xs), batch_size):
         rows = slice(start, min(start + batch_size, len(xs)))
@@ -263,7 +334,7 @@ def evaluate_checked(
             summed, hits = _batch_metrics(model, batch_xs, batch_labels, loss)
             total_loss += float(summed)
             reports_accuracy = hits is not None
-            correct += 0 if hits is None else int(hits)
+            correct += 0 if hits is None else float(hits)
     metrics = {"loss": total_loss / len(xs)}
     if reports_accuracy:
         metrics["accuracy"] = correct / len(xs)

@@ -4,7 +4,7 @@ prompt its own stream (its own positions), sampling in the loop with the rules o
 `dense_armor.nn.sampling`."""
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -16,7 +16,7 @@ from ..core import require_int, require_key
 from ..sampling import check_sampling, sample
 from .language_model import TransformerLM
 
-__all__ = ["Generation", "generate"]
+__all__ = ["Generation", "generate", "stream_tokens"]
 
 
 class Generation(NamedTuple):
@@ -87,6 +87,30 @@ def generate(
     equals its generation alone. The function compiles once per prompt shape and settings.
     """
     padded, lengths = _prompts(model, prompts)
+    capacity = _check_generation(
+        model, padded.shape[1], max_new_tokens, key, temperature, top_k, top_p, min_p,
+        stop_tokens, capacity,
+    )  # fmt: skip
+    stops = tuple(int(t) for t in stop_tokens)
+    run = _compiled(int(max_new_tokens), float(temperature), top_k, top_p, min_p, stops, capacity)
+    key = jax.random.PRNGKey(0) if key is None else key
+    common = int(lengths.min())  # static: one compilation per common length
+    return run(model, jnp.asarray(padded), jnp.asarray(lengths), key, common)
+
+
+def _check_generation(
+    model: TransformerLM,
+    longest: int,
+    max_new_tokens: Any,
+    key: Any,
+    temperature: Any,
+    top_k: Any,
+    top_p: Any,
+    min_p: Any,
+    stop_tokens: Sequence[int],
+    capacity: Any,
+) -> int:
+    """`generate`'s settings checked; the cache's capacity."""
     require_int(1, caller="generate", max_new_tokens=max_new_tokens)
     check_sampling(temperature, top_k, top_p, min_p)
     if temperature != 0:
@@ -94,24 +118,88 @@ def generate(
     stops = tuple(int(t) for t in stop_tokens)
     if any(not 0 <= t < model.vocab for t in stops):
         raise ValueError(f"generate: `stop_tokens` {stops} must lie in [0, {model.vocab}).")
-    needed = padded.shape[1] + int(max_new_tokens)
+    needed = longest + int(max_new_tokens)
     capacity = needed if capacity is None else capacity
     require_int(1, caller="generate (or None)", capacity=capacity)
     if capacity < needed:
         raise ValueError(
-            f"generate: the longest prompt ({padded.shape[1]} tokens) and `max_new_tokens="
+            f"generate: the longest prompt ({longest} tokens) and `max_new_tokens="
             f"{max_new_tokens}` need {needed} cache slots; `capacity={capacity}`."
         )
-    if model.positions is not None and needed > model.positions.max_len:
+    end = None if model.positions is None else model.positions.max_len
+    if end is not None and needed > end:
         raise ValueError(
-            f"generate: the longest prompt ({padded.shape[1]} tokens) and `max_new_tokens="
+            f"generate: the longest prompt ({longest} tokens) and `max_new_tokens="
             f"{max_new_tokens}` reach position {needed - 1}; the model's learned positions end "
-            f"at max_len={model.positions.max_len}."
+            f"at max_len={end}."
         )
-    run = _compiled(int(max_new_tokens), float(temperature), top_k, top_p, min_p, stops, capacity)
+    return int(capacity)
+
+
+@eqx.filter_jit
+def _prefill(model: TransformerLM, ids: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
+    return model.prefill(ids, cache)
+
+
+@eqx.filter_jit
+def _step(model: TransformerLM, token: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
+    return model.step(token, cache)
+
+
+def stream_tokens(
+    model: TransformerLM,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    key: jax.Array | None = None,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    stop_tokens: Sequence[int] = (),
+) -> Iterator[int]:
+    """The new tokens of one prompt, each as soon as it is chosen (for a person reading them):
+    one compiled `prefill`, then one compiled `step` per token. The same tokens as
+    `generate([prompt], ...)` with the same settings and key; the iterator ends after a stop
+    token or `max_new_tokens`."""
+    padded, _ = _prompts(model, [prompt])
+    capacity = _check_generation(
+        model, padded.shape[1], max_new_tokens, key, temperature, top_k, top_p, min_p,
+        stop_tokens, None,
+    )  # fmt: skip
+    choose = _chooser(float(temperature), top_k, top_p, min_p)
     key = jax.random.PRNGKey(0) if key is None else key
-    common = int(lengths.min())  # static: one compilation per common length
-    return run(model, jnp.asarray(padded), jnp.asarray(lengths), key, common)
+    cache = model.init_cache(capacity, on_overflow="nan")
+    logits, cache = _prefill(model, jnp.asarray(padded[0]), cache)
+    logits, position = logits[-1], padded.shape[1]
+    for made in range(int(max_new_tokens)):
+        token = int(choose(logits[None], key, jnp.int32(position))[0])
+        yield token
+        if token in stop_tokens or made + 1 == max_new_tokens:
+            return
+        logits, cache = _step(model, jnp.int32(token), cache)
+        position += 1
+
+
+@functools.cache
+def _chooser(
+    temperature: float, top_k: int | None, top_p: float | None, min_p: float | None
+) -> Any:
+    """The next token of each row of `logits (B, vocab)`: greedy, or row `b` drawn with
+    `fold_in(fold_in(key, b), position)`."""
+
+    @jax.jit
+    def choose(logits: jax.Array, key: jax.Array, position: jax.Array) -> jax.Array:
+        if temperature == 0:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        rows = jnp.arange(logits.shape[0])
+        keys = jax.vmap(lambda b: jax.random.fold_in(jax.random.fold_in(key, b), position))(rows)
+        draw = functools.partial(
+            sample, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p
+        )
+        return jax.vmap(draw)(logits, keys)
+
+    return choose
 
 
 @functools.cache
@@ -126,15 +214,7 @@ def _compiled(
 ) -> Any:
     """The compiled generation for these settings (one per distinct settings)."""
 
-    def choose(logits: jax.Array, key: jax.Array, position: jax.Array) -> jax.Array:
-        if temperature == 0:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        rows = jnp.arange(logits.shape[0])
-        keys = jax.vmap(lambda b: jax.random.fold_in(jax.random.fold_in(key, b), position))(rows)
-        draw = functools.partial(
-            sample, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p
-        )
-        return jax.vmap(draw)(logits, keys)
+    choose = _chooser(temperature, top_k, top_p, min_p)
 
     @eqx.filter_jit
     def run(
@@ -142,8 +222,7 @@ def _compiled(
     ) -> Generation:
         batch, longest = prompts.shape
         rows = jnp.arange(batch)
-        empty = model.init_cache(capacity, on_overflow="nan")
-        caches = jax.tree.map(lambda a: jnp.broadcast_to(a, (batch, *a.shape)), empty)
+        caches = model.init_streams(batch, capacity, on_overflow="nan")
         # The prompts' common length in one prefill; the loop feeds the rest of each prompt.
         logits, caches = jax.vmap(model.prefill)(prompts[:, :common], caches)
         stop_ids = jnp.asarray(stops or (-1,), jnp.int32)

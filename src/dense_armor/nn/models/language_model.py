@@ -16,6 +16,7 @@ from ..layers.basic import LayerNorm
 from ..layers.language import Embedding, LMHead, RMSNorm
 from ..layers.positions import LearnedPositions
 from ..mixers.options import attention_options
+from ..state.streams import batch_streams
 from .stack import Stack
 
 __all__ = ["LM_POSITIONS", "TransformerLM"]
@@ -41,7 +42,7 @@ class TransformerLM(Layer):
 
     `forward(ids)` gives the logits of every position; it streams: `init_cache(capacity)`, then
     `prefill(ids, cache)` over a prompt and `step(id, cache)` one token at a time, each giving the
-    logits of its positions.
+    logits of its positions; `init_streams(batch, capacity)` and `reset` for a batch of streams.
     """
 
     embed: Embedding
@@ -133,6 +134,13 @@ class TransformerLM(Layer):
         else:
             blocks = tuple(b.init_cache(capacity, on_overflow=on_overflow) for b in self.blocks)
         return (position_cache, blocks)
+
+    def init_streams(
+        self, batch: int, capacity: int | None = None, *, on_overflow: str = "raise"
+    ) -> tuple:
+        """`init_cache(capacity)` for `batch` streams: every array with a leading batch axis,
+        for `jax.vmap(model.step)(ids, caches)`; `reset` returns chosen streams to the start."""
+        return batch_streams(self.init_cache(capacity, on_overflow=on_overflow), batch)
 
     @shape_checked
     def prefill(self, ids: Int[Array, " K"], cache: tuple) -> tuple[Float[Array, "K vocab"], tuple]:
