@@ -2,10 +2,12 @@
 
 import importlib.util
 import json
+import math
 import pathlib
 
 import pytest
 
+from dense_armor.checkpoint import load_checkpoint
 from environment import CACHE_SETTINGS, child_env
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
@@ -111,3 +113,16 @@ def test_data_parallel_example_runs_over_a_mesh(tmp_path, options, mesh, saved):
     assert result.returncode == 0, result.stderr
     assert f"mesh: {mesh}" in result.stdout and "test accuracy" in result.stdout
     assert (tmp_path / "run" / saved).exists()
+
+
+@pytest.mark.optax
+def test_language_model_example_learns_bytes_and_saves_a_checkpoint(tmp_path, capsys):
+    report = load("language_model").main(
+        ["--steps", "60", "--length", "16", "--batch-size", "16", "--sample-bytes", "8",
+         "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert report["valid_loss"] < 0.8 * math.log(256)  # well below a uniform guess over bytes
+    assert {p.name for p in tmp_path.iterdir()} >= {"checkpoint", "report.json", "loss.png"}
+    out = capsys.readouterr().out
+    assert "--- greedy ---\ndef " in out and "held-out next-byte loss" in out
+    assert load_checkpoint(tmp_path / "checkpoint").config.factory == "transformer_lm"
