@@ -114,27 +114,14 @@ class CrossEntropy(Loss):
 cross_entropy_loss = CrossEntropy()
 
 
-class NextToken(Loss):
-    """A language model's loss: mean softmax cross-entropy of `model`'s logits on token ids
-    `xs (B, T)` against `labels (B, T)`, the token that follows each position (for a text
-    `tokens (B, T + 1)`: `xs = tokens[:, :-1]`, `labels = tokens[:, 1:]`). Both are checked as
-    integer ids of the model's vocabulary (an id outside would train silently), data sets and
-    every batch a source gives alike; the accuracy is that of the next token over all positions.
+class NextToken(CrossEntropy):
+    """A language model's loss: the mean softmax cross-entropy of `CrossEntropy`, of `model`'s
+    logits on token ids `xs (B, T)` against `labels (B, T)`, the token that follows each position
+    (for a text `tokens (B, T + 1)`: `xs = tokens[:, :-1]`, `labels = tokens[:, 1:]`). Both are
+    checked as integer ids of the model's vocabulary (an id outside would train silently), data
+    sets and every batch a source gives alike; the accuracy is that of the next token over all
+    positions.
     """
-
-    def __init__(self) -> None:
-        super().__init__(self._next_token)
-
-    @staticmethod
-    def _next_token(
-        model: Any, xs: jax.Array, labels: jax.Array, key: jax.Array | None = None
-    ) -> jax.Array:
-        if key is None:
-            logits = jax.vmap(model)(xs)
-        else:
-            keys = jax.random.split(key, xs.shape[0])
-            logits = jax.vmap(lambda x, k: model(x, key=k))(xs, keys)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
     def check_data(self, caller: str, model: Any, xs: Any, labels: Any) -> None:
         xs, labels = np.asarray(xs), np.asarray(labels)
