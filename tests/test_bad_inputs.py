@@ -47,6 +47,8 @@ from dense_armor.nn.layers.language import (
     RMSNorm,
     TokenIdError,
 )
+from dense_armor.nn.models.generation import generate
+from dense_armor.nn.models.language_model import TransformerLM
 from dense_armor.nn.sampling import greedy, sample
 from dense_armor.sharded_checkpoint import ShardedCheckpoints, to_safetensors
 from dense_armor.training import evaluate, fit
@@ -591,6 +593,17 @@ BAD = [
     ("sample-min-p-negative", lambda: sample(jnp.zeros(5), KEY, min_p=-0.1), ValueError, r"`min_p` must be a number in \[0, 1\] \(or None\); received `min_p=-0.1`"),
     ("sample-integer-logits", lambda: sample(jnp.zeros(5, int), KEY), ValueError, r"`logits` must be a floating-point array `\(..., vocab\)`.*dtype int32"),
     ("sample-empty-vocabulary", lambda: sample(jnp.zeros((2, 0)), KEY), ValueError, r"`logits` must be a floating-point array.*shape \(2, 0\)"),
+    ("lm-positions-unknown", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, positions="sinusoidal"), ValueError, r"`positions` must be one of \('rope', 'learned'\); received `positions='sinusoidal'`"),
+    ("lm-norm-unknown", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, norm="batch"), ValueError, r"`norm` must be one of \('layer', 'rms'\); received `norm='batch'`"),
+    ("lm-feed-forward-unknown", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, feed_forward="moe"), ValueError, r"`feed_forward` must be one of \('mlp', 'gated'\)"),
+    ("lm-heads-not-dividing", lambda: TransformerLM(16, 30, 4, 32, 1, KEY, 8), ValueError, r"`d_model` must be divisible by `n_heads`; received `d_model=30`, `n_heads=4`"),
+    ("lm-tie-a-string", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, tie_embeddings="yes"), ValueError, r"`tie_embeddings` must be True or False; received `tie_embeddings='yes'`"),
+    ("lm-misspelt-option", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, windw=3), TypeError, r"TransformerLM got unexpected keyword arguments \['windw'\]; the attention's options are \['window'"),
+    ("lm-eps-nan", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, eps=float("nan")), ValueError, r"`eps` must be a positive finite number; received `eps=nan`"),
+    ("lm-float-ids", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8)(jnp.array([1.0, 2.0])), ShapeError, r"TransformerLM.forward.*`ids`: expected Int\['T'\]"),
+    ("lm-a-batch-of-ids", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8)(jnp.ones((2, 3), int)), ShapeError, r"TransformerLM.forward: received `ids.shape=\(2, 3\)`; expected `\(T\)`.*jax.vmap"),
+    ("lm-step-two-ids", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8).step(jnp.array([1, 2]), TransformerLM(16, 16, 2, 32, 1, KEY, 8).init_cache(4)), ShapeError, r"TransformerLM.step: received `x_t.shape=\(2,\)`; expected `\(\)`"),
+    ("generate-not-a-language-model", lambda: generate(MODEL, [[1]], 3), TypeError, r"generate: `model` must be a TransformerLM; received Sequential"),
     ("greedy-a-list", lambda: greedy([1.0, 2.0]), ShapeError, r"`logits`: expected Float"),
     # several processes
     ("coordinator-without-port", with_env(DENSE_ARMOR_COORDINATOR="127.0.0.1"), ValueError, r"DENSE_ARMOR_COORDINATOR must be `host:port`.*'127.0.0.1'"),

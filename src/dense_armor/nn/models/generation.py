@@ -31,6 +31,10 @@ class Generation(NamedTuple):
 def _prompts(model: TransformerLM, prompts: Any) -> tuple[np.ndarray, np.ndarray]:
     """The prompts as a padded `(B, P)` int32 array and their lengths, checked: a list of id
     sequences (of any lengths) or a 2-D integer array (every row whole)."""
+    if not isinstance(model, TransformerLM):
+        raise TypeError(
+            f"generate: `model` must be a TransformerLM; received {type(model).__name__}."
+        )
     if isinstance(prompts, np.ndarray | jax.Array) and np.ndim(prompts) == 2:
         rows = list(np.asarray(prompts))
     elif isinstance(prompts, Sequence) and not isinstance(prompts, str) and prompts:
