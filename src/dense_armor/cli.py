@@ -19,6 +19,7 @@ import pathlib
 import shutil
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -162,6 +163,16 @@ def _parser() -> argparse.ArgumentParser:
     hf.add_argument("directory", type=pathlib.Path, help="config.json and model.safetensors")
     hf.add_argument("--out", type=pathlib.Path, required=True, help="checkpoint directory")
 
+    _add_generate(commands)
+
+    ins = commands.add_parser("inspect", help="print an artifact's manifest and verify its files")
+    ins.add_argument("directory", type=pathlib.Path)
+
+    return parser
+
+
+def _add_generate(commands: Any) -> None:
+    """The `generate` command's arguments."""
     ge = commands.add_parser("generate", help="generate from a language model checkpoint")
     ge.add_argument("checkpoint", type=pathlib.Path, help="a transformer_lm checkpoint")
     prompt = ge.add_mutually_exclusive_group(required=True)
@@ -177,11 +188,6 @@ def _parser() -> argparse.ArgumentParser:
     ge.add_argument("--min-p", type=float)
     ge.add_argument("--stop", type=_ids, default=[], help="stop tokens, comma separated")
     ge.add_argument("--seed", type=int, default=0, help="the sampling key's seed")
-
-    ins = commands.add_parser("inspect", help="print an artifact's manifest and verify its files")
-    ins.add_argument("directory", type=pathlib.Path)
-
-    return parser
 
 
 def _export(args: argparse.Namespace) -> None:
