@@ -181,12 +181,31 @@ def _annotation_text(annotation: Any) -> str:
 _UNIONS = (typing.Union, types.UnionType)
 
 
+def _fails_alone(annotation: Any, value: Any) -> bool:
+    """Whether `value` fails `annotation` by itself (jaxtyping's array types and classes;
+    an annotation `isinstance` cannot take counts as failing)."""
+    if annotation is inspect.Parameter.empty or annotation is Any:
+        return False
+    try:
+        return not isinstance(value, annotation)
+    except TypeError:
+        return True
+
+
 def _mismatch(owner: str, signature: inspect.Signature, arguments: dict[str, Any]) -> ShapeError:
     """The `ShapeError` for arguments that fail their jaxtyping annotations: every array argument
     with its expected (annotated) and received shape and dtype."""
     lines = []
-    for name, value in arguments.items():
-        if name == "self" or name not in signature.parameters:
+    named = {
+        name: value
+        for name, value in arguments.items()
+        if name != "self" and name in signature.parameters
+    }
+    # The arguments that fail their annotation on their own (a dtype, a rank); when none does,
+    # the sizes of a named axis disagree across them, and every argument is listed.
+    alone = {n for n, v in named.items() if _fails_alone(signature.parameters[n].annotation, v)}
+    for name, value in named.items():
+        if alone and name not in alone:
             continue
         expected = _annotation_text(signature.parameters[name].annotation)
         shape = getattr(value, "shape", None)
@@ -203,6 +222,8 @@ def _mismatch(owner: str, signature: inspect.Signature, arguments: dict[str, Any
         else:
             received = type(value).__name__
         lines.append(f"`{name}`: expected {expected}, received {received}")
+    if alone:  # the dtype or rank of these arguments
+        return ShapeError(f"{owner}: " + "; ".join(lines) + ".")
     return ShapeError(
         f"{owner}: the array arguments do not fit together ("
         + "; ".join(lines)
