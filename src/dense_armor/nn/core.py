@@ -30,6 +30,7 @@ __all__ = [
     "is_integer",
     "ShapeError",
     "require_bool",
+    "require_choice",
     "require_key",
     "require_int",
     "require_positive",
@@ -101,6 +102,13 @@ def require_int(
 def require_positive(**sizes: Any) -> None:
     """`require_int(1, **sizes)`: each size a positive integer."""
     require_int(1, **sizes)
+
+
+def require_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    """The package's one check of a named option: raise `ValueError` unless `value` is one of
+    the strings `choices`, naming the option, the choices and what was received."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"`{name}` must be one of {choices}; received `{name}={value!r}`.")
 
 
 def require_bool(**flags: bool) -> None:

@@ -21,6 +21,7 @@ from ..core import (
     Param,
     python_scalar,
     require_bool,
+    require_choice,
     require_key,
     require_positive,
     shape_checked,
@@ -47,11 +48,6 @@ def _check_remat(remat: str | None) -> str | None:
             f"block, or the attention); received `remat={remat!r}`."
         )
     return remat
-
-
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"`{name}` must be one of {choices}; received `{name}={value!r}`.")
 
 
 def _check_block(key: Any, d_model: int, d_ff: int, gate: Any, norm_first: Any) -> None:
@@ -146,8 +142,8 @@ class MixerBlock(Block):
         feed_forward: str = "mlp",
     ) -> None:
         """The fields every block has besides its mixer (called from a block's `__init__`)."""
-        _check_choice("norm", norm, NORMS)
-        _check_choice("feed_forward", feed_forward, FEED_FORWARDS)
+        require_choice("norm", norm, NORMS)
+        require_choice("feed_forward", feed_forward, FEED_FORWARDS)
         make_norm = LayerNorm if norm == "layer" else RMSNorm
         self.norm1 = make_norm(d_model, layer_norm_eps)
         feed = FeedForward if feed_forward == "mlp" else GatedFeedForward

@@ -21,6 +21,7 @@ from ..core import (
     Pointwise,
     ShapeError,
     python_scalar,
+    require_choice,
     require_key,
     require_positive,
     require_rate,
@@ -87,10 +88,7 @@ class Cast(Pointwise):
     dtype: str = eqx.field(static=True, converter=python_scalar)
 
     def __init__(self, dtype: str):
-        if dtype not in COMPUTE_DTYPES:
-            raise ValueError(
-                f"`dtype` must be one of {COMPUTE_DTYPES}; received `dtype={dtype!r}`."
-            )
+        require_choice("dtype", dtype, COMPUTE_DTYPES)
         self.dtype = dtype
 
     @shape_checked
@@ -208,11 +206,7 @@ ACTIVATIONS: Mapping[str, Callable[[Array], Array]] = {
 
 def check_activation(activation: Any) -> None:
     """Refuse an activation name that `ACTIVATIONS` does not hold."""
-    if not isinstance(activation, str) or activation not in ACTIVATIONS:
-        raise ValueError(
-            f"`activation` must be one of {tuple(ACTIVATIONS)}; received "
-            f"`activation={activation!r}`."
-        )
+    require_choice("activation", activation, tuple(ACTIVATIONS))
 
 
 class FeedForward(Pointwise):

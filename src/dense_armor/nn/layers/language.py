@@ -17,7 +17,15 @@ import jax.random as jr
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from ..core import Param, Pointwise, python_scalar, require_key, require_positive, shape_checked
+from ..core import (
+    Param,
+    Pointwise,
+    python_scalar,
+    require_choice,
+    require_key,
+    require_positive,
+    shape_checked,
+)
 from .basic import ACTIVATIONS, check_activation
 
 __all__ = ["ID_MODES", "Embedding", "GatedFeedForward", "LMHead", "RMSNorm", "TokenIdError"]
@@ -69,10 +77,7 @@ class Embedding(Pointwise):
     def __init__(self, vocab: int, d_model: int, key: PRNGKeyArray, *, on_invalid: str = "raise"):
         require_key(key)
         require_positive(vocab=vocab, d_model=d_model)
-        if not isinstance(on_invalid, str) or on_invalid not in ID_MODES:
-            raise ValueError(
-                f"`on_invalid` must be one of {ID_MODES}; received `on_invalid={on_invalid!r}`."
-            )
+        require_choice("on_invalid", on_invalid, ID_MODES)
         self.table = _normal(key, (vocab, d_model))
         self.vocab, self.d_model, self.on_invalid = vocab, d_model, on_invalid
 

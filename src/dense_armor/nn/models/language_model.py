@@ -11,7 +11,15 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..blocks.mixer_block import Norm
 from ..blocks.transformer_block import TransformerBlock
-from ..core import Layer, python_scalar, require_bool, require_key, require_positive, shape_checked
+from ..core import (
+    Layer,
+    python_scalar,
+    require_bool,
+    require_choice,
+    require_key,
+    require_positive,
+    shape_checked,
+)
 from ..layers.basic import LayerNorm
 from ..layers.language import Embedding, LMHead, RMSNorm
 from ..layers.positions import LearnedPositions
@@ -79,10 +87,7 @@ class TransformerLM(Layer):
         require_key(key)
         require_positive(vocab=vocab, d_model=d_model, depth=depth, max_len=max_len)
         require_bool(tie_embeddings=tie_embeddings, scan_layers=scan_layers)
-        if not isinstance(positions, str) or positions not in LM_POSITIONS:
-            raise ValueError(
-                f"`positions` must be one of {LM_POSITIONS}; received `positions={positions!r}`."
-            )
+        require_choice("positions", positions, LM_POSITIONS)
         options = attention_options("TransformerLM", attention)
         options["rope_base"] = rope_base if positions == "rope" else None
         embed_key, position_key, head_key, *block_keys = jr.split(key, 3 + depth)

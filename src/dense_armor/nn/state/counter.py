@@ -10,7 +10,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
-from ..core import python_scalar
+from ..core import python_scalar, require_choice
 
 __all__ = ["OVERFLOW_MODES", "OVERFLOW_REMEDY", "Counter", "validate_overflow_mode"]
 
@@ -19,11 +19,7 @@ OVERFLOW_MODES = ("raise", "nan")
 
 
 def validate_overflow_mode(on_overflow: str) -> None:
-    if on_overflow not in OVERFLOW_MODES:
-        raise ValueError(
-            f"`on_overflow` must be one of {OVERFLOW_MODES}; "
-            f"received `on_overflow={on_overflow!r}`."
-        )
+    require_choice("on_overflow", on_overflow, OVERFLOW_MODES)
 
 
 # What an overflow error says to do, after what happened (one text for every cache).
