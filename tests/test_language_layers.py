@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from dense_armor.nn.core import ShapeError
+from dense_armor.nn.kernels.choice import exporting
 from dense_armor.nn.layers.basic import FeedForward
 from dense_armor.nn.layers.language import (
     Embedding,
@@ -17,6 +18,7 @@ from dense_armor.nn.layers.language import (
     LMHead,
     RMSNorm,
     TokenIdError,
+    ids_checked,
 )
 from dense_armor.nn.sampling import filter_logits, greedy, sample
 
@@ -84,6 +86,23 @@ def test_with_on_invalid_nan_an_outside_id_is_a_nan_row_and_a_false_flag():
     assert np.isnan(rows[1]).all() and np.isnan(rows[2]).all()
     np.testing.assert_array_equal(rows[[0, 3]], np.asarray(emb.table.value)[[1, 10]])
     np.testing.assert_array_equal(np.asarray(emb.in_range(ids)), [True, False, False, True])
+
+
+def test_a_caller_that_checked_its_ids_traces_no_callback_and_gets_nan_rows():
+    """Inside `ids_checked()` (and the export stage's `exporting()`), a traced `"raise"`
+    embedding has no callback to Python (which JAX's persistent cache would never keep) and gives
+    NaN rows for outside ids; outside them it has the callback; eager calls raise in both."""
+    emb = Embedding(11, 4, KEY)
+    ids = jnp.array([1, 11])
+    assert "callback" in str(jax.make_jaxpr(emb)(ids))
+    for context in (ids_checked, exporting):
+        with context():
+            assert "callback" not in str(jax.make_jaxpr(emb)(ids))
+            rows = np.asarray(jax.jit(lambda i: emb(i))(ids))
+            with pytest.raises(TokenIdError):
+                emb(ids)
+        assert np.isnan(rows[1]).all()
+        np.testing.assert_array_equal(rows[0], np.asarray(emb.table.value)[1])
 
 
 def test_float_ids_are_refused():

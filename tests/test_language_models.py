@@ -208,6 +208,17 @@ def test_top_k_one_samples_the_greedy_tokens_and_a_key_reproduces_a_draw():
     assert np.all((np.asarray(first.tokens) >= 0) & (np.asarray(first.tokens) < model.vocab))
 
 
+def test_generation_compiles_without_a_callback_so_jaxs_disk_cache_keeps_it():
+    """`generate` checks its prompts before the call, so its compiled loop carries no id check
+    (a callback to Python, which JAX's persistent compilation cache never keeps), nor a cache
+    that raises; a model's own traced prefill does have the id check."""
+    model = TransformerLM(50, 16, 2, 32, 1, jax.random.PRNGKey(0), 32)
+    loop = str(jax.make_jaxpr(lambda: generate(model, [[1, 2, 3]], 4).tokens)())
+    assert "while" in loop and "callback" not in loop
+    cache = model.init_cache(8, on_overflow="nan")
+    assert "callback" in str(jax.make_jaxpr(lambda: model.prefill(jnp.array([1, 2]), cache)[0])())
+
+
 def test_a_stop_token_ends_its_row_and_pads_the_rest():
     model, _ = import_hf(DATA / "qwen2")
     golden = load_file(str(DATA / "qwen2.io.safetensors"))

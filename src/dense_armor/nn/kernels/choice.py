@@ -32,6 +32,12 @@ def exporting() -> Iterator[None]:
         _EXPORTING.reset(token)
 
 
+def is_exporting() -> bool:
+    """Whether this code runs in `exporting()`: a layer then traces what a portable artifact can
+    hold (no custom call of one platform, no callback to Python)."""
+    return _EXPORTING.get()
+
+
 def resolve_implementation(memory_efficient: bool | None, implementation: str | None) -> str:
     """One attention implementation from a layer's two arguments (`memory_efficient`, the older
     spelling: `True` is `"blocked"`, `False` `"materialised"`, `None` `"auto"`)."""
@@ -73,7 +79,7 @@ def _dot_product_attention(
     """`scaled_dot_product_attention` through `jax.nn.dot_product_attention` (XLA's or cuDNN's
     fused kernel), heads first `(n_heads, T, d_head)`, with this module's conventions kept: a
     query that sees no key gets zeros, and a hidden non-finite value stays hidden."""
-    if implementation == "cudnn" and _EXPORTING.get():
+    if implementation == "cudnn" and is_exporting():
         implementation = "xla"
     if implementation == "cudnn" and jax.default_backend() != "gpu":
         raise ValueError(

@@ -6,8 +6,10 @@ They follow the checkpoints they load (GPT-2, Llama, Qwen2): weights start norma
 on each position alone, so it serves a sequence `(T, ...)` and a single step alike.
 """
 
+import contextlib
+import contextvars
 import numbers
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import equinox as eqx
@@ -26,15 +28,42 @@ from ..core import (
     require_positive,
     shape_checked,
 )
+from ..kernels.choice import is_exporting
 from .basic import ACTIVATIONS, check_activation
 
-__all__ = ["ID_MODES", "Embedding", "GatedFeedForward", "LMHead", "RMSNorm", "TokenIdError"]
+__all__ = [
+    "ID_MODES",
+    "Embedding",
+    "GatedFeedForward",
+    "LMHead",
+    "RMSNorm",
+    "TokenIdError",
+    "ids_checked",
+]
 
 INIT_STD = 0.02
 # What `Embedding` does with an id outside `[0, vocab)`: refuse it (eagerly a `TokenIdError`,
 # under `eqx.filter_jit` Equinox's runtime error), or give NaN rows (for an exported step, whose
 # runtime has no error channel: `Embedding.in_range` is the flag to return beside them).
 ID_MODES = ("raise", "nan")
+
+_IDS_CHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar("ids_checked", default=False)
+
+
+@contextlib.contextmanager
+def ids_checked() -> Iterator[None]:
+    """Within it, a traced `Embedding` with `on_invalid="raise"` gives NaN rows for ids outside
+    the vocabulary, as `"nan"` does, instead of Equinox's run-time check: for callers that
+    checked their ids before the call, as `generate` does (its prompts are checked, its own
+    tokens come from the vocabulary). Such a check is a callback to Python, and JAX keeps no
+    function with a callback in its persistent compilation cache: without it, `generate`
+    compiles again in every process. Eager calls still raise. The export stage's `exporting()`
+    gives NaN rows likewise (an artifact cannot call back)."""
+    token = _IDS_CHECKED.set(True)
+    try:
+        yield
+    finally:
+        _IDS_CHECKED.reset(token)
 
 
 class TokenIdError(IndexError, ValueError):
@@ -91,9 +120,7 @@ class Embedding(Pointwise):
     ) -> Float[Array, "*T d_model"]:
         valid = self.in_range(ids)
         rows = jnp.take(self.table.value, jnp.clip(ids, 0, self.vocab - 1), axis=0)
-        if self.on_invalid == "nan":
-            return jnp.where(valid[..., None], rows, jnp.nan)
-        if not isinstance(ids, jax.core.Tracer):
+        if not isinstance(ids, jax.core.Tracer) and self.on_invalid == "raise":
             bad = np.argwhere(~np.asarray(valid))
             if bad.size:
                 where = tuple(int(i) for i in bad[0])
@@ -102,6 +129,8 @@ class Embedding(Pointwise):
                     f"outside the vocabulary [0, {self.vocab}) ({len(bad)} such ids in all)."
                 )
             return rows
+        if self.on_invalid == "nan" or _IDS_CHECKED.get() or is_exporting():
+            return jnp.where(valid[..., None], rows, jnp.nan)
         return eqx.error_if(
             rows, ~jnp.all(valid), f"Embedding: a token id is outside [0, {self.vocab})."
         )

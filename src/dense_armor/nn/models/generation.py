@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core import require_int, require_key
+from ..layers.language import ids_checked
 from ..sampling import check_sampling, sample
 from .language_model import TransformerLM
 
@@ -99,7 +100,8 @@ def generate(
     run = _compiled(int(max_new_tokens), float(temperature), top_k, top_p, min_p, stops, capacity)
     key = jax.random.PRNGKey(0) if key is None else key
     common = int(lengths.min())  # static: one compilation per common length
-    return run(model, jnp.asarray(padded), jnp.asarray(lengths), key, common)
+    with ids_checked():  # the prompts were checked above: no callback, so the compilation keeps
+        return run(model, jnp.asarray(padded), jnp.asarray(lengths), key, common)
 
 
 def _check_generation(
@@ -174,14 +176,16 @@ def stream_tokens(
     choose = _chooser(float(temperature), top_k, top_p, min_p)
     key = jax.random.PRNGKey(0) if key is None else key
     cache = model.init_cache(capacity, on_overflow="nan")
-    logits, cache = _prefill(model, jnp.asarray(padded[0]), cache)
+    with ids_checked():
+        logits, cache = _prefill(model, jnp.asarray(padded[0]), cache)
     logits, position = logits[-1], padded.shape[1]
     for made in range(int(max_new_tokens)):
         token = int(choose(logits[None], key, jnp.int32(position))[0])
         yield token
         if token in stop_tokens or made + 1 == max_new_tokens:
             return
-        logits, cache = _step(model, jnp.int32(token), cache)
+        with ids_checked():
+            logits, cache = _step(model, jnp.int32(token), cache)
         position += 1
 
 
