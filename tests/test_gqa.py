@@ -87,12 +87,17 @@ def test_the_cache_holds_only_the_key_value_heads_and_streams_exactly(window):
     layer = MultiHeadSelfAttention(D, HEADS, KEY, causal=True, window=window, n_kv_heads=KV)
     full = MultiHeadSelfAttention(D, HEADS, KEY, causal=True, window=window)
     capacity = None if window else 12
-    cache, full_cache = layer.init_cache(12), full.init_cache(12)
+    cache, full_cache = (
+        layer.init_cache(12, on_overflow="nan"),
+        full.init_cache(12, on_overflow="nan"),
+    )
     assert cache.keys.nbytes * HEADS == full_cache.keys.nbytes * KV  # exactly n_kv / n_heads
     xs = jax.random.normal(jax.random.fold_in(KEY, 3), (12, D))
-    stepped, _ = stream(layer, xs, layer.init_cache(capacity), eqx.filter_jit(layer.step))
+    stepped, _ = stream(
+        layer, xs, layer.init_cache(capacity, on_overflow="nan"), eqx.filter_jit(layer.step)
+    )
     np.testing.assert_allclose(stepped, layer(xs), atol=2e-5)
-    y, cache = eqx.filter_jit(layer.prefill)(xs[:7], layer.init_cache(capacity))
+    y, cache = eqx.filter_jit(layer.prefill)(xs[:7], layer.init_cache(capacity, on_overflow="nan"))
     more, _ = eqx.filter_jit(layer.prefill)(xs[7:], cache)
     np.testing.assert_allclose(jnp.concatenate([y, more]), stepped, atol=2e-5)
     growing, _ = stream(layer, xs[:5], layer.init_cache())  # growing, or the ring
@@ -119,7 +124,9 @@ def test_an_encoder_with_grouped_heads_streams_like_its_forward():
 
     model = transformer_encoder(3, D, HEADS, 32, 2, 4, KEY, 10, causal=True, n_kv_heads=KV)
     xs = jax.random.normal(KEY, (10, 3))
-    stepped, _ = stream(model, xs, model.init_cache(10), eqx.filter_jit(model.step))
+    stepped, _ = stream(
+        model, xs, model.init_cache(10, on_overflow="nan"), eqx.filter_jit(model.step)
+    )
     np.testing.assert_allclose(stepped, prefix_outputs(model, xs), atol=2e-5)
 
 

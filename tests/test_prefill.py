@@ -68,7 +68,7 @@ def as32(a):
 def test_prefill_in_chunks_equals_steps_and_forward_on_every_prefix(family):
     model, capacity, kind, atol = FAMILIES[family]
     xs = jax.random.normal(jax.random.fold_in(KEY, 1), (STEPS, 3))
-    cache = model.init_cache(capacity)
+    cache = model.init_cache(capacity, on_overflow="nan")
     assert any(isinstance(layer_cache, kind) for layer_cache in cache)
     # A growing cache changes shape at every step: jitted, each step and chunk would compile anew
     # (most of this test's time), so it runs eagerly; fixed and ring caches compile once.
@@ -109,7 +109,7 @@ def test_decoder_prefill_equals_its_steps_and_forward():
     full = model(xs, context, context_mask=mask)
     prefill = eqx.filter_jit(model.prefill)
     for capacity in (None, STEPS):
-        cache = model.init_cache(context, capacity, context_mask=mask)
+        cache = model.init_cache(context, capacity, context_mask=mask, on_overflow="nan")
         for sizes in CHUNKS.values():
             ys, _ = chunked(model, xs, cache, sizes, prefill=prefill)
             np.testing.assert_allclose(ys, full, atol=2e-5)
@@ -215,7 +215,7 @@ def test_reset_streams_restart_alone_and_leave_the_others_untouched(window):
     model = encoder(window=window) if window else encoder()
     n, t_reset = 4, 6
     xs = jax.random.normal(jax.random.fold_in(KEY, 5), (n, 12, 3))
-    caches = model.init_streams(n, None if window else STEPS)
+    caches = model.init_streams(n, None if window else STEPS, on_overflow="nan")
     assert all(jnp.shape(leaf)[0] == n for leaf in jax.tree.leaves(caches))
     step = jax.jit(jax.vmap(lambda x_t, cache: model.step(x_t, cache)))
     outputs = []
@@ -227,7 +227,9 @@ def test_reset_streams_restart_alone_and_leave_the_others_untouched(window):
     outputs = jnp.stack(outputs, axis=1)  # (streams, steps, n_out)
     for s in range(n):
         start = t_reset if s in (1, 3) else 0
-        alone, _ = stream(model, xs[s, start:], model.init_cache(None if window else STEPS))
+        alone, _ = stream(
+            model, xs[s, start:], model.init_cache(None if window else STEPS, on_overflow="nan")
+        )
         np.testing.assert_allclose(outputs[s, start:], alone, atol=2e-5, err_msg=f"stream {s}")
     if not window:  # each stream's own counter: the reset ones saw 6 steps, the others 12
         np.testing.assert_array_equal(caches[2].index, [12, 6, 12, 6])
@@ -267,7 +269,7 @@ def test_pre_ln_and_windowed_decoders_stream_and_prefill(norm_first, window):
     xs = jax.random.normal(KEY, (12 if window else 8, 3))  # a windowed one runs past max_len
     context = jax.random.normal(jax.random.fold_in(KEY, 9), (6, 5))
     full = model(xs, context)
-    cache = model.init_cache(context, None if window else 8)
+    cache = model.init_cache(context, None if window else 8, on_overflow="nan")
     if window:
         assert isinstance(cache[1].self_attention, RingKVCache)
     stepped, _ = stream(model, xs, cache, eqx.filter_jit(model.step))

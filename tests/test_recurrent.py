@@ -225,10 +225,10 @@ def test_mixed_stack_streams_prefills_and_masks_like_its_forward(mixers):
     model = stack_model(mixers)
     x = jax.random.normal(jax.random.PRNGKey(1), (10, 3))
     on_prefixes = prefix_outputs(model, x)  # padded forward == unpadded, at two prefixes
-    ys, _ = stream(model, x, model.init_cache(10), eqx.filter_jit(model.step))
+    ys, _ = stream(model, x, model.init_cache(10, on_overflow="nan"), eqx.filter_jit(model.step))
     np.testing.assert_allclose(ys, on_prefixes, atol=2e-5)
     prefill = eqx.filter_jit(model.prefill)
-    first, middle = prefill(x[:4], model.init_cache(10))
+    first, middle = prefill(x[:4], model.init_cache(10, on_overflow="nan"))
     rest, _ = prefill(x[4:], middle)
     np.testing.assert_allclose(jnp.concatenate([first, rest]), ys, atol=2e-5)
     growing, _ = model.prefill(x, model.init_cache())  # the growing attention cache
@@ -238,7 +238,7 @@ def test_mixed_stack_streams_prefills_and_masks_like_its_forward(mixers):
 def test_a_batch_of_mixed_streams_resets_one_stream():
     model = stack_model(("mingru", "attention"))
     x = jax.random.normal(jax.random.PRNGKey(1), (2, 8, 3))
-    caches = batch_streams(model.init_cache(8), 2)
+    caches = batch_streams(model.init_cache(8, on_overflow="nan"), 2)
     step = jax.jit(jax.vmap(model.step))
     for t in range(3):
         _, caches = step(x[:, t], caches)
@@ -254,7 +254,7 @@ def test_a_batch_of_mixed_streams_resets_one_stream():
 def test_a_recurrent_stack_without_positions_streams_past_max_len_in_constant_memory():
     model = transformer_encoder(3, 8, 2, 16, 2, 4, KEY, 4, mixers="mingru", positions="none")
     x = jax.random.normal(jax.random.PRNGKey(1), (30, 3))
-    cache = model.init_cache(4)
+    cache = model.init_cache(4, on_overflow="nan")
     size = sum(a.size for a in jax.tree.leaves(cache))
     ys, cache = stream(model, x, cache, eqx.filter_jit(model.step))
     assert sum(a.size for a in jax.tree.leaves(cache)) == size
@@ -269,7 +269,7 @@ def test_recurrent_blocks_have_the_blocks_parameters_and_scan_as_a_stack():
     scanned = stack_model("mingru", scan_layers=True)
     x = jax.random.normal(jax.random.PRNGKey(1), (10, 3))
     np.testing.assert_allclose(scanned(x), unrolled(x), atol=1e-6)
-    ys, _ = stream(scanned, x, scanned.init_cache(10))
+    ys, _ = stream(scanned, x, scanned.init_cache(10, on_overflow="nan"))
     np.testing.assert_allclose(ys[-1], unrolled(x), atol=2e-5)
 
 

@@ -70,16 +70,18 @@ def test_scanned_streams_prefill_and_reset_like_the_unrolled(window):
     unrolled, scanned = encoder(window=window), encoder(window=window, scan_layers=True)
     capacity = None if window else 10
     xs = jax.random.normal(jax.random.fold_in(KEY, 1), (10, 3))
-    expected, _ = stream(unrolled, xs, unrolled.init_cache(capacity))
-    cache = scanned.init_cache(capacity)
+    expected, _ = stream(unrolled, xs, unrolled.init_cache(capacity, on_overflow="nan"))
+    cache = scanned.init_cache(capacity, on_overflow="nan")
     assert jax.tree.leaves(cache[2])[0].shape[0] == 3  # one cache per block, stacked
     stepped, _ = stream(scanned, xs, cache, eqx.filter_jit(scanned.step))
     np.testing.assert_allclose(stepped, expected, atol=2e-5)
-    y, cache = eqx.filter_jit(scanned.prefill)(xs[:6], scanned.init_cache(capacity))
+    y, cache = eqx.filter_jit(scanned.prefill)(
+        xs[:6], scanned.init_cache(capacity, on_overflow="nan")
+    )
     more, _ = eqx.filter_jit(scanned.prefill)(xs[6:], cache)
     np.testing.assert_allclose(jnp.concatenate([y, more]), expected, atol=2e-5)
     # a batch of two streams, the second reset part-way: it restarts alone
-    caches = scanned.init_streams(2, capacity)
+    caches = scanned.init_streams(2, capacity, on_overflow="nan")
     step = jax.jit(jax.vmap(lambda x, c: scanned.step(x, c)))
     outputs = []
     for t in range(10):
@@ -89,7 +91,7 @@ def test_scanned_streams_prefill_and_reset_like_the_unrolled(window):
         outputs.append(y)
     outputs = jnp.stack(outputs, axis=1)
     np.testing.assert_allclose(outputs[0], expected, atol=2e-5)
-    alone, _ = stream(unrolled, xs[5:], unrolled.init_cache(capacity))
+    alone, _ = stream(unrolled, xs[5:], unrolled.init_cache(capacity, on_overflow="nan"))
     np.testing.assert_allclose(outputs[1, 5:], alone, atol=2e-5)
 
 
@@ -102,7 +104,7 @@ def test_scanned_decoder_equals_the_unrolled_one():
     mask = jnp.array([True, True, True, False])
     expected = unrolled(x, context, context_mask=mask)
     np.testing.assert_allclose(decoder(x, context, context_mask=mask), expected, atol=1e-6)
-    cache = decoder.init_cache(context, 10, context_mask=mask)
+    cache = decoder.init_cache(context, 10, context_mask=mask, on_overflow="nan")
     y, _ = eqx.filter_jit(decoder.prefill)(x, cache)
     np.testing.assert_allclose(y, expected, atol=2e-5)
 
