@@ -110,16 +110,25 @@ def run_processes(mode, work):
         for i in range(2)
     ]
     try:
-        return [result(p, index=i, timeout=240)[mode] for i, p in enumerate(procs)]
+        return [result(p, index=i, timeout=300) for i, p in enumerate(procs)]
     finally:
         for process, _ in procs:
             if process.poll() is None:
                 process.kill()
 
 
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """Both two-process runs (data parallel, then a 2 x 2 mesh on halves of the data), in one
+    pair of processes: `(the runs of each process, their directory)`."""
+    work = tmp_path_factory.mktemp("multi")
+    return run_processes("multi", work), work
+
+
 @pytest.mark.multiprocess
-def test_two_processes_on_loopback_agree_and_match_one(runs, tmp_path):
-    results = run_processes("multi", tmp_path)
+def test_two_processes_on_loopback_agree_and_match_one(runs, two_processes):
+    both, tmp_path = two_processes
+    results = [r["multi"] for r in both]
     assert [r["processes"] for r in results] == [2, 2] and results[0]["devices"] == 4
     assert results[0] == results[1]
     close(results[0], runs["single"])
@@ -167,11 +176,12 @@ def test_orbax_checkpoints_written_on_two_by_two_resume_elsewhere(runs, where):
 
 
 @pytest.mark.multiprocess
-def test_two_processes_each_reading_its_half_match_one(runs, tmp_path):
+def test_two_processes_each_reading_its_half_match_one(runs, two_processes):
     """Two processes on 127.0.0.1, a 2 x 2 mesh across them (one "data" row each), each reading
     only its own half of the training data (a ShardSource) and writing its own shards of the
     Orbax checkpoints: the run of one process fed both halves."""
-    results = run_processes("multi-halves", tmp_path)
+    both, tmp_path = two_processes
+    results = [r["multi-halves"] for r in both]
     assert [r["processes"] for r in results] == [2, 2] and results[0]["devices"] == 4
     close(results[0], runs["halves"])
     assert results[0]["head_split"] == {

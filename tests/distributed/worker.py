@@ -14,9 +14,10 @@ resumed on one device and on 4 x 1; "halves" trains from two `ShardSource`s, one
 data, concatenated (what two processes, each holding one half, feed together).
 
 MODE "multi" joins a multi-process run from the DENSE_ARMOR_* variables first, then trains on the
-mesh of every device of every process, checkpointing into WORK_DIR/ckpt; MODE "multi-halves"
-trains on the 2 x 2 mesh with each process reading only its half of the data (a `ShardSource`),
-with sharded Orbax checkpoints in WORK_DIR/orbax.
+mesh of every device of every process, checkpointing into WORK_DIR/ckpt ("multi"), then
+on the 2 x 2 mesh with each process reading only its half of the data (a `ShardSource`), with
+sharded Orbax checkpoints in WORK_DIR/orbax ("multi-halves"): one pair of processes starts,
+joins and imports once for both.
 
 Writes `{run name: {devices, processes, train_loss, valid_loss, weight_sum}, ...}` as JSON to
 OUT_JSON.<process index>.
@@ -209,9 +210,8 @@ def reported() -> dict:
 
 
 runs = {}
-if mode == "multi":
+if mode == "multi":  # both two-process runs, in one pair of processes
     runs["multi"] = summary(train("mesh", checkpoint_dir=work / "ckpt"))
-elif mode == "multi-halves":
     mine = Recorded(jax.process_index())
     result = train("tp", data=mine, checkpoint_dir=work / "orbax", checkpoint_format="orbax")
     runs["multi-halves"] = {
