@@ -17,7 +17,8 @@ from safetensors.numpy import load_file, save_file
 
 from dense_armor.checkpoint import ModelConfig, load_checkpoint, save_checkpoint
 from dense_armor.cli import main as cli
-from dense_armor.export import ArtifactError, export_checkpoint
+from dense_armor.export import export_checkpoint
+from dense_armor.export.standalone import check_golden, load
 from dense_armor.huggingface import HuggingFaceError, import_hf, load_tokenizer
 from dense_armor.nn.models.generation import generate, stream_tokens
 from dense_armor.nn.models.language_model import TransformerLM
@@ -284,13 +285,40 @@ def test_the_cli_refuses_a_damaged_directory_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "ckpt").exists()
 
 
-def test_a_language_model_checkpoint_is_refused_by_the_export_stage_naming_why(tmp_path):
-    model, arguments = import_hf(DATA / "gpt2")
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa"])
+def test_the_exported_artifact_gives_transformers_logits_and_greedy_tokens(tmp_path, name):
+    """A checkpoint of an imported model exported like any family: its forward gives
+    transformers' logits, its prefill and step generate transformers' greedy tokens from the
+    artifact alone, its own golden check passes, and an id outside the vocabulary is a NaN row
+    (an artifact cannot raise) that the manifest documents."""
+    model, arguments = import_hf(DATA / name)
+    golden = load_file(str(DATA / f"{name}.io.safetensors"))
     save_checkpoint(tmp_path / "ckpt", model, ModelConfig("transformer_lm", arguments))
-    with pytest.raises(
-        ArtifactError, match=r"the 'transformer_lm' family .* has no export stage yet"
-    ):
-        export_checkpoint(tmp_path / "ckpt", tmp_path / "art")
+    export_checkpoint(
+        tmp_path / "ckpt", tmp_path / "art", capacity=CAPACITY, platforms=["cpu"],
+        static_shapes=[(1, 4)],
+    )  # fmt: skip
+    artifact = load(tmp_path / "art")
+    manifest = artifact.manifest
+    assert manifest["kind"] == "language_model"
+    assert manifest["token_ids"]["vocab"] == model.vocab
+    assert "NaN logits" in manifest["token_ids"]["invalid"]
+    assert [i["dtype"] for i in artifact.inputs("step") if i["name"] == "x_t"] == ["int32"]
+    assert max(check_golden(artifact).values()) < 1e-4
+    np.testing.assert_allclose(
+        np.asarray(artifact.forward(golden["ids"])), golden["logits"], atol=1e-5, rtol=0
+    )
+    prompt, want = golden["prompt"], golden["generated"][0]
+    logits, cache, overflow = artifact.prefill(prompt, artifact.init_cache(1))
+    token, out = np.argmax(np.asarray(logits)[:, -1], axis=-1).astype(np.int32), []
+    for _ in range(len(want)):
+        out.append(int(token[0]))
+        logits, cache, overflow = artifact.step(token, cache)
+        token = np.argmax(np.asarray(logits), axis=-1).astype(np.int32)
+    np.testing.assert_array_equal(out, want)
+    assert not bool(np.any(overflow))
+    bad, _, _ = artifact.step(np.array([model.vocab], np.int32), artifact.init_cache(1))
+    assert np.isnan(np.asarray(bad)).all()
 
 
 # training on next tokens

@@ -28,19 +28,23 @@ class Family:
     - `name`: the factory's name, as configs store it;
     - `factory`: `factory(**arguments, key=key)` builds the model;
     - `kind`: what the artifact calls it (`"encoder"`: one output per sequence; `"decoder"`: one
-      per step, attending to a context; `"language_model"`: token ids in, logits per step, not
-      exported yet);
+      per step, attending to a context; `"language_model"`: token ids in, the next token's
+      logits at every step out);
     - `causal`: the arguments of the model's causal form, which streams;
     - `context_width`: the width of the context it attends to, or `None`;
     - `apply(model, x, context)`: the forward of one sample, `context` a tuple `(context,
       context_mask)` or `()`;
     - `start(model, capacity, context, on_overflow)`: one stream's empty cache.
 
+    - `token_ids`: its inputs are token ids (int32, one per step, in `[0, vocab)`), not vectors
+      of `n_in` features;
+    - `default_positions`: the `positions` of a config that does not name them.
+
     And what the export stage reads of a config's arguments, asked here rather than by name:
-    `input_width` (the features of one step), `max_length` (the longest sequence it takes) and
-    `positions_end` (the step at which its positions stop, so a stream cannot go past it: the
-    longest sequence for a positional table, `None` for rotary positions, none, or a window's
-    unbounded ones).
+    `input_spec` (the dtype and shape of one step's input), `max_length` (the longest sequence
+    it takes) and `positions_end` (the step at which its positions stop, so a stream cannot go
+    past it: the longest sequence for a positional table, `None` for rotary positions, none, or a
+    window's unbounded ones).
     """
 
     name: str
@@ -50,15 +54,24 @@ class Family:
     context_width: Callable[[Arguments], int | None]
     apply: Callable[[Any, Any, Sequence[Any]], Any]
     start: Callable[[Any, int, Sequence[Any], str], Any]
+    token_ids: bool = False
+    default_positions: str = "sinusoidal"
 
-    def input_width(self, arguments: Arguments) -> int:
-        return int(arguments["n_in"])
+    def input_spec(self, arguments: Arguments) -> tuple[str, tuple[int, ...]]:
+        """One step's input: its dtype and shape (`float32 (n_in,)`, or `int32 ()` for ids)."""
+        if self.token_ids:
+            return "int32", ()
+        return "float32", (int(arguments["n_in"]),)
+
+    def vocabulary(self, arguments: Arguments) -> int | None:
+        """The number of token ids a family of `token_ids` takes (else `None`)."""
+        return int(arguments["vocab"]) if self.token_ids else None
 
     def max_length(self, arguments: Arguments) -> int:
         return int(arguments["max_len"])
 
     def positions_end(self, arguments: Arguments) -> int | None:
-        positions = arguments.get("positions", "sinusoidal")
+        positions = arguments.get("positions", self.default_positions)
         if positions == "learned":  # a table of max_len rows, window or not
             return self.max_length(arguments)
         # rotary positions, or none, or a window's sinusoids (computed for any step): no end
@@ -105,6 +118,8 @@ FAMILIES: dict[str, Family] = {
             context_width=lambda arguments: None,
             apply=lambda model, x, context: model(x),
             start=_encoder_start,
+            token_ids=True,
+            default_positions="rope",
         ),
     )
 }

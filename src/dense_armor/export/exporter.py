@@ -1,7 +1,10 @@
 """Lower a model and its streaming functions to StableHLO artifacts with `jax.export`.
 
-Every family in `dense_armor.families` exports (`transformer_encoder`, `kind: encoder`, and
-`transformer_decoder`, `kind: decoder`, which attends to a context). An artifact directory holds:
+Every family in `dense_armor.families` exports (`transformer_encoder`, `kind: encoder`;
+`transformer_decoder`, `kind: decoder`, which attends to a context; and `transformer_lm`,
+`kind: language_model`, whose inputs are int32 token ids: `x (B, T)`, `x_t (B,)`, and whose
+outputs are the next token's logits at every step, `(B, T, vocab)` and `(B, vocab)`). An artifact
+directory holds:
 
 - `forward.jax_exported`: the batched forward, symbolic in the batch `B` and the time `T`
   (`1 <= T <= max_len`), and for a decoder in the context length `S`:
@@ -180,11 +183,6 @@ def _check_export(
 ) -> tuple[int, list[dict[str, int]]]:
     """`export_model`'s arguments checked before any work; the capacity, and the sizes of each
     static module."""
-    if FAMILIES[config.factory].kind == "language_model":
-        raise ArtifactError(
-            f"export_model: the {config.factory!r} family (token ids in, logits out) has no "
-            "export stage yet; its models run in JAX (`generate`)."
-        )
     try:  # a string such as "false" would be a true `force`, and replace the user's directory
         require_bool(force=force)
     except ValueError as error:
@@ -303,6 +301,7 @@ def _manifest(
         "model": config.to_json(),
         "weights": {"file": "weights.safetensors", "names": lowering.names},
         "functions": described,
+        **_token_ids(lowering),
         "streaming": {
             "model": causal_config.to_json(),
             "note": "init_cache, step, prefill and reset belong to the model's causal form; its "
@@ -316,6 +315,20 @@ def _manifest(
         "static": static_entries,
         "compatibility": _compatibility(exported),
     }
+
+
+INVALID_IDS = (
+    "an id outside [0, vocab) gives NaN logits in its rows (an artifact cannot raise): check ids "
+    "before the call. In prefill and step it also leaves NaN keys and values in that stream's "
+    "cache, so its later logits are NaN too until the stream is reset."
+)
+
+
+def _token_ids(lowering: Lowering) -> dict[str, Any]:
+    """The manifest's `token_ids` entry, for a family whose inputs are token ids."""
+    if lowering.vocab is None:
+        return {}
+    return {"token_ids": {"dtype": "int32", "vocab": lowering.vocab, "invalid": INVALID_IDS}}
 
 
 # jax.export's promise: a jax release loads what a jax up to 6 months older serialized.

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .lowering import Function, Lowering, concrete
+from .lowering import Function, Lowering
 
 __all__ = ["GOLDEN_STEPS", "golden"]
 
@@ -25,7 +25,7 @@ GOLDEN_STEPS = 256
 
 
 def _run(lowering: Lowering, xs: np.ndarray, context: Sequence[np.ndarray]) -> np.ndarray:
-    """One stream, from its empty cache, one `step` at a time: `xs (L, n_in) -> (L, n_out)`."""
+    """One stream, from its empty cache, one `step` at a time: `xs (L, ...) -> (L, ...)`."""
     model = lowering.causal_model
     cache = lowering.family.start(model, lowering.capacity, tuple(context), "nan")
     step = eqx.filter_jit(lambda m, x, c: m.step(x, c))
@@ -83,7 +83,7 @@ class _Golden:
         for i, (b, t, s) in enumerate(
             [(2, lowering.max_len, 5), (3, min(5, lowering.max_len), 3), (1, 1, 1)]
         ):
-            arrays[f"forward{i}.x"] = self.normal(i, (b, t, lowering.n_in))
+            arrays[f"forward{i}.x"] = lowering.draw_inputs(jax.random.fold_in(self.key, i), (b, t))
             inputs = [f"forward{i}.x", *self.context(f"forward{i}", i, b, s, padded=True)]
             arrays[f"forward{i}.y"] = np.asarray(  # outputs are stored as float32
                 forward(lowering.weights, *(arrays[k] for k in inputs)), np.float32
@@ -97,7 +97,7 @@ class _Golden:
         lowering, arrays = self.lowering, self.arrays
         b, n = 2, min(lowering.capacity, GOLDEN_STEPS)
         prefilled, reset_at = max(1, n // 3), max(1, n // 3, (2 * n) // 3)
-        xs = self.normal(100, (b, n, lowering.n_in))
+        xs = lowering.draw_inputs(jax.random.fold_in(self.key, 100), (b, n))
         arrays["stream.x"] = xs
         arrays["stream.streams"] = np.ones(b, bool)
         init = self.context("stream", 9, b, 4, padded=True) or ["stream.streams"]
@@ -143,9 +143,13 @@ def _static_cases(
     order) and what the function returns for them in Python, for runtimes other than JAX to
     reproduce with the static module. A step case is a stream of steps from an empty
     cache, the cache fed back (`capacity` steps, at most `GOLDEN_STEPS`); its `x_t` input holds
-    every step's, `(B, steps, n_in)`."""
+    every step's, `(B, steps, ...)`."""
     cases = []
     done = set()
+
+    def case_key(n: int, i: int) -> jax.Array:
+        return jax.random.fold_in(jax.random.fold_in(key, 5000 + n), i)
+
     for n, entry in enumerate(entries):
         name, sizes = entry["function"], entry["shape"]
         if (name, tuple(sizes.items())) in done:
@@ -156,8 +160,10 @@ def _static_cases(
         b = sizes["B"]
 
         def normal(i: int, shape: tuple[int, ...], n: int = n) -> np.ndarray:
-            folded = jax.random.fold_in(jax.random.fold_in(key, 5000 + n), i)
-            return np.asarray(jax.random.normal(folded, shape), np.float32)
+            return np.asarray(jax.random.normal(case_key(n, i), shape), np.float32)
+
+        def draw(i: int, leading: tuple[int, ...], n: int = n) -> np.ndarray:
+            return lowering.draw_inputs(case_key(n, i), leading)
 
         context = []
         if lowering.width is not None:
@@ -166,7 +172,7 @@ def _static_cases(
                 mask[0, -1] = False
             context = [normal(0, (b, sizes["S"], lowering.width)), mask]
         init_inputs = context or [np.ones(b, bool)]
-        inputs, outputs, steps = _static_run(lowering, name, sizes, normal, init_inputs, context)
+        inputs, outputs, steps = _static_run(lowering, name, sizes, draw, init_inputs, context)
         names = [f"{prefix}.in{i}" for i in range(len(inputs))]
         out_names = [f"{prefix}.out{i}" for i in range(len(outputs))]
         arrays.update(zip(names, map(_stored, inputs), strict=True))
@@ -188,7 +194,7 @@ def _static_run(
     lowering: Lowering,
     name: str,
     sizes: dict[str, int],
-    normal: Any,
+    draw: Any,
     init_inputs: list[Any],
     context: list[Any],
 ) -> tuple[list[Any], list[Any], int | None]:
@@ -198,26 +204,26 @@ def _static_run(
     cache = list(jax.jit(lowering.init_cache)(lowering.weights, *init_inputs))
     steps = None
     if name == "forward":
-        inputs = [normal(1, concrete(lowering.x["shape"], sizes)), *context]
+        inputs = [draw(1, (b, sizes["T"])), *context]
         outputs = [jax.jit(lowering.forward)(lowering.weights, *inputs)]
     elif name == "init_cache":
         inputs, outputs = init_inputs, cache
     elif name == "step":
         steps = min(lowering.capacity, GOLDEN_STEPS)
-        xs = normal(2, (b, steps, lowering.n_in))
+        xs = draw(2, (b, steps))
         step, ys, state = jax.jit(lowering.step), [], cache
         for t in range(steps):
             y_t, state, overflow = step(lowering.weights, xs[:, t], state)
             ys.append(y_t)
         inputs, outputs = [xs, *cache], [jnp.stack(ys, axis=1), *state, overflow]
     elif name == "prefill":
-        inputs = [normal(3, concrete(lowering.x["shape"], sizes)), *cache]
+        inputs = [draw(3, (b, sizes["T"])), *cache]
         y, state, overflow = jax.jit(lowering.prefill)(lowering.weights, *inputs[:1], cache)
         outputs = [y, *state, overflow]
     else:  # reset: a cache part-way through a stream, every other stream reset
         _, state, _ = jax.jit(lowering.prefill)(
             lowering.weights,
-            normal(4, (b, max(1, min(lowering.capacity, GOLDEN_STEPS) // 2), lowering.n_in)),
+            draw(4, (b, max(1, min(lowering.capacity, GOLDEN_STEPS) // 2))),
             cache,
         )
         inputs = [np.arange(b) % 2 == 1, *context, *state]

@@ -164,7 +164,7 @@ class Lowering:
         self.family = FAMILIES[config.factory]
         arguments = config.arguments
         self.max_len = self.family.max_length(arguments)
-        self.n_in = self.family.input_width(arguments)
+        self.vocab = self.family.vocabulary(arguments)
         self.width = self.family.context_width(arguments)
         self.capacity = capacity
         params, self.static = eqx.partition(model, eqx.is_array)
@@ -179,8 +179,9 @@ class Lowering:
         self.causal_model = self._model(self.weights, causal=True)
 
         f32 = jnp.float32
-        self.x = spec("x", "input", f32, ["B", "T", self.n_in])
-        self.x_t = spec("x_t", "input", f32, ["B", self.n_in])
+        dtype, self.step_shape = self.family.input_spec(arguments)
+        self.x = spec("x", "input", dtype, ["B", "T", *self.step_shape])
+        self.x_t = spec("x_t", "input", dtype, ["B", *self.step_shape])
         self.streams = spec("streams", "streams", bool, ["B"])
         self.context = (
             []
@@ -215,6 +216,14 @@ class Lowering:
             if _is_counter(node)
         }
         self.overflow_flags = [i for i, s in enumerate(self.cache) if s["name"] in flags]
+
+    def draw_inputs(self, key: jax.Array, leading: tuple[int, ...]) -> np.ndarray:
+        """Inputs of shape `leading + step_shape` from `key`: standard normal features, or token
+        ids uniform in `[0, vocab)`."""
+        shape = (*leading, *self.step_shape)
+        if self.vocab is not None:
+            return np.asarray(jax.random.randint(key, shape, 0, self.vocab), np.int32)
+        return np.asarray(jax.random.normal(key, shape), np.float32)
 
     # -- the model's pieces -----------------------------------------------------------------
 
