@@ -156,6 +156,15 @@ def test_the_two_by_two_mesh_matches_one_device(runs, mode):
     )
 
 
+def test_a_language_model_trains_on_the_two_by_two_mesh_as_on_one_device(runs):
+    """`transformer_lm` on next tokens, its heads over "model" and its parameters over "data"
+    too: the single-device losses, each device holding a quarter of the query projection."""
+    single, sharded = runs["lm single"], runs["lm tp+fsdp"]
+    np.testing.assert_allclose(sharded["train_loss"], single["train_loss"], rtol=1e-5)
+    assert single["split"] == {"W_Q": [1.0], "table": [1.0]}
+    assert sharded["split"]["W_Q"] == [0.25] and sharded["split"]["table"][0] < 1.0
+
+
 def test_what_cannot_be_split_is_reported(runs):
     """FSDP over 4 devices: the output bias (2,) has no axis 4 divides, and a warning names it;
     2 heads over a "model" axis of 4: an error naming the layer and its head count."""

@@ -189,6 +189,45 @@ def identical_exports(model) -> bool:
     )
 
 
+LM_CONFIG = ModelConfig(
+    "transformer_lm",
+    {"vocab": 16, "d_model": 16, "n_heads": 4, "d_ff": 32, "depth": 2, "max_len": 16},
+)
+
+
+def train_lm(placement: str) -> dict:
+    """A language model (rotary positions, GQA, SwiGLU, tied head) on next tokens, with no mesh
+    or on the 2 x 2 mesh with sharded params: its losses, and the fraction of the first block's
+    query projection and of the token table that each device holds."""
+    text = np.tile(np.arange(3, 11), 8)
+    windows = np.stack([text[i : i + 13] for i in range(32)])
+    with jax.numpy_dtype_promotion("standard"):
+        result = fit(
+            LM_CONFIG.build(jax.random.PRNGKey(0)),
+            optax.adam(1e-2),
+            (windows[:, :-1], windows[:, 1:]),
+            steps=6,
+            batch_size=8,
+            seed=1,
+            loss_fn=train_step.next_token_loss,
+            progress=False,
+            eval_every=3,
+            mesh=MESHES[placement](),
+            shard_params=placement.endswith("fsdp"),
+        )
+    model = result.model
+    return {
+        "train_loss": [r["train_loss"] for r in result.history],
+        "split": {
+            name: sorted({s.data.size / a.size for s in a.addressable_shards})
+            for name, a in (
+                ("W_Q", model.blocks[0].attention.W_Q.value),
+                ("table", model.embed.table.value),
+            )
+        },
+    }
+
+
 def reported() -> dict:
     """What is reported rather than done in silence: FSDP's arrays that no axis of which the 4
     devices divide (a warning), and heads that a "model" axis of 4 cannot split (an error)."""
@@ -246,5 +285,6 @@ else:
     )
     runs["halves"] = summary(train("single", data=both_halves))
     runs["reported"] = reported()
+    runs["lm single"], runs["lm tp+fsdp"] = train_lm("single"), train_lm("tp+fsdp")
 with open(f"{out}.{jax.process_index()}", "w") as handle:
     json.dump(runs, handle)
