@@ -185,5 +185,15 @@ def test_the_family_registry_says_where_a_models_positions_end(arguments, end):
     family = FAMILIES["transformer_encoder"]
     full = {"n_in": 3, "d_model": 8, "n_heads": 2, "d_ff": 16, "depth": 1, "n_out": 2, "max_len": 6}
     full.update(arguments)
-    assert family.input_width(full) == 3 and family.max_length(full) == 6
+    assert family.input_spec(full) == ("float32", (3,)) and family.max_length(full) == 6
+    assert family.vocabulary(full) is None
+    assert family.positions_end(full) == end
+
+
+@pytest.mark.parametrize("arguments, end", [({}, None), ({"positions": "learned"}, 16)])
+def test_a_language_models_inputs_are_token_ids_and_its_positions_default_to_rotary(arguments, end):
+    family = FAMILIES["transformer_lm"]
+    full = {"vocab": 50, "d_model": 8, "n_heads": 2, "d_ff": 16, "depth": 1, "max_len": 16}
+    full.update(arguments)
+    assert family.input_spec(full) == ("int32", ()) and family.vocabulary(full) == 50
     assert family.positions_end(full) == end
