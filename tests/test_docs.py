@@ -68,27 +68,40 @@ RUNNER = ROOT / "tests" / "page_runner.py"
 
 @pytest.fixture(scope="module")
 def page_results(tmp_path_factory):
-    """Each page's listings, run once per page (the first test of a page runs them all)."""
+    """Each page's listings, run once (the first test of a page runs them all): the pages of one
+    environment together, in one interpreter, each page in a directory of its own."""
     results: dict[pathlib.Path, dict[str, dict]] = {}
 
     def run_page(page: pathlib.Path) -> dict[str, dict]:
         if page not in results:
-            listings = [{"name": c.id, "code": c.values[1]} for c in CASES if c.values[0] == page]
+            env = page_env(page)
+            pages = [p for p in PAGES if page_env(p) == env and listings(p)]
+            cwd = {p: tmp_path_factory.mktemp(p.stem) for p in pages}
+            todo = [
+                {"name": c.id, "code": c.values[1], "page": str(c.values[0]), "cwd": str(cwd[p])}
+                for p in pages
+                for c in CASES
+                if c.values[0] == p
+            ]
             report = tmp_path_factory.mktemp("results") / "results.json"
             ran = subprocess.run(
                 [sys.executable, str(RUNNER), str(report)],
-                input=json.dumps(listings),
+                input=json.dumps(todo),
                 capture_output=True,
                 text=True,
-                timeout=900,
-                cwd=tmp_path_factory.mktemp(page.stem),
-                env=child_env(**page_env(page)),
+                timeout=1800,
+                cwd=cwd[page],
+                env=child_env(**env),
             )
             assert ran.returncode == 0 and report.exists(), ran.stderr
             ran_listings = json.loads(report.read_text())
-            by_name = {r["name"]: {**r, "stderr": ran.stderr} for r in ran_listings}
-            assert list(by_name) == [listing["name"] for listing in listings]
-            results[page] = by_name
+            assert [r["name"] for r in ran_listings] == [t["name"] for t in todo]
+            for p in pages:
+                results[p] = {
+                    r["name"]: {**r, "stderr": ran.stderr}
+                    for r, t in zip(ran_listings, todo, strict=True)
+                    if t["page"] == str(p)
+                }
         return results[page]
 
     return run_page
@@ -168,3 +181,31 @@ def test_page_runner_separates_outputs_and_stops_at_the_first_failure(tmp_path):
     assert [r["stdout"] for r in results] == ["one 1\n", "before\n", ""]
     assert "NameError: name 'x' is not defined" in results[1]["error"]
     assert results[2]["error"] == "two failed"
+
+
+def test_page_runner_runs_each_page_in_its_directory_and_a_failure_stops_only_its_page(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    listings = [
+        {"name": "a1", "code": "open('made', 'w').write('a')", "page": "a", "cwd": "a"},
+        {"name": "b1", "code": "raise ValueError('b1')", "page": "b", "cwd": "b"},
+        {"name": "a2", "code": "import os; print(sorted(os.listdir()))", "page": "a", "cwd": "a"},
+        {"name": "b2", "code": "print('never')", "page": "b", "cwd": "b"},
+    ]
+    report = tmp_path / "results.json"
+    ran = subprocess.run(
+        [sys.executable, str(RUNNER), str(report)],
+        input=json.dumps(listings),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert ran.returncode == 0, ran.stderr
+    results = {r["name"]: r for r in json.loads(report.read_text())}
+    assert [results[n]["status"] for n in ("a1", "b1", "a2", "b2")] == [
+        "ok",
+        "failed",
+        "ok",
+        "not run",
+    ]
+    assert results["a2"]["stdout"] == "['made']\n" and not (tmp_path / "b" / "made").exists()
