@@ -87,6 +87,12 @@ def table(recorded: dict[str, Any]) -> str:
         f"{_ms(step)} | | {_ms(flax)} ({flax / step:.2f}x, decode cache) | recompute over the "
         f"prefix: {_ms(recompute)} ({recompute / step:.0f}x) |"
     )
+    nan = f.get("streaming step/dense_armor step, nan")
+    if nan is not None:
+        rows.append(
+            '| the same step, `on_overflow="nan"` (no callback: the exported step\'s mode) | '
+            f"{_ms(nan)} | | {_ms(flax)} ({flax / nan:.2f}x) | |"
+        )
     forward = f["exported/exported forward"] / f["exported/python forward (jit)"]
     stepped = f["exported/exported step"] / f["exported/python step (jit)"]
     rows.append(
