@@ -161,22 +161,27 @@ def test_contract_page_checker_passes():
     assert "6 passed, 0 failed" in result.stdout
 
 
+def run_listings(listings: list[dict], where: pathlib.Path) -> list[dict]:
+    """The page runner's results for `listings`, run from `where`."""
+    report = where / "results.json"
+    ran = subprocess.run(
+        [sys.executable, str(RUNNER), str(report)],
+        input=json.dumps(listings),
+        capture_output=True,
+        text=True,
+        cwd=where,
+    )
+    assert ran.returncode == 0, ran.stderr
+    return json.loads(report.read_text())
+
+
 def test_page_runner_separates_outputs_and_stops_at_the_first_failure(tmp_path):
     listings = [
         {"name": "one", "code": "x = 1\nprint('one', x)"},
         {"name": "two", "code": "print('before'); print(x)"},  # globals are not shared
         {"name": "three", "code": "print('never')"},
     ]
-    report = tmp_path / "results.json"
-    ran = subprocess.run(
-        [sys.executable, str(RUNNER), str(report)],
-        input=json.dumps(listings),
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-    )
-    assert ran.returncode == 0, ran.stderr
-    results = json.loads(report.read_text())
+    results = run_listings(listings, tmp_path)
     assert [r["status"] for r in results] == ["ok", "failed", "not run"]
     assert [r["stdout"] for r in results] == ["one 1\n", "before\n", ""]
     assert "NameError: name 'x' is not defined" in results[1]["error"]
@@ -192,16 +197,7 @@ def test_page_runner_runs_each_page_in_its_directory_and_a_failure_stops_only_it
         {"name": "a2", "code": "import os; print(sorted(os.listdir()))", "page": "a", "cwd": "a"},
         {"name": "b2", "code": "print('never')", "page": "b", "cwd": "b"},
     ]
-    report = tmp_path / "results.json"
-    ran = subprocess.run(
-        [sys.executable, str(RUNNER), str(report)],
-        input=json.dumps(listings),
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-    )
-    assert ran.returncode == 0, ran.stderr
-    results = {r["name"]: r for r in json.loads(report.read_text())}
+    results = {r["name"]: r for r in run_listings(listings, tmp_path)}
     assert [results[n]["status"] for n in ("a1", "b1", "a2", "b2")] == [
         "ok",
         "failed",
