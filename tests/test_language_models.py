@@ -18,7 +18,7 @@ from safetensors.numpy import load_file, save_file
 from dense_armor.checkpoint import ModelConfig, load_checkpoint, save_checkpoint
 from dense_armor.cli import main as cli
 from dense_armor.export import export_checkpoint
-from dense_armor.export.standalone import check_golden, load
+from dense_armor.export.standalone import ArtifactError, check_golden, load
 from dense_armor.huggingface import HuggingFaceError, import_hf, load_tokenizer
 from dense_armor.nn.models.generation import generate, stream_tokens
 from dense_armor.nn.models.language_model import TransformerLM
@@ -319,6 +319,15 @@ def test_the_exported_artifact_gives_transformers_logits_and_greedy_tokens(tmp_p
     assert not bool(np.any(overflow))
     bad, _, _ = artifact.step(np.array([model.vocab], np.int32), artifact.init_cache(1))
     assert np.isnan(np.asarray(bad)).all()
+    for wrong in BAD_ARTIFACT_IDS:  # ids of another dtype or shape: refused, naming the input
+        with pytest.raises(
+            ArtifactError, match=r"input 'x_t' must have shape \('B',\) and dtype int32"
+        ):
+            artifact.step(wrong, artifact.init_cache(1))
+
+
+# What a language-model artifact's step refuses: float ids, NumPy's default int64, a 2-D batch.
+BAD_ARTIFACT_IDS = [np.array([1.0], np.float32), np.array([1]), np.array([[1]], np.int32)]
 
 
 # training on next tokens

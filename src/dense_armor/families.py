@@ -34,8 +34,7 @@ class Family:
     - `context_width`: the width of the context it attends to, or `None`;
     - `apply(model, x, context)`: the forward of one sample, `context` a tuple `(context,
       context_mask)` or `()`;
-    - `start(model, capacity, context, on_overflow)`: one stream's empty cache.
-
+    - `start(model, capacity, context, on_overflow)`: one stream's empty cache;
     - `token_ids`: its inputs are token ids (int32, one per step, in `[0, vocab)`), not vectors
       of `n_in` features;
     - `default_positions`: the `positions` of a config that does not name them.
