@@ -2,10 +2,12 @@
 that compare `step` with `forward`.
 
 The comparisons of streaming paths (tests/test_prefill.py, test_scan.py, test_recurrent.py,
-test_rotary.py, test_gqa.py) build their fixed caches with `on_overflow="nan"`: they never fill
-them, and a cache that raises compiles a callback to Python, which JAX's persistent compilation
-cache never keeps, so each of those functions compiled again in every run. The default mode, and
-what raising does, are tested in tests/test_streaming.py and tests/test_bad_inputs.py."""
+test_rotary.py, test_gqa.py, and the jitted step-against-forward comparisons of test_streaming.py,
+test_attention.py, test_models.py and test_sequences.py) build their fixed caches with
+`on_overflow="nan"`: they never fill them, and a cache that raises compiles a callback to Python,
+which JAX's persistent compilation cache never keeps, so each of those functions compiled again
+in every run. The default mode, and what raising does, are tested in tests/test_streaming.py and
+tests/test_bad_inputs.py."""
 
 import jax
 import jax.numpy as jnp

@@ -51,6 +51,7 @@ from dense_armor.nn.models.generation import generate
 from dense_armor.nn.models.language_model import TransformerLM
 from dense_armor.nn.sampling import greedy, sample
 from dense_armor.sharded_checkpoint import ShardedCheckpoints, to_safetensors
+from dense_armor.train_step import next_token_loss
 from dense_armor.training import evaluate, fit
 from dense_armor.utility.neural import (
     GRU,
@@ -336,6 +337,17 @@ def labels_at(step, labels):
     return lambda s: (XS[:4], labels if s == step else LABELS[:4])
 
 
+def lm_source_fit(step, xs, labels):
+    """A language model trained from a source whose batch `step` is `(xs, labels)` (the others
+    are right): every batch's ids are checked, its inputs as its labels, since the compiled step
+    leaves them unchecked (`NextToken.checked_inputs`)."""
+    tokens = np.arange(4 * 7).reshape(4, 7) % 16
+    good = (tokens[:, :-1], tokens[:, 1:])
+    model = TransformerLM(16, 16, 2, 32, 1, KEY, 8)
+    source = lambda s: (xs, labels) if s == step else good  # noqa: E731
+    return fit(model, ADAM, source, steps=2, batch_size=4, loss_fn=next_token_loss, progress=False)
+
+
 def resume_with_tuple_mixers(tmp):
     config = ModelConfig("transformer_encoder", {**CONFIG.arguments, "depth": 2, "mixers": ("attention", "gru")})  # fmt: skip
     model = config.build(KEY)
@@ -603,6 +615,9 @@ BAD = [
     ("lm-float-ids", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8)(jnp.array([1.0, 2.0])), ShapeError, r"TransformerLM.forward.*`ids`: expected Int\['T'\]"),
     ("lm-a-batch-of-ids", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8)(jnp.ones((2, 3), int)), ShapeError, r"TransformerLM.forward: received `ids.shape=\(2, 3\)`; expected `\(T\)`.*jax.vmap"),
     ("lm-step-two-ids", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8).step(jnp.array([1, 2]), TransformerLM(16, 16, 2, 32, 1, KEY, 8).init_cache(4)), ShapeError, r"TransformerLM.step: received `x_t.shape=\(2,\)`; expected `\(\)`"),
+    ("lm-source-input-id-past-the-vocabulary-at-a-later-step", lambda: lm_source_fit(1, np.full((4, 6), 16), np.zeros((4, 6), int)), ValueError, r"fit \(data source\): `xs` must lie in \[0, 16\), the model's vocabulary; received ids from 16 to 16 at step 1"),
+    ("lm-source-negative-label-at-a-later-step", lambda: lm_source_fit(1, np.zeros((4, 6), int), np.full((4, 6), -1)), ValueError, r"`labels` must lie in \[0, 16\).*from -1 to -1 at step 1"),
+    ("lm-source-float-inputs-at-a-later-step", lambda: lm_source_fit(1, np.zeros((4, 6), np.float32), np.zeros((4, 6), int)), ValueError, r"`xs` must be integer token ids; received dtype float32 at step 1"),
     ("generate-not-a-language-model", lambda: generate(MODEL, [[1]], 3), TypeError, r"generate: `model` must be a TransformerLM; received Sequential"),
     ("greedy-a-list", lambda: greedy([1.0, 2.0]), ShapeError, r"`logits`: expected Float"),
     # several processes

@@ -20,6 +20,7 @@ from dense_armor.cli import main as cli
 from dense_armor.export import export_checkpoint
 from dense_armor.export.standalone import ArtifactError, check_golden, load
 from dense_armor.huggingface import HuggingFaceError, import_hf, load_tokenizer
+from dense_armor.nn.layers.language import ids_checked
 from dense_armor.nn.models.generation import generate, stream_tokens
 from dense_armor.nn.models.language_model import TransformerLM
 from dense_armor.nn.models.stack import Stack
@@ -32,6 +33,19 @@ CASES = ["gpt2", "llama_gqa", "llama_tied", "qwen2"]
 CAPACITY = 48
 
 
+# The comparisons below feed the golden data's ids and argmax tokens, all in the vocabulary, and
+# trace the model inside `ids_checked()`: the embedding's id check is a callback to Python, which
+# JAX's disk cache never keeps, so every run compiled them again (a minute of the suite's CPU).
+# The check itself is tested in test_language_layers.py and by the sweep of bad inputs.
+FORWARD = eqx.filter_jit(lambda m, ids: jax.vmap(m)(ids))
+
+
+def logits_of(model, ids):
+    """The batched forward's logits for the ids `(B, T)`."""
+    with ids_checked():
+        return np.asarray(FORWARD(model, jnp.asarray(ids)))
+
+
 @pytest.fixture(scope="module", params=CASES)
 def case(request):
     model, arguments = import_hf(DATA / request.param)
@@ -40,23 +54,26 @@ def case(request):
 
 def test_the_logits_are_transformers_within_1e_5(case):
     name, model, _, golden = case
-    logits = eqx.filter_jit(lambda m, ids: jax.vmap(m)(ids))(model, jnp.asarray(golden["ids"]))
     np.testing.assert_allclose(
-        np.asarray(logits), golden["logits"], atol=1e-5, rtol=0, err_msg=name
+        logits_of(model, golden["ids"]), golden["logits"], atol=1e-5, rtol=0, err_msg=name
     )
 
 
 def greedy_stream(model, prompt, new_tokens):
     """`prefill` the prompt, then `step` each argmax: the generated ids."""
     cache = model.init_cache(CAPACITY, on_overflow="nan")  # one capacity: one compilation
-    prefill, step = eqx.filter_jit(model.prefill), eqx.filter_jit(model.step)
-    logits, cache = prefill(jnp.asarray(prompt), cache)
-    token, out = jnp.argmax(logits[-1]).astype(jnp.int32), []
-    for _ in range(new_tokens):
-        out.append(int(token))
-        logits, cache = step(token, cache)
-        token = jnp.argmax(logits).astype(jnp.int32)
+    with ids_checked():
+        logits, cache = PREFILL(model, jnp.asarray(prompt), cache)
+        token, out = jnp.argmax(logits[-1]).astype(jnp.int32), []
+        for _ in range(new_tokens):
+            out.append(int(token))
+            logits, cache = STEP(model, token, cache)
+            token = jnp.argmax(logits).astype(jnp.int32)
     return np.array(out)
+
+
+PREFILL = eqx.filter_jit(lambda m, ids, c: m.prefill(ids, c))
+STEP = eqx.filter_jit(lambda m, token, c: m.step(token, c))
 
 
 def test_greedy_generation_through_prefill_and_step_is_transformers_token_for_token(case):
@@ -64,20 +81,16 @@ def test_greedy_generation_through_prefill_and_step_is_transformers_token_for_to
     prompt, want = golden["prompt"][0], golden["generated"][0]
     np.testing.assert_array_equal(greedy_stream(model, prompt, len(want)), want)
     # and the uncached forward's argmax after every prefix of the whole sequence
-    logits = eqx.filter_jit(lambda m, ids: m(ids))(model, jnp.asarray(np.r_[prompt, want]))
-    following = np.argmax(np.asarray(logits), axis=-1)[len(prompt) - 1 : -1]
+    logits = logits_of(model, np.r_[prompt, want][None])[0]
+    following = np.argmax(logits, axis=-1)[len(prompt) - 1 : -1]
     np.testing.assert_array_equal(following, want)
 
 
 def test_scan_over_layers_gives_the_same_logits(case):
     _, model, _, golden = case
     scanned = eqx.tree_at(lambda m: m.blocks, model, Stack(model.blocks))
-    forward = eqx.filter_jit(lambda m, ids: jax.vmap(m)(ids))
     np.testing.assert_allclose(
-        np.asarray(forward(scanned, jnp.asarray(golden["ids"]))),
-        golden["logits"],
-        atol=1e-5,
-        rtol=0,
+        logits_of(scanned, golden["ids"]), golden["logits"], atol=1e-5, rtol=0
     )
     want = golden["generated"][0][:8]
     np.testing.assert_array_equal(greedy_stream(scanned, golden["prompt"][0], len(want)), want)
@@ -220,6 +233,23 @@ def test_generation_compiles_without_a_callback_so_jaxs_disk_cache_keeps_it():
     assert "callback" in str(jax.make_jaxpr(lambda: model.prefill(jnp.array([1, 2]), cache)[0])())
 
 
+@pytest.mark.optax
+def test_fit_and_evaluate_trace_a_language_model_without_the_id_callback():
+    """`next_token_loss` checks every id before the model sees it (whole arrays, and each batch
+    of a source: rows of the sweep of bad inputs), so `fit` and `evaluate` trace it in
+    `ids_checked()`: no callback, so their compiled steps stay in JAX's disk cache. The same
+    loss traced outside that context keeps the embedding's check."""
+    model = TransformerLM(16, 16, 2, 32, 1, jax.random.PRNGKey(0), 8)
+    xs, labels = jnp.zeros((2, 5), jnp.int32), jnp.ones((2, 5), jnp.int32)
+
+    def traced() -> str:
+        return str(jax.make_jaxpr(lambda: next_token_loss(model, xs, labels))())
+
+    with next_token_loss.checked_inputs():
+        assert "callback" not in traced()
+    assert "callback" in traced()
+
+
 def test_a_stop_token_ends_its_row_and_pads_the_rest():
     model, _ = import_hf(DATA / "qwen2")
     golden = load_file(str(DATA / "qwen2.io.safetensors"))
@@ -273,7 +303,7 @@ def test_the_cli_imports_a_directory_into_a_checkpoint_that_loads_back_exactly(t
     loaded = checkpoint.model
     assert checkpoint.config.factory == "transformer_lm"
     golden = load_file(str(DATA / "llama_gqa.io.safetensors"))
-    logits = eqx.filter_jit(lambda m, ids: jax.vmap(m)(ids))(loaded, jnp.asarray(golden["ids"]))
+    logits = logits_of(loaded, golden["ids"])
     np.testing.assert_allclose(np.asarray(logits), golden["logits"], atol=1e-5, rtol=0)
 
 
@@ -383,11 +413,12 @@ def test_next_token_data_are_checked_naming_what(change, words):
 def test_a_batch_of_streams_steps_under_vmap_and_a_reset_stream_starts_again():
     model, _ = import_hf(DATA / "llama_tied")
     step = eqx.filter_jit(lambda m, ids, c: jax.vmap(m.step)(ids, c))
-    caches = model.init_streams(2, 8)
-    for ids in ([5, 9], [6, 10], [7, 11]):
-        _, caches = step(model, jnp.array(ids), caches)
-    caches = reset(caches, jnp.array([False, True]))
-    after, _ = step(model, jnp.array([8, 12]), caches)
+    caches = model.init_streams(2, 8, on_overflow="nan")  # 4 steps of 8: no overflow to raise
+    with ids_checked():
+        for ids in ([5, 9], [6, 10], [7, 11]):
+            _, caches = step(model, jnp.array(ids), caches)
+        caches = reset(caches, jnp.array([False, True]))
+        after, _ = step(model, jnp.array([8, 12]), caches)
     alone, _ = model.step(jnp.array(12), model.init_cache(8))  # stream 1, started again
     np.testing.assert_allclose(np.asarray(after[1]), np.asarray(alone), atol=1e-5)
     solo = model(jnp.array([5, 6, 7, 8]))  # stream 0 went on from its three tokens

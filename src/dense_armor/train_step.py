@@ -2,6 +2,7 @@
 gradient accumulation), and evaluation (data-parallel on a mesh). `fit` (training.py) drives
 them."""
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ from jax.sharding import Mesh
 from .data import process_rows
 from .distributed import check_mesh, global_batch, global_replicated
 from .nn.core import require_int
+from .nn.layers.language import ids_checked
 
 __all__ = [
     "CrossEntropy",
@@ -67,9 +69,14 @@ class Loss:
             raise ValueError(f"{caller}: {len(xs)} inputs and {len(labels)} labels.")
 
     def batch_checker(self, model: Any, xs: Any) -> Callable[..., None] | None:
-        """A check of each batch's labels as a data source gives them,
-        `check(caller, labels, rows, where)`, or `None` (none here)."""
+        """A check of each batch as a data source gives it,
+        `check(caller, xs, labels, rows, where)`, or `None` (none here)."""
         return None
+
+    def checked_inputs(self) -> contextlib.AbstractContextManager[None]:
+        """The context `fit` and `evaluate` trace this loss in, on data that `check_data` or
+        the batch checker passed: here none, for inputs it does not check."""
+        return contextlib.nullcontext()
 
     def correct(self, model: Any, xs: jax.Array, labels: jax.Array) -> jax.Array | None:
         """The batch's correct predictions, for an accuracy, or `None` (none here)."""
@@ -102,7 +109,7 @@ class CrossEntropy(Loss):
     def batch_checker(self, model: Any, xs: Any) -> Callable[..., None]:
         n_out = output_width(model, xs)  # traced once, for every later batch
 
-        def check(caller: str, labels: Any, rows: int, where: str) -> None:
+        def check(caller: str, xs: Any, labels: Any, rows: int, where: str) -> None:
             check_labels(caller, labels, n_out, rows, where)
 
         return check
@@ -140,10 +147,19 @@ class NextToken(CrossEntropy):
     def batch_checker(self, model: Any, xs: Any) -> Callable[..., None]:
         vocab = output_width(model, xs)
 
-        def check(caller: str, labels: Any, rows: int, where: str) -> None:
-            check_ids(caller, "labels", np.asarray(labels), vocab, where)
+        def check(caller: str, xs: Any, labels: Any, rows: int, where: str) -> None:
+            for name, ids in (("xs", np.asarray(xs)), ("labels", np.asarray(labels))):
+                check_ids(caller, name, ids, vocab, where)
 
         return check
+
+    def checked_inputs(self) -> contextlib.AbstractContextManager[None]:
+        """`ids_checked()`: every id was checked before the model sees it (`check_data`, or the
+        batch checker for each batch of a source), so the traced embedding needs no check of
+        its own; that check is a callback to Python, which JAX's persistent compilation cache
+        never keeps, and without it the training step compiles once per machine, not once per
+        process."""
+        return ids_checked()
 
     def correct(self, model: Any, xs: jax.Array, labels: jax.Array) -> jax.Array:
         """The correct next tokens, as a fraction of each sequence's positions (so that the
@@ -311,14 +327,15 @@ def evaluate_checked(
     mesh: Mesh | None,
     loss_fn: LossFn,
 ) -> dict[str, float]:
-    """`evaluate` on data already checked."""
+    """`evaluate` on data already checked (traced in the loss's `checked_inputs()`)."""
     loss = as_loss(loss_fn)
     total_loss, correct = 0.0, 0.0
     reports_accuracy = True
     for start in range(0, len(xs), batch_size):
         rows = slice(start, min(start + batch_size, len(xs)))
         for batch_xs, batch_labels in _placed_batches(mesh, xs[rows], labels[rows]):
-            summed, hits = _batch_metrics(model, batch_xs, batch_labels, loss)
+            with loss.checked_inputs():
+                summed, hits = _batch_metrics(model, batch_xs, batch_labels, loss)
             total_loss += float(summed)
             reports_accuracy = hits is not None
             correct += 0 if hits is None else float(hits)

@@ -179,11 +179,12 @@ def fit(
             if check_source:
                 check_batch = check_batch or objective.batch_checker(model, xs)
                 if check_batch is not None:
-                    check_batch("fit (data source)", labels, rows, f" at step {step}")
+                    check_batch("fit (data source)", xs, labels, rows, f" at step {step}")
             xb, yb = _placed(mesh, xs, labels)
-            model, opt_state, loss = train_step(
-                model, opt_state, xb, yb, jax.random.fold_in(root_key, step)
-            )
+            with objective.checked_inputs():  # every batch was checked: arrays whole, above
+                model, opt_state, loss = train_step(
+                    model, opt_state, xb, yb, jax.random.fold_in(root_key, step)
+                )
             run.losses.append(loss)
             bar.update(1)
             done = step + 1

@@ -24,14 +24,18 @@ __all__ = ["GOLDEN_STEPS", "golden"]
 GOLDEN_STEPS = 256
 
 
+# One jitted step for every golden stream: traced once per model structure and input shape, not
+# once per stream (it runs only inside `export_model`'s `exporting()`, which its trace depends on).
+_step = eqx.filter_jit(lambda m, x, c: m.step(x, c))
+
+
 def _run(lowering: Lowering, xs: np.ndarray, context: Sequence[np.ndarray]) -> np.ndarray:
     """One stream, from its empty cache, one `step` at a time: `xs (L, ...) -> (L, ...)`."""
     model = lowering.causal_model
     cache = lowering.family.start(model, lowering.capacity, tuple(context), "nan")
-    step = eqx.filter_jit(lambda m, x, c: m.step(x, c))
     ys = []
     for x in xs:
-        y, cache = step(model, x, cache)
+        y, cache = _step(model, x, cache)
         ys.append(np.asarray(y, np.float32))
     return np.stack(ys)
 
