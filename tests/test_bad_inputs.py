@@ -50,6 +50,7 @@ from dense_armor.nn.layers.language import (
 from dense_armor.nn.models.generation import generate
 from dense_armor.nn.models.language_model import TransformerLM
 from dense_armor.nn.sampling import greedy, sample
+from dense_armor.serving import Server
 from dense_armor.sharded_checkpoint import ShardedCheckpoints, to_safetensors
 from dense_armor.train_step import next_token_loss
 from dense_armor.training import evaluate, fit
@@ -337,13 +338,17 @@ def labels_at(step, labels):
     return lambda s: (XS[:4], labels if s == step else LABELS[:4])
 
 
+TINY_LM = TransformerLM(16, 16, 2, 32, 1, KEY, 8)
+TINY_GPT = TransformerLM(16, 16, 2, 32, 1, KEY, 8, positions="learned")
+
+
 def lm_source_fit(step, xs, labels):
     """A language model trained from a source whose batch `step` is `(xs, labels)` (the others
     are right): every batch's ids are checked, its inputs as its labels, since the compiled step
     leaves them unchecked (`NextToken.checked_inputs`)."""
     tokens = np.arange(4 * 7).reshape(4, 7) % 16
     good = (tokens[:, :-1], tokens[:, 1:])
-    model = TransformerLM(16, 16, 2, 32, 1, KEY, 8)
+    model = TINY_LM
     source = lambda s: (xs, labels) if s == step else good  # noqa: E731
     return fit(model, ADAM, source, steps=2, batch_size=4, loss_fn=next_token_loss, progress=False)
 
@@ -618,6 +623,20 @@ BAD = [
     ("lm-source-input-id-past-the-vocabulary-at-a-later-step", lambda: lm_source_fit(1, np.full((4, 6), 16), np.zeros((4, 6), int)), ValueError, r"fit \(data source\): `xs` must lie in \[0, 16\), the model's vocabulary; received ids from 16 to 16 at step 1"),
     ("lm-source-negative-label-at-a-later-step", lambda: lm_source_fit(1, np.zeros((4, 6), int), np.full((4, 6), -1)), ValueError, r"`labels` must lie in \[0, 16\).*from -1 to -1 at step 1"),
     ("lm-source-float-inputs-at-a-later-step", lambda: lm_source_fit(1, np.zeros((4, 6), np.float32), np.zeros((4, 6), int)), ValueError, r"`xs` must be integer token ids; received dtype float32 at step 1"),
+    # continuous batching
+    ("server-not-a-language-model", lambda: Server(MODEL), TypeError, r"Server: `model` must be a TransformerLM; received Sequential"),
+    ("server-zero-slots", lambda: Server(TINY_LM, slots=0), ValueError, r"`slots` must be a positive integer"),
+    ("server-chunk-a-string", lambda: Server(TINY_LM, chunk="4"), (TypeError, ValueError), r"`chunk` must be a positive integer"),
+    ("server-capacity-past-learned-positions", lambda: Server(TINY_GPT, capacity=9), ValueError, r"`capacity=9` passes the model's learned positions, which end at max_len=8"),
+    ("server-temperature-without-key", lambda: Server(TINY_LM, temperature=0.5), TypeError, r"`key` must be a JAX PRNG key, e.g. `jax.random.PRNGKey\(0\)`; received None"),
+    ("server-stop-token-outside-the-vocabulary", lambda: Server(TINY_LM, stop_tokens=[16]), ValueError, r"Server: `stop_tokens` \(16,\) must lie in \[0, 16\)"),
+    ("server-stop-tokens-a-string", lambda: Server(TINY_LM, stop_tokens="2"), ValueError, r"Server: `stop_tokens` must be a list of token ids; received str"),
+    ("server-request-longer-than-the-capacity", lambda: Server(TINY_LM, capacity=8).submit([1, 2, 3], 6), ValueError, r"Server.submit: the prompt \(3 tokens\) and `max_new_tokens=6` need 9 cache slots; each slot holds capacity=8"),
+    ("server-prompt-outside-the-vocabulary", lambda: Server(TINY_LM).submit([1, 16], 2), ValueError, r"Server.submit: prompt 0 holds token id 16, outside the vocabulary \[0, 16\)"),
+    ("server-empty-prompt", lambda: Server(TINY_LM).submit([], 2), ValueError, r"Server.submit: prompt 0 is empty"),
+    ("server-float-prompt", lambda: Server(TINY_LM).submit([1.0, 2.0], 2), ValueError, r"Server.submit: prompt 0 must be a 1-D sequence of integer token ids"),
+    ("server-max-new-tokens-zero", lambda: Server(TINY_LM).submit([1], 0), ValueError, r"`max_new_tokens` must be a positive integer"),
+    ("server-run-on-an-empty-queue", lambda: next(Server(TINY_LM).run()), ValueError, r"Server.run: the queue is empty; `submit` requests"),
     ("generate-not-a-language-model", lambda: generate(MODEL, [[1]], 3), TypeError, r"generate: `model` must be a TransformerLM; received Sequential"),
     ("greedy-a-list", lambda: greedy([1.0, 2.0]), ShapeError, r"`logits`: expected Float"),
     # several processes

@@ -10,6 +10,9 @@ dense-armor import-hf HF_MODEL_DIR --out CHECKPOINT_DIR
 dense-armor generate CHECKPOINT_DIR (--prompt TEXT | --ids 1,2,3) [--tokenizer tokenizer.json]
                      [--max-new-tokens 32] [--temperature 0] [--top-k K] [--top-p P]
                      [--min-p P] [--stop 2,...] [--seed 0]
+dense-armor serve CHECKPOINT_DIR [--input FILE] [--slots 8] [--capacity N] [--chunk 16]
+                  [--tokenizer tokenizer.json] [--max-new-tokens 32] [--temperature 0]
+                  [--top-k K] [--top-p P] [--min-p P] [--stop 2,...] [--seed 0]
 """
 
 import argparse
@@ -164,6 +167,7 @@ def _parser() -> argparse.ArgumentParser:
     hf.add_argument("--out", type=pathlib.Path, required=True, help="checkpoint directory")
 
     _add_generate(commands)
+    _add_serve(commands)
 
     ins = commands.add_parser("inspect", help="print an artifact's manifest and verify its files")
     ins.add_argument("directory", type=pathlib.Path)
@@ -178,16 +182,40 @@ def _add_generate(commands: Any) -> None:
     prompt = ge.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="the prompt's text (needs a tokenizer)")
     prompt.add_argument("--ids", type=_ids, help="the prompt's token ids, comma separated")
-    ge.add_argument(
+    _add_sampling(ge)
+
+
+def _add_sampling(parser: Any) -> None:
+    """The sampling settings `generate` and `serve` share."""
+    parser.add_argument(
         "--tokenizer", type=pathlib.Path, help="a tokenizer.json (default: the checkpoint's)"
     )
-    ge.add_argument("--max-new-tokens", type=int, default=32)
-    ge.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
-    ge.add_argument("--top-k", type=int)
-    ge.add_argument("--top-p", type=float)
-    ge.add_argument("--min-p", type=float)
-    ge.add_argument("--stop", type=_ids, default=[], help="stop tokens, comma separated")
-    ge.add_argument("--seed", type=int, default=0, help="the sampling key's seed")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--min-p", type=float)
+    parser.add_argument("--stop", type=_ids, default=[], help="stop tokens, comma separated")
+    parser.add_argument("--seed", type=int, default=0, help="the sampling key's seed")
+
+
+def _add_serve(commands: Any) -> None:
+    """The `serve` command's arguments."""
+    se = commands.add_parser(
+        "serve",
+        help="serve prompts (one per line, or JSON lines) from a language model checkpoint with "
+        "continuous batching; one JSON line per answer, as each finishes",
+    )
+    se.add_argument("checkpoint", type=pathlib.Path, help="a transformer_lm checkpoint")
+    se.add_argument(
+        "--input", type=pathlib.Path, help="the requests (default: standard input): a line of "
+        'text, or a JSON object {"prompt": TEXT} or {"ids": [...]}, with "max_new_tokens" '
+        'and "id" if wanted',
+    )  # fmt: skip
+    se.add_argument("--slots", type=int, default=8, help="streams decoded together")
+    se.add_argument("--capacity", type=int, help="cache slots per stream")
+    se.add_argument("--chunk", type=int, default=16, help="prompt tokens per prefill call")
+    _add_sampling(se)
 
 
 def _export(args: argparse.Namespace) -> None:
@@ -247,21 +275,102 @@ def _import_hf(args: argparse.Namespace) -> None:
     print(f"imported {args.directory} into {written}")
 
 
-def _generate(args: argparse.Namespace) -> None:
-    import jax
-
+def _language_model(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The checkpoint's language model and its tokenizer (`--tokenizer`, else the checkpoint's
+    `tokenizer.json` if it has one, else None)."""
     from .checkpoint import CheckpointError, load_checkpoint
     from .huggingface import load_tokenizer
-    from .nn.models.generation import stream_tokens
 
     checkpoint = load_checkpoint(args.checkpoint)
     if checkpoint.config.factory != "transformer_lm":
         raise CheckpointError(
-            f"{args.checkpoint} holds a {checkpoint.config.factory!r} model; generate needs a "
-            "'transformer_lm' one."
+            f"{args.checkpoint} holds a {checkpoint.config.factory!r} model; {args.command} "
+            "needs a 'transformer_lm' one."
         )
     path = args.tokenizer or args.checkpoint / "tokenizer.json"
     tokenizer = load_tokenizer(path) if args.tokenizer or path.is_file() else None
+    return checkpoint.model, tokenizer
+
+
+def _requests(lines: list[str], tokenizer: Any, default_new: int, where: str) -> list[dict]:
+    """`serve`'s requests from its input's lines (blank lines skipped): `{"ids", "max_new",
+    "id"}` each."""
+    requests: list[dict[str, Any]] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        text = line.rstrip("\n")
+        entry: dict[str, Any] = {"prompt": text}
+        if text.lstrip().startswith("{"):
+            try:
+                entry = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise UsageError(f"{where} line {number}: not a JSON object ({error}).") from None
+            if not isinstance(entry, dict) or ("prompt" in entry) == ("ids" in entry):
+                raise UsageError(
+                    f'{where} line {number}: a JSON request holds "prompt" (text) or "ids" '
+                    "(token ids), one of them."
+                )
+        if "ids" in entry:
+            ids = entry["ids"]
+            if not isinstance(ids, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in ids
+            ):
+                raise UsageError(f'{where} line {number}: "ids" must be a list of integers.')
+        elif tokenizer is None:
+            raise UsageError(
+                f"{where} line {number}: a text prompt needs a tokenizer: pass --tokenizer "
+                '(or give token ids, {"ids": [...]}).'
+            )
+        else:
+            ids = tokenizer.encode(str(entry["prompt"])).ids
+        new = entry.get("max_new_tokens", default_new)
+        if not isinstance(new, int) or isinstance(new, bool) or new < 1:
+            raise UsageError(f'{where} line {number}: "max_new_tokens" must be an integer >= 1.')
+        requests.append({"ids": ids, "max_new": new, "id": entry.get("id", len(requests))})
+    if not requests:
+        raise UsageError(f"{where} holds no request: nothing to serve.")
+    return requests
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import jax
+
+    from .serving import Server
+
+    model, tokenizer = _language_model(args)
+    where = str(args.input) if args.input else "standard input"
+    lines = args.input.read_text().splitlines() if args.input else sys.stdin.read().splitlines()
+    requests = _requests(lines, tokenizer, args.max_new_tokens, where)
+    try:
+        server = Server(
+            model, args.slots, args.capacity, jax.random.PRNGKey(args.seed),
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+            min_p=args.min_p, stop_tokens=args.stop, chunk=args.chunk,
+        )  # fmt: skip
+        for i, request in enumerate(requests):
+            try:
+                server.submit(request["ids"], request["max_new"], id=request["id"])
+            except ValueError as error:
+                raise UsageError(f"request {i + 1} ({request['id']!r}): {error}") from None
+        for done in server.run():
+            answer = {"id": done.id, "ids": done.tokens.tolist(), "reason": done.reason}
+            if tokenizer is not None:
+                answer["text"] = tokenizer.decode(done.tokens.tolist())
+            answer["time_to_first_token"] = round(done.time_to_first_token, 6)
+            answer["latency"] = round(done.latency, 6)
+            print(json.dumps(answer), flush=True)
+    except (ValueError, TypeError) as error:
+        raise UsageError(str(error)) from None
+
+
+def _generate(args: argparse.Namespace) -> None:
+    import jax
+
+    from .nn.models.generation import stream_tokens
+
+    model, tokenizer = _language_model(args)
+    path = args.tokenizer or args.checkpoint / "tokenizer.json"
     if args.prompt is None:
         ids = args.ids
     elif tokenizer is None:
@@ -271,7 +380,7 @@ def _generate(args: argparse.Namespace) -> None:
     settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     try:
         tokens = stream_tokens(
-            checkpoint.model, ids, args.max_new_tokens, jax.random.PRNGKey(args.seed),
+            model, ids, args.max_new_tokens, jax.random.PRNGKey(args.seed),
             min_p=args.min_p, stop_tokens=args.stop, **settings,
         )  # fmt: skip
         shown, new = "", []
@@ -289,6 +398,7 @@ COMMANDS = {
     "export": _export,
     "import-hf": _import_hf,
     "generate": _generate,
+    "serve": _serve,
     "compile": _compile,
     "import-torch": _import_torch,
     "inspect": lambda args: print(_inspect(args.directory)),
@@ -297,7 +407,7 @@ COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line: `dense-armor export | compile | import-torch | import-hf | generate |
-    inspect`; exit 2 with one line naming the error for what a user can fix."""
+    serve | inspect`; exit 2 with one line naming the error for what a user can fix."""
     args = _parser().parse_args(argv)
     from .checkpoint import CheckpointError
     from .export import ArtifactError

@@ -29,12 +29,14 @@ class Generation(NamedTuple):
     lengths: jax.Array
 
 
-def _prompts(model: TransformerLM, prompts: Any) -> tuple[np.ndarray, np.ndarray]:
+def _prompts(
+    model: TransformerLM, prompts: Any, caller: str = "generate"
+) -> tuple[np.ndarray, np.ndarray]:
     """The prompts as a padded `(B, P)` int32 array and their lengths, checked: a list of id
     sequences (of any lengths) or a 2-D integer array (every row whole)."""
     if not isinstance(model, TransformerLM):
         raise TypeError(
-            f"generate: `model` must be a TransformerLM; received {type(model).__name__}."
+            f"{caller}: `model` must be a TransformerLM; received {type(model).__name__}."
         )
     if isinstance(prompts, np.ndarray | jax.Array) and np.ndim(prompts) == 2:
         rows = list(np.asarray(prompts))
@@ -42,21 +44,21 @@ def _prompts(model: TransformerLM, prompts: Any) -> tuple[np.ndarray, np.ndarray
         rows = [np.asarray(p) for p in prompts]
     else:
         raise ValueError(
-            "generate: `prompts` must be a non-empty list of token id sequences or a 2-D integer "
+            f"{caller}: `prompts` must be a non-empty list of token id sequences or a 2-D integer "
             f"array; received {type(prompts).__name__}."
         )
     for i, row in enumerate(rows):
         if row.ndim != 1 or not (np.issubdtype(row.dtype, np.integer) or row.size == 0):
             raise ValueError(
-                f"generate: prompt {i} must be a 1-D sequence of integer token ids; received "
+                f"{caller}: prompt {i} must be a 1-D sequence of integer token ids; received "
                 f"shape {row.shape} dtype {row.dtype}."
             )
         if row.size == 0:
-            raise ValueError(f"generate: prompt {i} is empty; a prompt needs at least one token.")
+            raise ValueError(f"{caller}: prompt {i} is empty; a prompt needs at least one token.")
         outside = (row < 0) | (row >= model.vocab)
         if outside.any():
             raise ValueError(
-                f"generate: prompt {i} holds token id {int(row[outside][0])}, outside the "
+                f"{caller}: prompt {i} holds token id {int(row[outside][0])}, outside the "
                 f"vocabulary [0, {model.vocab})."
             )
     lengths = np.array([len(r) for r in rows], np.int32)
@@ -121,9 +123,7 @@ def _check_generation(
     check_sampling(temperature, top_k, top_p, min_p)
     if temperature != 0:
         require_key(key)
-    stops = tuple(int(t) for t in stop_tokens)
-    if any(not 0 <= t < model.vocab for t in stops):
-        raise ValueError(f"generate: `stop_tokens` {stops} must lie in [0, {model.vocab}).")
+    check_stop_tokens("generate", model, stop_tokens)
     needed = longest + int(max_new_tokens)
     capacity = needed if capacity is None else capacity
     require_int(1, caller="generate (or None)", capacity=capacity)
@@ -140,6 +140,22 @@ def _check_generation(
             f"at max_len={end}."
         )
     return int(capacity)
+
+
+def check_stop_tokens(caller: str, model: TransformerLM, stop_tokens: Any) -> tuple[int, ...]:
+    """`stop_tokens` as a tuple of ids of the model's vocabulary, or a `ValueError`."""
+    if isinstance(stop_tokens, str) or not isinstance(stop_tokens, Sequence | np.ndarray):
+        raise ValueError(
+            f"{caller}: `stop_tokens` must be a list of token ids; received "
+            f"{type(stop_tokens).__name__}."
+        )
+    stops = tuple(stop_tokens)
+    if not all(isinstance(t, int | np.integer) and not isinstance(t, bool) for t in stops):
+        raise ValueError(f"{caller}: `stop_tokens` must be integer token ids; received {stops!r}.")
+    stops = tuple(int(t) for t in stops)
+    if any(not 0 <= t < model.vocab for t in stops):
+        raise ValueError(f"{caller}: `stop_tokens` {stops} must lie in [0, {model.vocab}).")
+    return stops
 
 
 @eqx.filter_jit

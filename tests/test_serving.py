@@ -1,0 +1,152 @@
+"""Continuous batching (`dense_armor.serving.Server`, `dense-armor serve`) against `generate`: every
+request gets its solo tokens, whatever the slots, the order of arrival and the reuse of slots,
+with no compilation after the first requests."""
+
+import json
+import re
+
+import jax
+import numpy as np
+import pytest
+from jax import monitoring
+
+from dense_armor.checkpoint import ModelConfig, save_checkpoint
+from dense_armor.cli import main as cli
+from dense_armor.huggingface import import_hf
+from dense_armor.nn.models.generation import generate
+from dense_armor.serving import Server
+from test_language_models import DATA, word_tokenizer
+
+# Prompts of lengths 1 to 21 (whole chunks of 4, and remainders) and the new tokens each asks.
+LENGTHS = [5, 1, 12, 3, 21, 8, 2]
+NEW = [6, 3, 9, 4, 2, 7, 5]
+KEY = jax.random.PRNGKey(7)
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama_gqa"])
+def served(request):
+    """A model, its requests and `generate`'s tokens for them (one batch, every row as long as
+    the longest request asks; row `n` draws as request `n`), greedy and sampled."""
+    model, arguments = import_hf(DATA / request.param)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, model.vocab, n).tolist() for n in LENGTHS]
+    sampling = {"temperature": 0.9, "top_k": 20}
+    greedy = np.asarray(generate(model, prompts, max(NEW)).tokens)
+    sampled = np.asarray(generate(model, prompts, max(NEW), KEY, **sampling).tokens)
+    return request.param, model, arguments, prompts, greedy, sampled, sampling
+
+
+class Traces:
+    """Counts the functions JAX traces (each compilation starts with one) while it is open."""
+
+    def __enter__(self):
+        self.count = 0
+        self._on = True
+
+        def listen(event, duration, **kwargs):
+            if self._on and event == "/jax/core/compile/jaxpr_trace_duration":
+                self.count += 1
+
+        monitoring.register_event_duration_secs_listener(listen)
+        return self
+
+    def __exit__(self, *exc):
+        self._on = False
+
+
+def test_every_request_gets_its_solo_greedy_tokens_in_any_order_with_no_new_compilation(served):
+    _, model, _, prompts, greedy, _, _ = served
+    server = Server(model, slots=3, capacity=32, chunk=4)  # 7 requests: slots are reused
+    done = server.serve(zip(prompts, NEW, strict=True))
+    for n, completion in enumerate(done):
+        np.testing.assert_array_equal(completion.tokens, greedy[n, : NEW[n]], err_msg=str(n))
+        assert completion.reason == "length" and completion.number == n
+        assert completion.submitted <= completion.admitted <= completion.first_token
+        assert completion.first_token <= completion.finished
+    # Again in another order, on the warm server: the same tokens, and nothing traced anew.
+    order = [2, 1, 6, 0, 3, 5, 4]
+    with Traces() as traces:
+        ids = [server.submit(prompts[n], NEW[n], id=f"r{n}") for n in order]
+        finished = list(server.run())
+    assert traces.count == 0
+    assert sorted(c.id for c in finished) == sorted(ids)
+    for completion in finished:
+        n = int(completion.id[1:])
+        np.testing.assert_array_equal(completion.tokens, greedy[n, : NEW[n]], err_msg=str(n))
+    # They leave as they finish: r2 (12 prompt tokens: 8 prefilled, 4 fed by ticks, then 9 new:
+    # 12 ticks) after r1, which came next (1 prompt token, 3 new: 3 ticks).
+    assert [c.finished for c in finished] == sorted(c.finished for c in finished)
+    position = {c.id: i for i, c in enumerate(finished)}
+    assert position["r1"] < position["r2"]
+
+
+def test_sampled_tokens_are_generates_rows_whatever_the_slot(served):
+    """Request `n` draws with `fold_in(fold_in(key, n), position)`, as row `n` of `generate`."""
+    _, model, _, prompts, _, sampled, sampling = served
+    for slots in (1, 4):
+        server = Server(model, slots=slots, capacity=32, key=KEY, chunk=4, **sampling)
+        for n, completion in enumerate(server.serve(zip(prompts, NEW, strict=True))):
+            np.testing.assert_array_equal(completion.tokens, sampled[n, : NEW[n]])
+
+
+def test_a_stop_token_ends_its_request_and_frees_the_slot(served):
+    _, model, _, prompts, greedy, _, _ = served
+    stop = int(greedy[2, 3])  # request 2's fourth token
+    server = Server(model, slots=2, capacity=32, chunk=4, stop_tokens=[stop])
+    done = server.serve([(prompts[2], NEW[2]), (prompts[0], NEW[0])])
+    first = list(greedy[2, : NEW[2]]).index(stop) + 1
+    np.testing.assert_array_equal(done[0].tokens, greedy[2, :first])
+    assert done[0].reason == "stop" and done[0].tokens[-1] == stop
+
+
+def test_the_cli_serves_json_lines_and_text_as_they_finish(tmp_path, capsys, served):
+    _, model, arguments, prompts, greedy, _, _ = served
+    checkpoint = save_checkpoint(tmp_path / "ckpt", model, ModelConfig("transformer_lm", arguments))
+    requests = tmp_path / "requests.jsonl"
+    lines = [
+        json.dumps({"ids": prompts[n], "max_new_tokens": NEW[n], "id": f"q{n}"}) for n in (0, 3)
+    ]
+    requests.write_text("\n".join([*lines, "", json.dumps({"ids": prompts[1]})]) + "\n")
+    argv = ["serve", str(checkpoint), "--input", str(requests), "--slots", "2", "--chunk", "4"]
+    assert cli([*argv, "--capacity", "40", "--max-new-tokens", "3"]) == 0
+    answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    by_id = {a["id"]: a for a in answers}
+    assert set(by_id) == {"q0", "q3", 2}
+    assert by_id["q0"]["ids"] == greedy[0, : NEW[0]].tolist()
+    assert by_id["q3"]["ids"] == greedy[3, : NEW[3]].tolist()
+    assert by_id[2]["ids"] == greedy[1, :3].tolist()  # the default --max-new-tokens
+    assert all(
+        a["reason"] == "length" and a["latency"] >= a["time_to_first_token"] > 0 for a in answers
+    )
+    # With a tokenizer beside the checkpoint (a word per id, "t5" for id 5): text in, text out.
+    word_tokenizer(checkpoint / "tokenizer.json")
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"t{i}" for i in prompts[2]) + "\n")
+    assert cli(["serve", str(checkpoint), "--input", str(text), "--max-new-tokens", "4"]) == 0
+    (answer,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert answer["ids"] == greedy[2, :4].tolist()
+    assert answer["text"] == " ".join(f"t{i}" for i in greedy[2, :4])
+
+
+SERVE_REFUSALS = [
+    ("empty-input", "", r"holds no request: nothing to serve"),
+    ("text-without-tokenizer", "hello\n", r"line 1: a text prompt needs a tokenizer"),
+    ("not-json", "{oops\n", r"line 1: not a JSON object"),
+    ("both-prompt-and-ids", '{"ids": [1], "prompt": "a"}\n', r'line 1: a JSON request holds "prompt" \(text\) or "ids"'),
+    ("ids-not-integers", '{"ids": [1, "2"]}\n', r'line 1: "ids" must be a list of integers'),
+    ("max-new-zero", '{"ids": [1], "max_new_tokens": 0}\n', r'"max_new_tokens" must be an integer >= 1'),
+    ("longer-than-capacity", '{"ids": [1, 2, 3], "max_new_tokens": 40}\n', r"request 1 \(0\): Server.submit: the prompt \(3 tokens\) and `max_new_tokens=40` need 43 cache slots; each slot holds capacity=40"),
+    ("id-outside-the-vocabulary", '{"ids": [100000]}\n', r"holds token id 100000, outside the vocabulary"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("text, words", [pytest.param(*r[1:], id=r[0]) for r in SERVE_REFUSALS])
+def test_the_cli_refuses_bad_requests_in_one_line(tmp_path, capsys, text, words):
+    model, arguments = import_hf(DATA / "llama_gqa")
+    checkpoint = save_checkpoint(tmp_path / "ckpt", model, ModelConfig("transformer_lm", arguments))
+    requests = tmp_path / "requests.txt"
+    requests.write_text(text)
+    assert cli(["serve", str(checkpoint), "--input", str(requests), "--capacity", "40"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dense-armor serve: error: ") and err.count("\n") == 1
+    assert re.search(words, err), err
