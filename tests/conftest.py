@@ -1,13 +1,18 @@
 """Strict numerics for every test: silent broadcasting or dtype promotion is a bug here. And one
-JAX compilation cache shared by every process of the suite (tests/environment.py)."""
+JAX compilation cache shared by every process of the suite, and a garbage collector that runs
+less often (tests/environment.py)."""
 
 import jax
 import pytest
 
-from environment import enable_compilation_cache, trim_compilation_cache
+from environment import collect_garbage_less_often, enable_compilation_cache, trim_compilation_cache
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 enable_compilation_cache()
+
+
+def pytest_collection_finish(session):
+    collect_garbage_less_often()  # the test modules imported: out of the collector's sight
 
 
 def pytest_sessionstart(session):

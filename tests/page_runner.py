@@ -12,7 +12,8 @@ suite). What each listing prints is captured apart. After a listing that raises,
 page are not run. RESULTS_JSON receives, per listing, `{"name", "status", "stdout", "error"}`
 with status "ok", "failed" or "not run".
 
-Imports nothing from the project, so the page sees the interpreter a reader would start.
+Imports nothing from the project, so the page sees the interpreter a reader would start (only
+the suite's garbage-collector setting, tests/environment.py, which changes no output).
 """
 
 import contextlib
@@ -56,6 +57,11 @@ def run(listings: list[dict[str, str]]) -> list[dict[str, str | None]]:
 
 
 if __name__ == "__main__":
+    # The suite's own helper, beside this file (not the project): the collector set as in the
+    # suite's other processes, which changes no output.
+    from environment import collect_garbage_less_often
+
+    collect_garbage_less_often()
     output = sys.argv[1]
     results = run(json.load(sys.stdin))
     with open(output, "w") as handle:

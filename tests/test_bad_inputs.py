@@ -339,6 +339,10 @@ def labels_at(step, labels):
 
 
 TINY_LM = TransformerLM(16, 16, 2, 32, 1, KEY, 8)
+LM_CONFIG = ModelConfig(
+    "transformer_lm",
+    {"vocab": 16, "d_model": 16, "n_heads": 2, "d_ff": 32, "depth": 1, "max_len": 8},
+)
 TINY_GPT = TransformerLM(16, 16, 2, 32, 1, KEY, 8, positions="learned")
 
 
@@ -568,6 +572,10 @@ BAD = [
     ("export-static-shape-float", lambda tmp, _: export_model(MODEL, CONFIG, tmp / "art", static_shapes=[(1, 2.5)]), ArtifactError, r"static shape \(1, 2.5\): `T` must be a positive integer; received `T=2.5`"),
     ("export-static-shape-a-number", lambda tmp, _: export_model(MODEL, CONFIG, tmp / "art", static_shapes=[4]), ArtifactError, r"a static shape is \(B, T\), a tuple of integers; got 4"),
     ("export-platforms-a-string", lambda tmp, _: export_model(MODEL, CONFIG, tmp / "art", platforms="cpu"), ArtifactError, r"`platforms` must be a list of platform names.*'cpu'"),
+    ("export-sampling-for-an-encoder", lambda tmp, _: export_model(MODEL, CONFIG, tmp / "art", sampling={"temperature": 1.0}), ArtifactError, r"`sampling` is for a language model's decoding; a 'transformer_encoder' model has no tokens to sample"),
+    ("export-sampling-unknown-rule", lambda tmp, _: export_model(LM_CONFIG.build(KEY), LM_CONFIG, tmp / "art", sampling={"temp": 1.0}), ArtifactError, r"`sampling` must be a dict of \['min_p', 'temperature', 'top_k', 'top_p'\]; received \{'temp': 1.0\}"),
+    ("export-sampling-negative-temperature", lambda tmp, _: export_model(LM_CONFIG.build(KEY), LM_CONFIG, tmp / "art", sampling={"temperature": -1.0}), ArtifactError, r"export_model: sampling: `temperature` must be a finite number >= 0"),
+    ("export-sampling-top-p-past-one", lambda tmp, _: export_model(LM_CONFIG.build(KEY), LM_CONFIG, tmp / "art", sampling={"temperature": 1.0, "top_p": 1.5}), ArtifactError, r"`top_p` must be a number in \(0, 1\]"),
     ("export-capacity-past-a-learned-table", lambda tmp, _: export_model(WINDOWED_LEARNED.build(KEY), WINDOWED_LEARNED, tmp / "art", capacity=10), ArtifactError, r"capacity 10 > max_len 6: the positional encoding of this model stops at step 6"),
     ("export-capacity-bool", lambda tmp, _: export_model(MODEL, CONFIG, tmp / "art", capacity=True), ArtifactError, r"`capacity` must be a positive integer; received `capacity=True`"),
     ("export-seed-negative", lambda tmp, _: export_model(MODEL, CONFIG, tmp / "art", seed=-1), ArtifactError, r"`seed` must be an integer >= 0; received `seed=-1`"),

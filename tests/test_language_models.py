@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 from dense_armor.checkpoint import ModelConfig, load_checkpoint, save_checkpoint
 from dense_armor.cli import main as cli
-from dense_armor.export import export_checkpoint
+from dense_armor.export import export_checkpoint, export_model
 from dense_armor.export.standalone import ArtifactError, check_golden, load
 from dense_armor.huggingface import HuggingFaceError, import_hf, load_tokenizer
 from dense_armor.nn.layers.language import ids_checked
@@ -354,6 +354,56 @@ def test_the_exported_artifact_gives_transformers_logits_and_greedy_tokens(tmp_p
             ArtifactError, match=r"input 'x_t' must have shape \('B',\) and dtype int32"
         ):
             artifact.step(wrong, artifact.init_cache(1))
+    # Decoding in the graph (greedy, the default): transformers' tokens, token in, token out.
+    token, cache, overflow = artifact.sample_prefill(prompt, artifact.init_cache(1))
+    out = [int(token[0])]
+    for _ in range(len(want) - 1):
+        token, cache, overflow = artifact.sample_step(token, cache)
+        out.append(int(token[0]))
+    np.testing.assert_array_equal(out, want)
+    assert not bool(np.any(overflow)) and manifest["sampling"]["temperature"] == 0.0
+    for wrong in BAD_ARTIFACT_KEYS:
+        with pytest.raises(
+            ArtifactError, match=r"input 'key' must have shape \(2,\) and dtype uint32"
+        ):
+            artifact.sample_step(token, cache, wrong)
+
+
+# What a decoding artifact's key must not be: a new-style typed key, a batch of keys, int32.
+BAD_ARTIFACT_KEYS = [np.zeros((2, 2), np.uint32), np.zeros(4, np.uint32), np.zeros(2, np.int32)]
+
+
+def test_an_artifact_samples_in_the_graph_as_generate_does(tmp_path):
+    """Exported with sampling rules (every one at once), `sample_prefill` and `sample_step` draw
+    from the key input the tokens `generate` draws with the same key and rules, stream by
+    stream; the manifest records the rules and the golden decoding replays."""
+    sampling = {"temperature": 1.3, "top_k": 40, "top_p": 0.9, "min_p": 0.02}
+    model, arguments = import_hf(DATA / "llama_tied")
+    config = ModelConfig("transformer_lm", arguments)
+    export_model(
+        model,
+        config,
+        tmp_path / "art",
+        capacity=24,
+        platforms=["cpu"],
+        static_shapes=[],
+        sampling=sampling,
+    )
+    artifact = load(tmp_path / "art")
+    assert {k: artifact.manifest["sampling"][k] for k in sampling} == sampling
+    errors = check_golden(artifact)
+    assert errors["decode B=2, 20 tokens (tokens that differ)"] == 0.0
+    prompts = np.array([[5, 9, 13, 2], [7, 1, 1, 4]], np.int32)
+    key = jax.random.PRNGKey(3)
+    token, cache, _ = artifact.sample_prefill(prompts, artifact.init_cache(2), np.asarray(key))
+    tokens = [np.asarray(token)]
+    for _ in range(11):
+        token, cache, _ = artifact.sample_step(token, cache, np.asarray(key))
+        tokens.append(np.asarray(token))
+    want = generate(model, prompts, 12, key, **sampling).tokens
+    np.testing.assert_array_equal(np.stack(tokens, axis=1), np.asarray(want))
+    greedy_tokens = generate(model, prompts, 12).tokens
+    assert not np.array_equal(np.asarray(want), np.asarray(greedy_tokens))  # it did sample
 
 
 # What a language-model artifact's step refuses: float ids, NumPy's default int64, a 2-D batch.

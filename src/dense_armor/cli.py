@@ -1,7 +1,8 @@
 """The `dense-armor` command.
 
 dense-armor export CHECKPOINT_DIR --out DIR [--static B,T[,S] ...] [--capacity N]
-                   [--platforms cpu,cuda,tpu] [--force]
+                   [--platforms cpu,cuda,tpu] [--force] [--temperature T] [--top-k K]
+                   [--top-p P] [--min-p P]
 dense-armor compile DIR [--target llvm-cpu[,cuda,vulkan-spirv]] [--cpu host] [--cuda-arch sm_80]
 dense-armor inspect DIR
 dense-armor import-torch STATE.safetensors --config CONFIG.json --out CHECKPOINT_DIR
@@ -137,6 +138,11 @@ def _parser() -> argparse.ArgumentParser:
         help="float32 products: full precision everywhere (highest), or the platform's own "
         "(default: TF32 on NVIDIA GPUs)",
     )
+    # a language model's sample_prefill and sample_step: greedy unless one of these is given
+    ex.add_argument("--temperature", type=float, help="language models: sampling in the graph")
+    ex.add_argument("--top-k", type=int)
+    ex.add_argument("--top-p", type=float)
+    ex.add_argument("--min-p", type=float)
 
     co = commands.add_parser(
         "compile", help="compile an artifact's static modules with IREE and check them"
@@ -229,8 +235,19 @@ def _export(args: argparse.Namespace) -> None:
         static_shapes=args.static,
         force=args.force,
         matmul_precision=args.matmul_precision,
+        sampling=_export_sampling(args),
     )
     print(summary)
+
+
+def _export_sampling(args: argparse.Namespace) -> dict[str, Any] | None:
+    """`export`'s sampling options that were given, or None (greedy)."""
+    given = {
+        name: getattr(args, name)
+        for name in ("temperature", "top_k", "top_p", "min_p")
+        if getattr(args, name) is not None
+    }
+    return given or None
 
 
 def _compile(args: argparse.Namespace) -> None:

@@ -32,7 +32,7 @@ from .nn.core import require_int, require_key
 from .nn.layers.language import ids_checked
 from .nn.models.generation import _prompts, check_stop_tokens
 from .nn.models.language_model import TransformerLM
-from .nn.sampling import check_sampling, sample
+from .nn.sampling import check_sampling, draw_tokens
 from .nn.state.streams import reset
 
 __all__ = ["Completion", "Server"]
@@ -281,13 +281,10 @@ def _ticker(temperature: float, top_k: int | None, top_p: float | None, min_p: f
     ) -> tuple[jax.Array, Any]:
         model, key = model_and_key
         logits, caches = jax.vmap(model.step)(tokens, caches)
-        if temperature == 0:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32), caches
-
-        def draw(row: jax.Array, n: jax.Array, p: jax.Array) -> jax.Array:
-            k = jax.random.fold_in(jax.random.fold_in(key, n), p)
-            return sample(row, k, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-
-        return jax.vmap(draw)(logits, numbers, positions), caches
+        chosen = draw_tokens(
+            logits, key, numbers, positions, temperature=temperature, top_k=top_k, top_p=top_p,
+            min_p=min_p,
+        )  # fmt: skip
+        return chosen, caches
 
     return tick

@@ -46,6 +46,11 @@ from dense_armor.data import ShardSource  # noqa: E402
 from dense_armor.distributed import data_mesh, device_mesh, place  # noqa: E402
 from dense_armor.training import evaluate, fit  # noqa: E402
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from environment import collect_garbage_less_often  # noqa: E402
+
+collect_garbage_less_often()
+
 CONFIG = ModelConfig(
     "transformer_encoder",
     {

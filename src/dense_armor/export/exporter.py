@@ -21,6 +21,11 @@ directory holds:
   overflow (B,))`, any chunk length `T`: what `T` steps return;
   `reset.jax_exported`: `(weights..., streams (B,), [context, context_mask,] cache...) ->
   cache...`: the streams where `streams` is true start again (with their new context);
+- a language model's decoding, the sampling in the graph (`sampling=` at export, greedy by
+  default; the manifest's `sampling`): `sample_prefill.jax_exported`: `(weights..., x (B, T),
+  key uint32[2], cache...) -> (token (B,), cache..., overflow (B,))`, each stream's first new
+  token after its prompt, and `sample_step.jax_exported`: `(weights..., x_t (B,), key,
+  cache...) -> (token (B,), cache..., overflow (B,))`, the next;
 - `static/`: single-platform StableHLO with no symbolic dimension, for the shapes asked for, as
   text (`.mlir`) and bytecode (`.mlirbc`), for runtimes other than JAX;
 - `weights.safetensors` (the weights are arguments of every function, never constants),
@@ -55,9 +60,10 @@ from ..checkpoint import (
 from ..families import FAMILIES
 from ..nn.core import require_bool, require_int
 from ..nn.kernels.choice import exporting
+from ..nn.sampling import check_sampling
 from . import standalone
 from .golden import golden
-from .lowering import Function, Lowering, spec
+from .lowering import GREEDY, Function, Lowering, spec
 from .modules import write_portable, write_static
 from .standalone import FORMAT, FORMAT_VERSION, MANIFEST, ArtifactError
 
@@ -108,6 +114,7 @@ def export_model(
     force: bool = False,
     seed: int = 0,
     matmul_precision: str = "highest",
+    sampling: dict[str, Any] | None = None,
 ) -> ExportSummary:
     """Export `model` (built from `config`) to the directory `out`.
 
@@ -125,6 +132,9 @@ def export_model(
       `"highest"` (default: full float32, so the artifact matches its golden outputs on GPUs and
       TPUs as on CPUs) or `"default"` (the platform's own: TF32 on NVIDIA GPUs since Ampere,
       faster, about 1e-3 apart); recorded in the manifest.
+    - `sampling`: a language model's decoding rules in `sample_prefill` and `sample_step`, any of
+      `temperature`, `top_k`, `top_p`, `min_p` as in `generate` (default greedy); fixed in the
+      graph and recorded in the manifest.
 
     Nothing is left half-written: the directory is assembled beside `out` and renamed into place.
     """
@@ -133,13 +143,14 @@ def export_model(
     capacity, shapes = _check_export(
         config, target, capacity, platforms, static_shapes, force, seed, matmul_precision
     )
+    sampling = _check_sampling(config, sampling)
     check_fits(config, tree_arrays(model))  # the config and the weights must agree
     causal_config = config.causal()
     causal_model = (
         model if causal_config == config else fill_tree(skeleton(causal_config), tree_arrays(model))
     )
     with exporting():  # cuDNN's attention lowers as XLA's: jax.export refuses its custom call
-        lowering = Lowering(model, causal_model, config, capacity)
+        lowering = Lowering(model, causal_model, config, capacity, sampling)
         functions = lowering.functions()
     summary: dict[str, Any] = {}
 
@@ -225,6 +236,27 @@ def _check_export(
         for s in ([(1, max_len), (8, max_len)] if static_shapes is None else static_shapes)
     ]
     return int(capacity), shapes
+
+
+def _check_sampling(config: ModelConfig, sampling: Any) -> dict[str, Any] | None:
+    """`export_model`'s `sampling`, checked: for a language model only, the rules of
+    `generate`."""
+    if sampling is None:
+        return None
+    if FAMILIES[config.factory].vocabulary(config.arguments) is None:
+        raise ArtifactError(
+            f"export_model: `sampling` is for a language model's decoding; a "
+            f"{config.factory!r} model has no tokens to sample."
+        )
+    if not isinstance(sampling, dict) or set(sampling) - set(GREEDY):
+        raise ArtifactError(
+            f"export_model: `sampling` must be a dict of {sorted(GREEDY)}; received {sampling!r}."
+        )
+    try:
+        check_sampling(**sampling)
+    except ValueError as error:
+        raise ArtifactError(f"export_model: sampling: {error}") from None
+    return {**GREEDY, **sampling}
 
 
 def _static_sizes(shape: Sequence[int], max_len: int, with_context: bool) -> dict[str, int]:
@@ -328,7 +360,18 @@ def _token_ids(lowering: Lowering) -> dict[str, Any]:
     """The manifest's `token_ids` entry, for a family whose inputs are token ids."""
     if lowering.vocab is None:
         return {}
-    return {"token_ids": {"dtype": "int32", "vocab": lowering.vocab, "invalid": INVALID_IDS}}
+    return {
+        "token_ids": {"dtype": "int32", "vocab": lowering.vocab, "invalid": INVALID_IDS},
+        "sampling": {**lowering.sampling, "rule": SAMPLING_RULE},
+    }
+
+
+SAMPLING_RULE = (
+    "sample_prefill and sample_step return each stream's next token: the argmax of its logits "
+    "when temperature is 0; otherwise stream b draws its token at position p (the stream's "
+    "count of tokens so far) with the key fold_in(fold_in(key, b), p), from the softmax of its "
+    "logits divided by the temperature after top-k, top-p and min-p, as dense_armor's generate"
+)
 
 
 # jax.export's promise: a jax release loads what a jax up to 6 months older serialized.

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..nn.sampling import draw_tokens
 from .lowering import Function, Lowering
 
 __all__ = ["GOLDEN_STEPS", "golden"]
@@ -55,6 +56,8 @@ def golden(
     stream = data.stream()
     static = _static_cases(lowering, functions, static_entries, data.key, data.arrays)
     plan = {"file": "golden.safetensors", "static": static, "forward": forward, "stream": stream}
+    if "sample_step" in functions:
+        plan["generation"] = data.generation()
     return data.arrays, plan
 
 
@@ -135,6 +138,54 @@ class _Golden:
             "y": "stream.y",
         }
 
+    def generation(self) -> dict[str, Any]:
+        """Two prompts and the tokens decoding gives after them (greedy, or sampled with the
+        artifact's rules and a stored key): `sample_prefill`, then `sample_step` on each token."""
+        lowering, arrays = self.lowering, self.arrays
+        prompt_length = max(1, min(4, lowering.capacity // 2))
+        n = max(1, min(GENERATION_TOKENS, lowering.capacity - prompt_length))
+        prompts = lowering.draw_inputs(jax.random.fold_in(self.key, 300), (2, prompt_length))
+        key = jax.random.fold_in(self.key, 301)
+        arrays["generation.prompt"] = prompts
+        arrays["generation.key"] = np.asarray(key, np.uint32)
+        arrays["generation.tokens"] = np.array(
+            [_decoded(lowering, prompts[b], key, b, n) for b in range(2)], np.int32
+        )
+        return {
+            "prompt": "generation.prompt",
+            "key": "generation.key",
+            "tokens": "generation.tokens",
+            "B": 2,
+            "new_tokens": n,
+        }
+
+
+# The golden generation's length: up to this many new tokens (the cache's capacity allowing).
+GENERATION_TOKENS = 32
+
+
+def _decoded(lowering: Lowering, prompt: np.ndarray, key: jax.Array, row: int, n: int) -> list[int]:
+    """One stream's `n` new tokens after `prompt`, in Python: the model's own `prefill` and
+    `step` from its empty cache, each token drawn by `draw_tokens` as stream `row` of a batch."""
+    model = lowering.causal_model
+    cache = lowering.family.start(model, lowering.capacity, (), "nan")
+    logits, cache = _prefill(model, jnp.asarray(prompt), cache)
+    tokens: list[int] = []
+    position = len(prompt)
+    while True:
+        token = draw_tokens(
+            logits[-1:], key, jnp.array([row], jnp.int32), jnp.array([position], jnp.int32),
+            **lowering.sampling,
+        )  # fmt: skip
+        tokens.append(int(token[0]))
+        if len(tokens) == n:
+            return tokens
+        y, cache = _step(model, token[0], cache)
+        logits, position = y[None], position + 1
+
+
+_prefill = eqx.filter_jit(lambda m, x, c: m.prefill(x, c))
+
 
 def _static_cases(
     lowering: Lowering,
@@ -147,7 +198,9 @@ def _static_cases(
     order) and what the function returns for them in Python, for runtimes other than JAX to
     reproduce with the static module. A step case is a stream of steps from an empty
     cache, the cache fed back (`capacity` steps, at most `GOLDEN_STEPS`); its `x_t` input holds
-    every step's, `(B, steps, ...)`."""
+    every step's, `(B, steps, ...)`; a decoding case (`sample_step`, `"feedback"`) feeds each
+    step the token the step before returned: its `x_t` is the first step's `(B,)`, its first
+    output every step's token `(B, steps)`."""
     cases = []
     done = set()
 
@@ -182,15 +235,11 @@ def _static_cases(
         arrays.update(zip(names, map(_stored, inputs), strict=True))
         arrays.update(zip(out_names, map(_stored, outputs), strict=True))
         assert len(names) == len(function.inputs) and len(out_names) == len(function.outputs)
-        cases.append(
-            {
-                "function": name,
-                "shape": sizes,
-                "inputs": names,
-                "outputs": out_names,
-                "steps": steps,
-            }
-        )
+        case = {"function": name, "shape": sizes, "inputs": names, "outputs": out_names}
+        case["steps"] = steps
+        if name == "sample_step":  # each step's token is the next step's input
+            case["feedback"] = True
+        cases.append(case)
     return cases
 
 
@@ -220,6 +269,20 @@ def _static_run(
             y_t, state, overflow = step(lowering.weights, xs[:, t], state)
             ys.append(y_t)
         inputs, outputs = [xs, *cache], [jnp.stack(ys, axis=1), *state, overflow]
+    elif name == "sample_prefill":
+        inputs = [draw(3, (b, sizes["T"])), _KEY, *cache]
+        token, state, overflow = jax.jit(lowering.sample_prefill)(
+            lowering.weights, inputs[0], _KEY, cache
+        )
+        outputs = [token, *state, overflow]
+    elif name == "sample_step":  # a stream fed its own tokens: decoding
+        steps = min(lowering.capacity, GOLDEN_STEPS)
+        decode, tokens, state, token = jax.jit(lowering.sample_step), [], cache, draw(2, (b,))
+        for _ in range(steps):
+            token, state, overflow = decode(lowering.weights, token, _KEY, state)
+            tokens.append(token)
+        inputs = [draw(2, (b,)), _KEY, *cache]
+        outputs = [jnp.stack(tokens, axis=1), *state, overflow]
     elif name == "prefill":
         inputs = [draw(3, (b, sizes["T"])), *cache]
         y, state, overflow = jax.jit(lowering.prefill)(lowering.weights, *inputs[:1], cache)
@@ -233,6 +296,10 @@ def _static_run(
         inputs = [np.arange(b) % 2 == 1, *context, *state]
         outputs = jax.jit(lowering.reset)(lowering.weights, inputs[0], *context, state)
     return inputs, outputs, steps
+
+
+# The key of the static decoding cases (a raw PRNG key: the modules' `key` input).
+_KEY = np.asarray(jax.random.PRNGKey(42), np.uint32)
 
 
 def _stored(a: Any) -> np.ndarray:

@@ -10,7 +10,13 @@ of arrays, batch `B` first, in the order of the manifest's `cache.layout`):
 - `step(weights, x_t, cache) -> (y_t, cache, overflow)`;
 - `prefill(weights, x, cache) -> (y, cache, overflow)`: `T` steps in one call;
 - `reset(weights, streams, *context, cache) -> cache`: the streams where `streams` is true back to
-  their empty state (with their new context), the others untouched.
+  their empty state (with their new context), the others untouched;
+- for a family of token ids (a language model), decoding with the sampling in the graph:
+  `sample_prefill(weights, x, key, cache) -> (token, cache, overflow)`, the prompt's tokens and
+  each stream's first new token, and `sample_step(weights, x_t, key, cache) -> (token, cache,
+  overflow)`, one token in and the next out; `key` is a raw PRNG key (`uint32[2]`), stream `b`
+  drawing its token at position `p` with `fold_in(fold_in(key, b), p)` (`draw_tokens`, the rule
+  of `generate`), under the sampling rules fixed at export (greedy by default: the key unused).
 
 Shapes, dtypes and names of every input and output are read from the model (`jax.eval_shape` on
 symbolic shapes), never written by hand; Equinox classes never reach a signature.
@@ -30,13 +36,16 @@ from jax import export
 from ..checkpoint import ModelConfig
 from ..distributed import gather_to_host
 from ..families import FAMILIES
+from ..nn.sampling import draw_tokens
 from ..nn.state.counter import Counter
 from ..nn.state.streams import reset as reset_streams
 
-__all__ = ["DIMS", "Function", "Lowering", "Spec"]
+__all__ = ["DIMS", "GREEDY", "Function", "Lowering", "Spec"]
 
 Spec = dict[str, Any]  # {"name", "role", "dtype", "shape"}; shape entries are ints or dim names
 DIMS = ("B", "T", "S")  # batch, time (or chunk length), context length
+# The sampling rules of `sample_prefill` and `sample_step` unless the export names others.
+GREEDY = {"temperature": 0.0, "top_k": None, "top_p": None, "min_p": None}
 
 
 def spec(name: str, role: str, dtype: Any, shape: Sequence[Any]) -> Spec:
@@ -160,8 +169,16 @@ def describe_cache(tree: Any) -> list[dict[str, Any]]:
 class Lowering:
     """The exported functions of one model (and its causal form, which streams)."""
 
-    def __init__(self, model: Any, causal_model: Any, config: ModelConfig, capacity: int):
+    def __init__(
+        self,
+        model: Any,
+        causal_model: Any,
+        config: ModelConfig,
+        capacity: int,
+        sampling: dict[str, Any] | None = None,
+    ):
         self.family = FAMILIES[config.factory]
+        self.sampling = {**GREEDY, **(sampling or {})}
         arguments = config.arguments
         self.max_len = self.family.max_length(arguments)
         self.vocab = self.family.vocabulary(arguments)
@@ -183,6 +200,7 @@ class Lowering:
         self.x = spec("x", "input", dtype, ["B", "T", *self.step_shape])
         self.x_t = spec("x_t", "input", dtype, ["B", *self.step_shape])
         self.streams = spec("streams", "streams", bool, ["B"])
+        self.key = spec("key", "key", np.uint32, [2])
         self.context = (
             []
             if self.width is None
@@ -216,6 +234,15 @@ class Lowering:
             if _is_counter(node)
         }
         self.overflow_flags = [i for i, s in enumerate(self.cache) if s["name"] in flags]
+        # Each stream's count of steps (the position of its next token): the first counter's.
+        indices = [
+            "cache" + jax.tree_util.keystr((*path, jax.tree_util.GetAttrKey("index")))
+            for path, node in counters
+            if _is_counter(node)
+        ]
+        self.position_index = next(
+            (i for i, s in enumerate(self.cache) if s["name"] in indices[:1]), None
+        )
 
     def draw_inputs(self, key: jax.Array, leading: tuple[int, ...]) -> np.ndarray:
         """Inputs of shape `leading + step_shape` from `key`: standard normal features, or token
@@ -281,6 +308,21 @@ class Lowering:
         fresh = self._fresh(self._model(weights, causal=True), streams, context)
         return jax.tree_util.tree_leaves(reset_streams(self._cache_tree(cache), streams, fresh))
 
+    def sample_prefill(
+        self, weights: list[jax.Array], x: jax.Array, key: jax.Array, cache: list[jax.Array]
+    ) -> tuple[jax.Array, list[jax.Array], jax.Array]:
+        logits, leaves, overflow = self.prefill(weights, x, cache)
+        assert self.position_index is not None  # a language model's cache counts its steps
+        batch = x.shape[0]
+        positions = leaves[self.position_index].reshape(batch, -1)[:, 0].astype(jnp.int32)
+        rows = jnp.arange(batch, dtype=jnp.int32)
+        return draw_tokens(logits[:, -1], key, rows, positions, **self.sampling), leaves, overflow
+
+    def sample_step(
+        self, weights: list[jax.Array], x_t: jax.Array, key: jax.Array, cache: list[jax.Array]
+    ) -> tuple[jax.Array, list[jax.Array], jax.Array]:
+        return self.sample_prefill(weights, x_t[:, None], key, cache)
+
     def functions(self) -> dict[str, Function]:
         """Every exported function, its outputs read from the model on symbolic shapes."""
         # name: (function, inputs, outputs before the cache, whether the cache and overflow
@@ -293,6 +335,22 @@ class Lowering:
             "prefill": (self.prefill, [self.x, *self.cache], ["y"], True, {}),
             "reset": (self.reset, [self.streams, *self.context, *self.cache], [], True, {}),
         }
+        if self.vocab is not None:  # decoding, the sampling in the graph
+            key_and_cache = [self.key, *self.cache]
+            plans["sample_prefill"] = (
+                self.sample_prefill,
+                [self.x, *key_and_cache],
+                ["token"],
+                True,
+                {},
+            )
+            plans["sample_step"] = (
+                self.sample_step,
+                [self.x_t, *key_and_cache],
+                ["token"],
+                True,
+                {},
+            )
         functions = {}
         weight_avals = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in self.weights]
         for name, (fn, inputs, leading, streaming, bounds) in plans.items():

@@ -318,6 +318,31 @@ class Artifact:
     def reset(self, cache: Sequence[Any], streams: Any, *context: Any) -> list[jax.Array]:
         return list(self.call("reset", streams, *context, *_cache_list("reset", cache)))
 
+    def sample_prefill(
+        self, x: Any, cache: Sequence[Any], key: Any = None
+    ) -> tuple[jax.Array, list[jax.Array], jax.Array]:
+        """A language model's prompts `x (B, T)` and each stream's first new token `(B,)`, drawn
+        in the graph with the manifest's `sampling` rules and `key` (a raw `uint32[2]` PRNG key;
+        default `[0, 0]`, all greedy decoding needs)."""
+        token, new_cache, overflow = self.call(
+            "sample_prefill", x, _raw_key(key), *_cache_list("sample_prefill", cache)
+        )
+        return token, list(new_cache), overflow
+
+    def sample_step(
+        self, x_t: Any, cache: Sequence[Any], key: Any = None
+    ) -> tuple[jax.Array, list[jax.Array], jax.Array]:
+        """One token per stream in, `x_t (B,)`, and the next out, as `sample_prefill`."""
+        token, new_cache, overflow = self.call(
+            "sample_step", x_t, _raw_key(key), *_cache_list("sample_step", cache)
+        )
+        return token, list(new_cache), overflow
+
+
+def _raw_key(key: Any) -> Any:
+    """`key`, or the zero key for greedy decoding (which does not read it)."""
+    return np.zeros(2, np.uint32) if key is None else key
+
 
 def _cache_list(function: str, cache: Any) -> Sequence[Any]:
     if isinstance(cache, str | bytes) or not isinstance(cache, Sequence):
@@ -393,6 +418,8 @@ def check_golden(artifact: Artifact, steps: int | None = None) -> dict[str, floa
     if bool(np.any(overflow)):
         raise ArtifactError("the cache overflowed within its capacity.")
     b = xs.shape[0]
+    if "generation" in artifact.manifest["golden"]:
+        errors.update(_check_generation(artifact, golden, steps))
     errors[f"prefill B={b} T={k}"] = worst["prefill"]
     errors[f"step B={b}, {n - k} steps"] = worst["step"]
     if k <= plan["reset_at"] < n:
@@ -526,6 +553,27 @@ def check_static_signature(
                 )
 
 
+def _check_generation(
+    artifact: Artifact, golden: dict[str, np.ndarray], steps: int | None
+) -> dict[str, float]:
+    """A language model's decoding, the sampling in the graph: `sample_prefill` on the golden
+    prompts, then `sample_step` on each token it returns (the first `steps` tokens); the error is
+    the number of tokens that differ from the Python model's."""
+    plan = artifact.manifest["golden"]["generation"]
+    prompts, key, want = (golden[plan[k]] for k in ("prompt", "key", "tokens"))
+    n = want.shape[1] if steps is None else max(1, min(steps, want.shape[1]))
+    cache = artifact.init_cache(prompts.shape[0])
+    token, cache, overflow = artifact.sample_prefill(prompts, cache, key)
+    got = [np.asarray(token)]
+    for _ in range(n - 1):
+        token, cache, overflow = artifact.sample_step(token, cache, key)
+        got.append(np.asarray(token))
+    if bool(np.any(overflow)):
+        raise ArtifactError("decoding: the cache overflowed within its capacity.")
+    wrong = int((np.stack(got, axis=1) != want[:, :n]).sum())
+    return {f"decode B={prompts.shape[0]}, {n} tokens (tokens that differ)": float(wrong)}
+
+
 def check_iree(directory: str | pathlib.Path, steps: int | None = None) -> dict[str, float]:
     """Run every `llvm-cpu` module of the artifact on its golden case with `iree-run-module` and
     return the largest absolute error of each against the Python model's outputs. A step case is
@@ -575,13 +623,23 @@ def check_iree(directory: str | pathlib.Path, steps: int | None = None) -> dict[
                 got = call([*weights, *inputs])
                 errors[label] = max(_error(g, e) for g, e in zip(got, expected, strict=True))
                 continue
-            xs, cache = inputs[0], inputs[1:]
+            roles = [i["role"] for i in manifest["functions"][case["function"]]["inputs"]]
+            plain = len([r for r in roles if r not in ("weight", "cache")])
+            xs, rest, cache = inputs[0], inputs[1:plain], inputs[plain:]
             n = case["steps"] if steps is None else max(1, min(steps, case["steps"]))
-            worst = 0.0
+            worst, feedback, wrong = 0.0, bool(case.get("feedback")), 0
+            x_t = xs if feedback else xs[:, 0]
             for t in range(n):
-                got = call([*weights, xs[:, t], *cache])
+                got = call([*weights, x_t, *rest, *cache])
                 cache = got[1:-1]
-                worst = max(worst, _error(got[0], expected[0][:, t]))
+                if feedback:  # decoding: each step's token is the next one's input
+                    wrong += int(np.sum(np.asarray(got[0]) != expected[0][:, t]))
+                    x_t = got[0]
+                else:
+                    worst = max(worst, _error(got[0], expected[0][:, t]))
+                    x_t = xs[:, min(t + 1, xs.shape[1] - 1)]
+            if feedback:
+                errors[f"{label}, {n} tokens (tokens that differ)"] = float(wrong)
             if n == case["steps"]:  # the whole stream: its final cache and flags too
                 worst = max(
                     [worst] + [_error(g, e) for g, e in zip(got[1:], expected[1:], strict=True)]

@@ -28,7 +28,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .core import require_int, require_key, type_checked
 
-__all__ = ["check_sampling", "filter_logits", "greedy", "sample"]
+__all__ = ["check_sampling", "draw_tokens", "filter_logits", "greedy", "sample"]
 
 
 def _real(value: Any) -> bool:
@@ -132,3 +132,31 @@ def sample(
         return greedy(_checked_logits(logits))
     kept = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     return jax.random.categorical(key, kept, axis=-1).astype(jnp.int32)
+
+
+def draw_tokens(
+    logits: Float[Array, "B vocab"],
+    key: PRNGKeyArray,
+    rows: Int[Array, " B"],
+    positions: Int[Array, " B"],
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+) -> Int[Array, " B"]:
+    """The next token of each of a batch of streams, the rule that makes a stream's tokens its
+    own: greedy (`temperature=0`), or stream `b` drawn by `sample` with the key
+    `fold_in(fold_in(key, rows[b]), positions[b])`, `rows[b]` the stream's number (its row in
+    `generate`, its request in a `Server`) and `positions[b]` the position of the token it
+    draws. `generate`, the serving loop and an exported `sample_step` all draw with it."""
+    if temperature == 0:
+        return greedy(logits)
+
+    def draw(row_logits: Array, row: Array, position: Array) -> Array:
+        row_key = jax.random.fold_in(jax.random.fold_in(key, row), position)
+        return sample(
+            row_logits, row_key, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p
+        )
+
+    return jax.vmap(draw)(logits, rows, positions)

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..core import require_int, require_key
 from ..layers.language import ids_checked
-from ..sampling import check_sampling, sample
+from ..sampling import check_sampling, draw_tokens
 from .language_model import TransformerLM
 
 __all__ = ["Generation", "generate", "stream_tokens"]
@@ -209,19 +209,17 @@ def stream_tokens(
 def _chooser(
     temperature: float, top_k: int | None, top_p: float | None, min_p: float | None
 ) -> Any:
-    """The next token of each row of `logits (B, vocab)`: greedy, or row `b` drawn with
-    `fold_in(fold_in(key, b), position)`."""
+    """The next token of each row of `logits (B, vocab)` at `position`: `draw_tokens`, row `b`
+    being stream `b`."""
 
     @jax.jit
     def choose(logits: jax.Array, key: jax.Array, position: jax.Array) -> jax.Array:
-        if temperature == 0:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
         rows = jnp.arange(logits.shape[0])
-        keys = jax.vmap(lambda b: jax.random.fold_in(jax.random.fold_in(key, b), position))(rows)
-        draw = functools.partial(
-            sample, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p
-        )
-        return jax.vmap(draw)(logits, keys)
+        positions = jnp.full(logits.shape[0], position, jnp.int32)
+        return draw_tokens(
+            logits, key, rows, positions, temperature=temperature, top_k=top_k, top_p=top_p,
+            min_p=min_p,
+        )  # fmt: skip
 
     return choose
 
