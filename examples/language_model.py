@@ -4,13 +4,15 @@ Every machine with Python has the text: the source files of a few standard modul
 and docstrings), read as bytes, so the vocabulary is the 256 byte values and nothing is
 downloaded. A Llama-style `TransformerLM` (rotary positions, RMSNorm, SwiGLU, grouped-query
 attention) learns to predict the next byte with `fit` and `next_token_loss`; the run shows a
-progress bar, writes the loss curve, prints samples (greedy and sampled) from a prompt, and saves
-a checkpoint that `dense-armor generate --ids` reads.
+progress bar, writes the loss curve, prints samples (greedy and sampled) from a prompt, saves
+a checkpoint that `dense-armor generate --ids` reads, and exports the model to a StableHLO
+artifact, from which it generates again without the model's Python code: the artifact's
+`sample_prefill` and `sample_step`, the greedy choice made in the graph.
 
     python examples/language_model.py [--steps 1500] [--out examples/runs/language_model]
 
-Writes `checkpoint/`, `report.json` (the losses, the held-out next-byte accuracy and the samples)
-and `loss.png` into `--out`.
+Writes `checkpoint/`, `artifact/`, `report.json` (the losses, the held-out next-byte accuracy and
+the samples) and `loss.png` into `--out`.
 """
 
 import argparse
@@ -26,6 +28,7 @@ import numpy as np
 import optax
 
 from dense_armor.checkpoint import ModelConfig, save_checkpoint
+from dense_armor.export import export_model, load
 from dense_armor.nn.models.generation import generate
 from dense_armor.train_step import next_token_loss
 from dense_armor.training import evaluate, fit
@@ -65,6 +68,25 @@ def model_config(length: int) -> ModelConfig:
             "max_len": length, "n_kv_heads": 2,
         },
     )  # fmt: skip
+
+
+def artifact_greedy(
+    model: Any, config: ModelConfig, out: pathlib.Path, prompt: list[int], new: int
+) -> list[int]:
+    """Export `model` (the decoding functions only: no static modules) and generate `new` bytes
+    after `prompt` from the artifact alone: `sample_prefill`, then `sample_step` on each token
+    (greedy, chosen in the graph)."""
+    export_model(
+        model, config, out, capacity=len(prompt) + new, platforms=["cpu"], static_shapes=[],
+        force=True,
+    )  # fmt: skip
+    artifact = load(out)
+    token, cache, _ = artifact.sample_prefill(np.array([prompt], np.int32), artifact.init_cache(1))
+    tokens = [int(token[0])]
+    while len(tokens) < new:
+        token, cache, _ = artifact.sample_step(token, cache)
+        tokens.append(int(token[0]))
+    return tokens
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -114,6 +136,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     args.out.mkdir(parents=True, exist_ok=True)
     save_checkpoint(args.out / "checkpoint", result.model, config)
+    from_artifact = artifact_greedy(
+        result.model, config, args.out / "artifact", prompt, args.sample_bytes
+    )
+    samples["greedy from the artifact"] = PROMPT + as_text(from_artifact)
+    print(f"--- greedy, from the exported artifact ---\n{samples['greedy from the artifact']}")
     steps = [r["step"] for r in result.history]
     plt.figure(figsize=(5, 3))
     plt.plot(steps, [r["train_loss"] for r in result.history], label="training")

@@ -122,7 +122,16 @@ def test_language_model_example_learns_bytes_and_saves_a_checkpoint(tmp_path, ca
          "--out", str(tmp_path)]
     )  # fmt: skip
     assert report["valid_loss"] < 0.8 * math.log(256)  # well below a uniform guess over bytes
-    assert {p.name for p in tmp_path.iterdir()} >= {"checkpoint", "report.json", "loss.png"}
+    assert {p.name for p in tmp_path.iterdir()} >= {
+        "checkpoint",
+        "artifact",
+        "report.json",
+        "loss.png",
+    }
     out = capsys.readouterr().out
     assert "--- greedy ---\ndef " in out and "held-out next-byte loss" in out
+    # the exported artifact, decoding in its own graph, writes the Python model's greedy bytes
+    samples = report["samples"]
+    assert samples["greedy from the artifact"] == samples["greedy"]
+    assert "--- greedy, from the exported artifact ---\ndef " in out
     assert load_checkpoint(tmp_path / "checkpoint").config.factory == "transformer_lm"

@@ -10,6 +10,7 @@ from . import (
     bench_depth,
     bench_encoder,
     bench_gqa,
+    bench_lm,
     bench_long,
     bench_recurrent,
     bench_sharding,
@@ -27,6 +28,7 @@ BENCHMARKS = {
     "gqa": bench_gqa,
     "recurrent": bench_recurrent,
     "sharding": bench_sharding,
+    "lm": bench_lm,
 }
 
 

@@ -1,0 +1,138 @@
+"""Language-model decoding on this CPU: `generate` on a GPT-2-small-shaped model against the
+memory-bandwidth limit, and continuous batching (`Server`) against fixed batches.
+
+The model: d_model 768, 12 layers, 12 heads, d_ff 3072, vocabulary 50257, learned positions,
+LayerNorm, GPT-2's MLP, a tied head; random weights, float32 (124M parameters, 498 MB). Greedy,
+prompts of 32 tokens, 128 new tokens, at batch 1 and 8: tokens per second (new tokens over the
+whole call, prefill included) and the time to the first token (a call for one new token). At
+batch 1 decoding reads every weight once per token, so the machine's copy bandwidth (measured in
+the same run: a 512 MB NumPy copy reads and writes it) bounds the rate: bytes of weights per
+token over bandwidth is the least time a token can take.
+
+Continuous batching: 64 requests, prompts of 4 to 32 tokens and 8 to 64 new tokens (a fixed
+draw), through 8 slots of a `Server`, against `generate` on fixed batches of 8 in arrival order
+(each batch as long as its longest request): new tokens per second over the whole run.
+
+transformers' `generate` (PyTorch) is the peer the README's table names; it needs torch, which
+this benchmark imports only when installed (`pip install torch transformers`), and the row is
+marked missing otherwise.
+"""
+
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from dense_armor.nn.models.generation import generate
+from dense_armor.nn.models.language_model import TransformerLM
+from dense_armor.serving import Server
+
+from .harness import record
+
+GPT2_SMALL = dict(vocab=50257, d_model=768, n_heads=12, d_ff=3072, depth=12, max_len=1024)
+GPT2_OPTIONS = dict(
+    positions="learned", norm="layer", feed_forward="mlp", activation="gelu_tanh", eps=1e-5,
+    use_bias=True,
+)  # fmt: skip
+PROMPT, NEW, ROUNDS = 32, 128, 3
+
+
+def _gpt2_small() -> TransformerLM:
+    a = GPT2_SMALL
+    return TransformerLM(
+        a["vocab"], a["d_model"], a["n_heads"], a["d_ff"], a["depth"], jax.random.PRNGKey(0),
+        a["max_len"], **GPT2_OPTIONS,
+    )  # fmt: skip
+
+
+def _seconds(fn, rounds: int = ROUNDS) -> float:
+    fn()  # compile
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def copy_bandwidth(megabytes: int = 512) -> float:
+    """Bytes per second a NumPy copy moves (read and written: twice its size), the best of 5."""
+    a = np.ones(megabytes * 2**20 // 4, np.float32)
+    b = np.empty_like(a)
+    best = min(_timed(lambda: np.copyto(b, a)) for _ in range(5))
+    return 2 * a.nbytes / best
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def run() -> str:
+    model = _gpt2_small()
+    weights = sum(leaf.nbytes for leaf in jax.tree.leaves(model) if hasattr(leaf, "nbytes"))
+    rng = np.random.default_rng(0)
+    lines = [
+        "\nlanguage model decoding: GPT-2-small shape (124M parameters, float32), greedy, "
+        f"prompt {PROMPT}, {NEW} new tokens",
+        f"{'system':<40}{'tokens/s':>10}{'first token ms':>16}",
+    ]
+    bandwidth = copy_bandwidth()
+    limit = bandwidth / weights  # tokens per second at batch 1 if each token reads every weight
+    for batch in (1, 8):
+        prompts = rng.integers(0, GPT2_SMALL["vocab"], (batch, PROMPT)).astype(np.int32)
+        whole = _seconds(lambda p=prompts: generate(model, p, NEW).tokens.block_until_ready())
+        first = _seconds(lambda p=prompts: generate(model, p, 1).tokens.block_until_ready())
+        rate = batch * NEW / whole
+        record(f"lm generate B={batch}/tokens per second", rate)
+        record(f"lm generate B={batch}/first token seconds", first)
+        lines.append(f"{f'dense_armor generate, B={batch}':<40}{rate:>10.1f}{first * 1e3:>16.1f}")
+        if batch == 1:
+            lines.append(
+                f"{'bandwidth limit, B=1':<40}{limit:>10.1f}"
+                f"   ({weights / 1e6:.0f} MB of weights over {bandwidth / 1e9:.1f} GB/s copied;"
+                f" generate at {limit / rate:.2f}x the limit's time)"
+            )
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        lines.append(f"{'transformers generate (PyTorch)':<40}{'missing: torch not installed':>26}")
+    lines.append(_continuous_batching(model, rng))
+    return "\n".join(lines)
+
+
+def _continuous_batching(model: TransformerLM, rng: np.random.Generator) -> str:
+    requests = [
+        (rng.integers(0, GPT2_SMALL["vocab"], int(n)).tolist(), int(m))
+        for n, m in zip(rng.integers(4, 33, 64), rng.integers(8, 65, 64), strict=True)
+    ]
+    total = sum(m for _, m in requests)
+    server = Server(model, slots=8, capacity=128, chunk=16)
+    server.serve(requests[:8])  # compile
+    start = time.perf_counter()
+    server.serve(requests)
+    served = time.perf_counter() - start
+    batches = [requests[i : i + 8] for i in range(0, len(requests), 8)]
+    generate(model, [p for p, _ in batches[0]], max(m for _, m in batches[0]), capacity=128)
+    start = time.perf_counter()
+    for batch in batches:  # each compiles once per common prompt length and length: warm both
+        generate(model, [p for p, _ in batch], max(m for _, m in batch), capacity=128)
+    cold = time.perf_counter() - start
+    start = time.perf_counter()
+    for batch in batches:
+        generate(model, [p for p, _ in batch], max(m for _, m in batch), capacity=128)
+    fixed = time.perf_counter() - start
+    record("lm serving/continuous tokens per second", total / served)
+    record("lm serving/fixed batches tokens per second", total / fixed)
+    return "\n".join(
+        [
+            f"\ncontinuous batching: 64 requests ({total} new tokens), 8 slots, same model",
+            f"{'system':<40}{'tokens/s':>10}{'seconds':>10}",
+            f"{'Server, 8 slots':<40}{total / served:>10.1f}{served:>10.1f}",
+            f"{'generate, fixed batches of 8 (warm)':<40}{total / fixed:>10.1f}{fixed:>10.1f}",
+            f"{'  first pass (compiles new shapes)':<40}{total / cold:>10.1f}{cold:>10.1f}",
+        ]
+    )
