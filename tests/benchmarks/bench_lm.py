@@ -86,8 +86,8 @@ def run() -> str:
         whole = _seconds(lambda p=prompts: generate(model, p, NEW).tokens.block_until_ready())
         first = _seconds(lambda p=prompts: generate(model, p, 1).tokens.block_until_ready())
         rate = batch * NEW / whole
-        record(f"lm generate B={batch}/tokens per second", rate)
-        record(f"lm generate B={batch}/first token seconds", first)
+        record(f"lm generate B={batch}/per new token", 1 / rate)
+        record(f"lm generate B={batch}/first token", first)
         lines.append(f"{f'dense_armor generate, B={batch}':<40}{rate:>10.1f}{first * 1e3:>16.1f}")
         if batch == 1:
             lines.append(
@@ -125,8 +125,8 @@ def _continuous_batching(model: TransformerLM, rng: np.random.Generator) -> str:
     for batch in batches:
         generate(model, [p for p, _ in batch], max(m for _, m in batch), capacity=128)
     fixed = time.perf_counter() - start
-    record("lm serving/continuous tokens per second", total / served)
-    record("lm serving/fixed batches tokens per second", total / fixed)
+    record("lm serving/continuous, per new token", served / total)
+    record("lm serving/fixed batches, per new token", fixed / total)
     return "\n".join(
         [
             f"\ncontinuous batching: 64 requests ({total} new tokens), 8 slots, same model",
