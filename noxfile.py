@@ -23,13 +23,15 @@ COVERAGE_FLOOR = 93
 
 
 # The suite's arguments: every core, a file's module fixtures (a docs page's run, an export)
-# built once, the slowest tests printed.
+# built once, the files handed out in the order tests/conftest.py gives (the longest first;
+# xdist's own reordering would sort them by their number of tests), the slowest tests printed.
 PYTEST = [
     "pytest",
     "tests",
     "--ignore=tests/benchmarks",
     "--numprocesses=auto",
     "--dist=loadfile",
+    "--no-loadscope-reorder",
     "--durations=15",
 ]
 

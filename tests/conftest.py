@@ -13,8 +13,9 @@ enable_compilation_cache()
 
 # The test files that take longest, longest first (seconds of one worker, measured on the 2-core
 # AMD EPYC, 2026-12-02): the suite's workers take whole files (`--dist=loadfile`) in collection
-# order, so when the longest go first the last files to run are short ones and neither worker
-# waits on the other at the end (alphabetical order left one idle for 51 s of a 432 s run).
+# order (with `--no-loadscope-reorder`, as the noxfile runs it; xdist otherwise sorts files by
+# their number of tests), so when the longest go first the last files to run are short ones and
+# neither worker waits on the other at the end (xdist's order left one idle for 35-51 s).
 LONGEST_FIRST = [
     "test_docs.py",  # 104
     "test_export.py",  # 84
