@@ -2,6 +2,8 @@
 JAX compilation cache shared by every process of the suite, and a garbage collector that runs
 less often (tests/environment.py)."""
 
+import gc
+
 import jax
 import pytest
 
@@ -42,6 +44,17 @@ def pytest_collection_modifyitems(session, config, items):
     kept (the sort is stable)."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_heap_per_file():
+    """After each file, JAX's in-memory caches emptied and the garbage collected: a worker runs
+    dozens of files, and what one file compiled (read back from the disk cache by the next file
+    that needs it) made every later file's tracing slower as the heap grew (the suite's last
+    files ran up to twice as slow as the same files run first)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 def pytest_collection_finish(session):
