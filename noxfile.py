@@ -97,6 +97,8 @@ def typecheck(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks against peer libraries (installed here only); prints tables, asserts nothing."""
     session.install("-e", ".[examples,iree]", "flax>=0.10")
+    if "lm" in session.posargs or not [a for a in session.posargs if a != "--record"]:
+        session.install("torch", "transformers")  # the language-model benchmark's peer
     session.run("python", "-m", "tests.benchmarks.run", *session.posargs)
 
 

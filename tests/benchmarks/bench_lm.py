@@ -13,9 +13,9 @@ Continuous batching: 64 requests, prompts of 4 to 32 tokens and 8 to 64 new toke
 draw), through 8 slots of a `Server`, against `generate` on fixed batches of 8 in arrival order
 (each batch as long as its longest request): new tokens per second over the whole run.
 
-transformers' `generate` (PyTorch) is the peer the README's table names; it needs torch, which
-this benchmark imports only when installed (`pip install torch transformers`), and the row is
-marked missing otherwise.
+transformers' `generate` (PyTorch, its KV cache on) runs the same shapes on a `GPT2LMHeadModel`
+with random weights: the session installs torch and transformers when `lm` is among the
+benchmarks; run elsewhere without them, the row says it is missing.
 """
 
 import statistics
@@ -95,13 +95,47 @@ def run() -> str:
                 f"   ({weights / 1e6:.0f} MB of weights over {bandwidth / 1e9:.1f} GB/s copied;"
                 f" generate at {limit / rate:.2f}x the limit's time)"
             )
-    try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError:
-        lines.append(f"{'transformers generate (PyTorch)':<40}{'missing: torch not installed':>26}")
+        lines.append(_transformers_row(prompts, batch, rate, first))
     lines.append(_continuous_batching(model, rng))
     return "\n".join(lines)
+
+
+def _transformers_row(prompts: np.ndarray, batch: int, ours: float, ours_first: float) -> str:
+    """transformers' `generate` (PyTorch, its KV cache on, greedy, every row `NEW` tokens) on a
+    `GPT2LMHeadModel` of the same shape and random weights, or a row saying it is missing."""
+    label = f"transformers generate, B={batch}"
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return f"{label:<40}{'missing: torch and transformers not installed':>46}"
+    torch.manual_seed(0)
+    a = GPT2_SMALL
+    config = transformers.GPT2Config(
+        vocab_size=a["vocab"], n_positions=a["max_len"], n_embd=a["d_model"], n_layer=a["depth"],
+        n_head=a["n_heads"], n_inner=a["d_ff"],
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.tensor(prompts, dtype=torch.long)
+    mask = torch.ones_like(ids)
+
+    def run(new: int) -> None:
+        with torch.no_grad():
+            model.generate(
+                ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                do_sample=False, use_cache=True, pad_token_id=0,
+            )  # fmt: skip
+
+    whole = _seconds(lambda: run(NEW))
+    first = _seconds(lambda: run(1))
+    rate = batch * NEW / whole
+    record(f"lm transformers B={batch}/per new token", 1 / rate)
+    record(f"lm transformers B={batch}/first token", first)
+    return (
+        f"{label:<40}{rate:>10.1f}{first * 1e3:>16.1f}"
+        f"   (dense_armor: {ours / rate:.2f}x the tokens/s; first token in "
+        f"{ours_first / first:.2f}x the time)"
+    )
 
 
 def _continuous_batching(model: TransformerLM, rng: np.random.Generator) -> str:
