@@ -309,57 +309,16 @@ def _language_model(args: argparse.Namespace) -> tuple[Any, Any]:
     return checkpoint.model, tokenizer
 
 
-def _requests(lines: list[str], tokenizer: Any, default_new: int, where: str) -> list[dict]:
-    """`serve`'s requests from its input's lines (blank lines skipped): `{"ids", "max_new",
-    "id"}` each."""
-    requests: list[dict[str, Any]] = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        text = line.rstrip("\n")
-        entry: dict[str, Any] = {"prompt": text}
-        if text.lstrip().startswith("{"):
-            try:
-                entry = json.loads(text)
-            except json.JSONDecodeError as error:
-                raise UsageError(f"{where} line {number}: not a JSON object ({error}).") from None
-            if not isinstance(entry, dict) or ("prompt" in entry) == ("ids" in entry):
-                raise UsageError(
-                    f'{where} line {number}: a JSON request holds "prompt" (text) or "ids" '
-                    "(token ids), one of them."
-                )
-        if "ids" in entry:
-            ids = entry["ids"]
-            if not isinstance(ids, list) or not all(
-                isinstance(i, int) and not isinstance(i, bool) for i in ids
-            ):
-                raise UsageError(f'{where} line {number}: "ids" must be a list of integers.')
-        elif tokenizer is None:
-            raise UsageError(
-                f"{where} line {number}: a text prompt needs a tokenizer: pass --tokenizer "
-                '(or give token ids, {"ids": [...]}).'
-            )
-        else:
-            ids = tokenizer.encode(str(entry["prompt"])).ids
-        new = entry.get("max_new_tokens", default_new)
-        if not isinstance(new, int) or isinstance(new, bool) or new < 1:
-            raise UsageError(f'{where} line {number}: "max_new_tokens" must be an integer >= 1.')
-        requests.append({"ids": ids, "max_new": new, "id": entry.get("id", len(requests))})
-    if not requests:
-        raise UsageError(f"{where} holds no request: nothing to serve.")
-    return requests
-
-
 def _serve(args: argparse.Namespace) -> None:
     import jax
 
-    from .serving import Server
+    from .serving import Server, read_requests
 
     model, tokenizer = _language_model(args)
     where = str(args.input) if args.input else "standard input"
     lines = args.input.read_text().splitlines() if args.input else sys.stdin.read().splitlines()
-    requests = _requests(lines, tokenizer, args.max_new_tokens, where)
     try:
+        requests = read_requests(lines, tokenizer, args.max_new_tokens, where)
         server = Server(
             model, args.slots, args.capacity, jax.random.PRNGKey(args.seed),
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -277,11 +277,12 @@ def _static_run(
         outputs = [token, *state, overflow]
     elif name == "sample_step":  # a stream fed its own tokens: decoding
         steps = min(lowering.capacity, GOLDEN_STEPS)
-        decode, tokens, state, token = jax.jit(lowering.sample_step), [], cache, draw(2, (b,))
+        first = draw(2, (b,))
+        decode, tokens, state, token = jax.jit(lowering.sample_step), [], cache, first
         for _ in range(steps):
             token, state, overflow = decode(lowering.weights, token, _KEY, state)
             tokens.append(token)
-        inputs = [draw(2, (b,)), _KEY, *cache]
+        inputs = [first, _KEY, *cache]
         outputs = [jnp.stack(tokens, axis=1), *state, overflow]
     elif name == "prefill":
         inputs = [draw(3, (b, sizes["T"])), *cache]
@@ -298,8 +299,9 @@ def _static_run(
     return inputs, outputs, steps
 
 
-# The key of the static decoding cases (a raw PRNG key: the modules' `key` input).
-_KEY = np.asarray(jax.random.PRNGKey(42), np.uint32)
+# The key of the static decoding cases, the modules' `key` input: `jax.random.PRNGKey(42)`'s raw
+# data, written out so that importing the export stage runs no JAX computation.
+_KEY = np.array([0, 42], np.uint32)
 
 
 def _stored(a: Any) -> np.ndarray:
