@@ -41,14 +41,14 @@ def tests(session: nox.Session) -> None:
     """The test suite (without the benchmarks), on every core. Without coverage: its line tracer
     made the suite's Python-bound tracing a third slower (digits pipeline test 39 s -> 52 s);
     `nox -s coverage` runs the same suite with it."""
-    session.install("-e", ".[test,examples,iree,scale]")
+    session.install("-e", ".[test,examples,iree,scale,pjrt]")
     session.run(*PYTEST, *session.posargs)
 
 
 @nox.session(python=PYTHON)
 def coverage(session: nox.Session) -> None:
     """The test suite with line and branch coverage of src/ (at least COVERAGE_FLOOR percent)."""
-    session.install("-e", ".[test,examples,iree,scale]")
+    session.install("-e", ".[test,examples,iree,scale,pjrt]")
     session.run(
         *PYTEST,
         "--cov=dense_armor",
@@ -62,7 +62,7 @@ def coverage(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def doctest(session: nox.Session) -> None:
     """Only the documentation listings: each must print what its page shows."""
-    session.install("-e", ".[test,scale]")
+    session.install("-e", ".[test,scale,pjrt]")
     session.run("pytest", "tests/test_docs.py", *session.posargs)
 
 
@@ -96,7 +96,7 @@ def typecheck(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """Benchmarks against peer libraries (installed here only); prints tables, asserts nothing."""
-    session.install("-e", ".[examples,iree]", "flax>=0.10")
+    session.install("-e", ".[examples,iree,pjrt]", "flax>=0.10")
     if "lm" in session.posargs or not [a for a in session.posargs if a != "--record"]:
         session.install("torch", "transformers")  # the language-model benchmark's peer
     session.run("python", "-m", "tests.benchmarks.run", *session.posargs)

@@ -4,6 +4,7 @@ dense-armor export CHECKPOINT_DIR --out DIR [--static B,T[,S] ...] [--capacity N
                    [--platforms cpu,cuda,tpu] [--force] [--temperature T] [--top-k K]
                    [--top-p P] [--min-p P]
 dense-armor compile DIR [--target llvm-cpu[,cuda,vulkan-spirv]] [--cpu host] [--cuda-arch sm_80]
+dense-armor runner DIR [--plugin PLUGIN.so] [--steps N] [--repeat R] [--tolerance T] [--cc CC]
 dense-armor inspect DIR
 dense-armor import-torch STATE.safetensors --config CONFIG.json --out CHECKPOINT_DIR
                          [--embed NAME] [--head NAME]
@@ -152,6 +153,16 @@ def _parser() -> argparse.ArgumentParser:
     co.add_argument("--cpu", default="host", help="llvm-cpu: the CPU to tune for (host, generic)")
     co.add_argument("--cuda-arch", default="sm_80", help="cuda: the GPU architecture")
 
+    ru = commands.add_parser(
+        "runner", help="build an artifact's C runner and check it from C through a PJRT plugin"
+    )
+    ru.add_argument("directory", type=pathlib.Path)
+    ru.add_argument("--plugin", type=pathlib.Path, help="the PJRT plugin (xla-cpu-pjrt's)")
+    ru.add_argument("--steps", type=int, help="golden steps of each stream to run (all)")
+    ru.add_argument("--repeat", type=int, default=1, help="run each stream R times (latency)")
+    ru.add_argument("--tolerance", type=float, help="largest error accepted (as run.py's)")
+    ru.add_argument("--cc", help="the C compiler ($CC, cc, gcc or clang)")
+
     it = commands.add_parser(
         "import-torch", help="import a PyTorch Transformer state dict into a checkpoint"
     )
@@ -259,6 +270,17 @@ def _compile(args: argparse.Namespace) -> None:
         print("checked with iree-run-module against the golden outputs:")
         for name, error in check_iree(args.directory).items():
             print(f"  {name:<40} max |error| = {error:.3e}")
+
+
+def _runner(args: argparse.Namespace) -> int:
+    from .export.standalone import run_pjrt
+
+    done = run_pjrt(
+        args.directory, args.plugin, args.steps, args.repeat, args.tolerance, cc=args.cc
+    )
+    print(done.stdout, end="")
+    print(done.stderr, end="", file=sys.stderr)
+    return done.returncode
 
 
 def _import_torch(args: argparse.Namespace) -> None:
@@ -376,14 +398,16 @@ COMMANDS = {
     "generate": _generate,
     "serve": _serve,
     "compile": _compile,
+    "runner": _runner,
     "import-torch": _import_torch,
     "inspect": lambda args: print(_inspect(args.directory)),
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command line: `dense-armor export | compile | import-torch | import-hf | generate |
-    serve | inspect`; exit 2 with one line naming the error for what a user can fix."""
+    """The command line: `dense-armor export | compile | runner | import-torch | import-hf |
+    generate | serve | inspect`; exit 2 with one line naming the error for what a user can fix
+    (`runner`: the C runner's own status, 1 for errors beyond the tolerance)."""
     args = _parser().parse_args(argv)
     from .checkpoint import CheckpointError
     from .export import ArtifactError
@@ -391,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .interop import InteropError
 
     try:
-        COMMANDS[args.command](args)
+        status = COMMANDS[args.command](args)
     except (
         ArtifactError,
         CheckpointError,
@@ -402,7 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ) as error:
         print(f"dense-armor {args.command}: error: {error}", file=sys.stderr)
         return 2
-    return 0
+    return status or 0
 
 
 if __name__ == "__main__":

@@ -29,15 +29,20 @@ directory holds:
 - `static/`: single-platform StableHLO with no symbolic dimension, for the shapes asked for, as
   text (`.mlir`) and bytecode (`.mlirbc`), for runtimes other than JAX;
 - `weights.safetensors` (the weights are arguments of every function, never constants),
-  `golden.safetensors` (inputs and the Python model's outputs), `run.py` (the standalone checker)
-  and `manifest.json`, which describes all of it.
+  `golden.safetensors` (inputs and the Python model's outputs), `run.py` (the standalone checker),
+  `runner.c` (the same check from C through a PJRT plugin, the static modules compiled by the
+  plugin; with `pjrt_c_api.h` when `xla-cpu-pjrt` is installed) and `manifest.json`, which
+  describes all of it.
 """
 
+import contextlib
 import dataclasses
 import datetime
+import importlib.metadata
 import json
 import os
 import pathlib
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -164,10 +169,12 @@ def export_model(
         golden_arrays, golden_plan = golden(lowering, seed, functions, static_entries)
         save_file(golden_arrays, str(tmp / "golden.safetensors"))
         (tmp / "run.py").write_text(pathlib.Path(standalone.__file__).read_text())
+        pjrt = _copy_runner(tmp)
         manifest = _manifest(
             lowering, functions, exported, config, causal_config, platforms, static_entries
         )
         manifest["golden"] = golden_plan
+        manifest["pjrt"] = pjrt
         manifest["matmul_precision"] = matmul_precision
         manifest["debug_locations"] = "stripped" if stripped and static_stripped else "kept"
         manifest["files"] = standalone.file_table(tmp)
@@ -347,6 +354,37 @@ def _manifest(
         "static": static_entries,
         "compatibility": _compatibility(exported),
     }
+
+
+def _copy_runner(tmp: pathlib.Path) -> dict[str, Any]:
+    """Write the C runner (and, from an installed `xla-cpu-pjrt`, the PJRT C API header it builds
+    against) into the artifact; the manifest's `pjrt` entry: the header's API version, which the
+    runner requires of a plugin (the same major version, warning on an older minor), and the
+    plugin wheels installed beside the export."""
+    source = pathlib.Path(__file__).with_name(standalone.RUNNER_SOURCE)
+    (tmp / standalone.RUNNER_SOURCE).write_bytes(source.read_bytes())
+    entry: dict[str, Any] = {
+        "runner": standalone.RUNNER_SOURCE,
+        "header": None,
+        "api_version": None,
+        "plugins": {},
+        "usage": "cc -O2 -std=c11 -I. runner.c -ldl -lm -o runner && ./runner . --plugin "
+        "PLUGIN.so (or: python run.py . --pjrt; dense-armor runner DIR)",
+    }
+    plugin = standalone.installed_cpu_plugin()
+    header = plugin / "include" / standalone.PJRT_HEADER if plugin else None
+    if header is not None and header.is_file():
+        text = header.read_text()
+        version = [
+            int(re.search(rf"#define PJRT_API_{part} (\d+)", text).group(1))  # type: ignore[union-attr]
+            for part in ("MAJOR", "MINOR")
+        ]
+        (tmp / standalone.PJRT_HEADER).write_text(text)
+        entry.update(header=standalone.PJRT_HEADER, api_version=version)
+    for name in ("xla-cpu-pjrt", "xla-cuda12-pjrt", "xla-cuda13-pjrt"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            entry["plugins"][name] = importlib.metadata.version(name)
+    return entry
 
 
 INVALID_IDS = (

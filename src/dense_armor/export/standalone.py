@@ -16,6 +16,12 @@ runs the IREE-compiled static modules (`dense-armor compile`) on their golden ca
 own runner, `iree-run-module`, instead: the forward, `init_cache`, `prefill`, `reset` and a stream
 of steps with the cache fed back. That needs numpy, safetensors and `iree-run-module` (the
 `iree-base-runtime` wheel), not jax.
+
+    python run.py ARTIFACT_DIR --pjrt [--plugin PLUGIN.so]
+
+builds the artifact's C runner (`runner.c`, with the system C compiler) and runs the same golden
+cases from C through a PJRT plugin (default: the installed `xla-cpu-pjrt` wheel's), the weights and
+the cache staying on the device; no Python runs in that process.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import importlib.util
 import json
+import os
 import pathlib
 import re
 import shutil
@@ -648,6 +656,105 @@ def check_iree(directory: str | pathlib.Path, steps: int | None = None) -> dict[
     return errors
 
 
+# The C runner's source and the PJRT C API header it is built against, as the export copies them.
+RUNNER_SOURCE = "runner.c"
+PJRT_HEADER = "pjrt_c_api.h"
+CPU_PLUGIN = "xla_plugins.xla_cpu_pjrt"  # the `xla-cpu-pjrt` wheel's package
+
+
+def installed_cpu_plugin() -> pathlib.Path | None:
+    """The directory of the installed `xla-cpu-pjrt` wheel's plugin (its `.so` and `include/`)."""
+    try:
+        spec = importlib.util.find_spec(CPU_PLUGIN)
+    except ModuleNotFoundError:
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return pathlib.Path(next(iter(spec.submodule_search_locations)))
+
+
+def default_plugin() -> pathlib.Path:
+    found = installed_cpu_plugin()
+    if found is None or not (found / "xla_cpu_pjrt.so").is_file():
+        raise ArtifactError(
+            "no PJRT plugin given and the CPU plugin is not installed: pip install xla-cpu-pjrt "
+            "(or 'dense-armor[pjrt]'), or pass --plugin PATH."
+        )
+    return found / "xla_cpu_pjrt.so"
+
+
+def _header_directory(directory: pathlib.Path, plugin: pathlib.Path) -> pathlib.Path:
+    """Where `pjrt_c_api.h` is: the artifact's copy (the API version its manifest records), else
+    beside the plugin, else the installed CPU plugin's."""
+    cpu = installed_cpu_plugin()
+    for candidate in (directory, plugin.parent / "include", *([cpu / "include"] if cpu else [])):
+        if (candidate / PJRT_HEADER).is_file():
+            return candidate
+    raise ArtifactError(
+        f"no {PJRT_HEADER} to build the runner with: not in {directory}, beside the plugin, or in "
+        "an installed xla-cpu-pjrt (pip install xla-cpu-pjrt)."
+    )
+
+
+def build_runner(
+    directory: str | pathlib.Path,
+    out: str | pathlib.Path,
+    plugin: str | pathlib.Path | None = None,
+    cc: str | None = None,
+) -> str:
+    """Compile the artifact's `runner.c` into the executable `out` with the system C compiler
+    (`cc`, else $CC, else cc, gcc or clang on PATH); return the compiler's warnings (empty when
+    none)."""
+    directory = pathlib.Path(directory)
+    source = directory / RUNNER_SOURCE
+    if not source.is_file():
+        raise ArtifactError(
+            f"{directory} has no {RUNNER_SOURCE}: export the model again with this dense_armor."
+        )
+    include = _header_directory(directory, pathlib.Path(plugin) if plugin else default_plugin())
+    compiler = (
+        cc
+        or os.environ.get("CC")
+        or next((found for name in ("cc", "gcc", "clang") if (found := shutil.which(name))), None)
+    )
+    if compiler is None:
+        raise ArtifactError("no C compiler found (cc, gcc or clang on PATH, or $CC).")
+    command = [compiler, "-O2", "-std=c11", "-Wall", "-Wextra", f"-I{include}", str(source)]
+    try:
+        done = subprocess.run(
+            [*command, "-o", str(out), "-ldl", "-lm"], capture_output=True, text=True
+        )
+    except OSError as error:
+        raise ArtifactError(f"cannot run the C compiler {compiler}: {error}") from None
+    if done.returncode != 0:
+        raise ArtifactError(f"building {source} failed:\n{done.stderr.strip()[:2000]}")
+    return done.stderr.strip()
+
+
+def run_pjrt(
+    directory: str | pathlib.Path,
+    plugin: str | pathlib.Path | None = None,
+    steps: int | None = None,
+    repeat: int = 1,
+    tolerance: float | None = None,
+    cc: str | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Build the artifact's C runner and run it on the plugin (default: the installed
+    `xla-cpu-pjrt`'s); its exit status, stdout and stderr (status 0: every golden case within the
+    tolerance, 1: beyond it, 2: an unusable artifact or plugin, one `error:` line)."""
+    _check_steps(steps)
+    if not _is_integer(repeat) or repeat < 1:
+        raise ArtifactError(f"`repeat` must be a positive integer; received {repeat!r}.")
+    plugin = pathlib.Path(plugin) if plugin is not None else default_plugin()
+    with tempfile.TemporaryDirectory() as work:
+        runner = pathlib.Path(work) / "runner"
+        build_runner(directory, runner, plugin, cc)
+        command = [str(runner), str(directory), "--plugin", str(plugin), "--repeat", str(repeat)]
+        command += ["--steps", str(steps)] if steps is not None else []
+        command += ["--tolerance", repr(float(tolerance))] if tolerance is not None else []
+        return subprocess.run(command, capture_output=True, text=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Check a dense_armor artifact directory.")
     parser.add_argument("directory", nargs="?", default=str(pathlib.Path(__file__).parent))
@@ -662,8 +769,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--iree", action="store_true", help="run the IREE-compiled modules with iree-run-module"
     )
+    parser.add_argument(
+        "--pjrt", action="store_true", help="build runner.c and run the static modules from C"
+    )
+    parser.add_argument("--plugin", help="the PJRT plugin for --pjrt (default: xla-cpu-pjrt's)")
     args = parser.parse_args(argv)
     try:
+        if args.pjrt and args.iree:
+            raise ArtifactError("--pjrt and --iree are two checks: choose one.")
+        if args.pjrt:
+            done = run_pjrt(args.directory, args.plugin, args.steps, tolerance=args.tolerance)
+            print(done.stdout, end="")
+            print(done.stderr, end="", file=sys.stderr)
+            if args.report is not None and done.returncode in (0, 1):
+                found = re.findall(r"^  (\S.*?)\s+max \|error\| = (\S+)", done.stdout, re.M)
+                errors = {name: float(value) for name, value in found if name != "all"}
+                report = {"errors": errors, "max": max(errors.values())}
+                args.report.write_text(json.dumps(report, indent=2) + "\n")
+            return done.returncode
         if args.iree:
             errors = check_iree(args.directory, args.steps)
             where = "IREE llvm-cpu modules through iree-run-module"
