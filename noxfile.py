@@ -105,7 +105,7 @@ def bench(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def export(session: nox.Session) -> None:
     """The main job: train the digits example, export it to export/artifacts/, verify it."""
-    session.install("-e", ".[examples,iree]")
+    session.install("-e", ".[examples,iree,pjrt]")
     session.run("python", "export/pipeline.py", *session.posargs)
 
 

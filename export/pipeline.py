@@ -7,9 +7,11 @@
 2. exports its best checkpoint with the export stage into export/artifacts/ (replacing it);
 3. compiles the static modules with IREE for llvm-cpu (`--iree-targets` for more);
 4. runs the artifacts' standalone checker (`run.py`, jax + numpy + safetensors only) in a fresh
-   interpreter, once through JAX and once through IREE's own runner (`run.py --iree`);
+   interpreter, once through JAX, once through IREE's own runner (`run.py --iree`) and, where a C
+   compiler and the `xla-cpu-pjrt` plugin are installed, once from C through the artifact's C
+   runner on XLA's PJRT CPU plugin (`run.py --pjrt`);
 5. prints a report: accuracy, artifact sizes, export and compile times, and the largest error of
-   each exported function against the Python model, through JAX and through IREE.
+   each exported function against the Python model, through JAX, IREE and the C runner.
 """
 
 import argparse
@@ -23,6 +25,7 @@ import time
 
 from dense_armor.export import PLATFORMS, export_checkpoint
 from dense_armor.export.iree import compile_artifact
+from dense_armor.export.standalone import installed_cpu_plugin
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -82,7 +85,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     print("[4/4] checking the artifacts with their standalone runner (no dense_armor)", flush=True)
     errors = {}
-    for runtime, extra in (("jax", []), ("iree", ["--iree"])):
+    runtimes = [("jax", []), ("iree", ["--iree"])]
+    compiler = any(shutil.which(cc) for cc in ("cc", "gcc", "clang"))
+    if compiler and installed_cpu_plugin() is not None:
+        runtimes.append(("pjrt", ["--pjrt"]))
+    else:
+        print("  (the C runner's check skipped: it needs a C compiler and xla-cpu-pjrt)")
+    for runtime, extra in runtimes:
         errors_file = args.out.parent / f".{args.out.name}-check-{runtime}.json"
         command = [sys.executable, str(args.out / "run.py"), str(args.out), *extra]
         checked = subprocess.run(
@@ -134,11 +143,13 @@ def main(argv: list[str] | None = None) -> dict:
         f"  IREE compile time       {result['compile_seconds']:.1f} s "
         f"({result['iree_modules']} .vmfb for {', '.join(targets)})"
     )
-    print(f"  max |error| against the Python model   {'jax':>10} {'iree':>10}")
+    print(f"  max |error| against the Python model   {'jax':>10} {'iree':>10} {'C, pjrt':>10}")
     for name, error in errors["jax"].items():
         print(f"    {name:<36} {error:>10.2e}")
     for name, error in errors["iree"].items():
         print(f"    {name:<36} {'':>10} {error:>10.2e}")
+    for name, error in errors.get("pjrt", {}).items():
+        print(f"    {name:<36} {'':>21} {error:>10.2e}")
     print(f"  total                   {result['total_seconds']:.0f} s")
     return result
 

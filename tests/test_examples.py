@@ -76,6 +76,11 @@ def test_digits_quick_run_and_export_pipeline(tmp_path, capsys, monkeypatch):
         "prefill",
         "reset",
     }
+    # and from C, through the artifact's runner on the PJRT CPU plugin (the suite installs both)
+    assert {name.split()[1] for name in result["errors"]["pjrt"]} == {
+        "forward", "init_cache", "step", "prefill", "reset",
+    }  # fmt: skip
+    assert max(result["errors"]["pjrt"].values()) < 1e-4
     assert (out / "manifest.json").exists() and (tmp_path / "artifacts-report.json").exists()
     assert not (out / "report.json").exists()
     manifest = json.loads((out / "manifest.json").read_text())

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from dense_armor.nn.kernels import blocked
-from dense_armor.nn.state import cache as cache_module
 from dense_armor.utility.neural import (
     CannotStream,
     FixedKVCache,
@@ -136,26 +135,31 @@ def test_a_long_chunk_goes_through_in_pieces_with_the_same_result(monkeypatch, w
 
 
 @pytest.mark.parametrize("window, capacity", [(None, 8), (3, None)])
-def test_portable_writes_give_the_same_streams(window, capacity):
-    """The one-hot row writes of the static modules (`portable_writes`) against the in-place
-    ones: a batch of streams (vmapped), chunks longer than the ring, a step past the capacity."""
+def test_a_batch_of_streams_writes_its_cache_as_each_stream_alone(window, capacity):
+    """The cache's row writes under `jax.vmap` (a scatter with a batching dimension, the form
+    the static modules carry) against each stream run alone: chunks longer than the ring, a step
+    past the capacity, a non-finite key written as NaN."""
     m = MultiHeadSelfAttention(8, 2, KEY, causal=True, window=window)
     xs = jax.random.normal(jax.random.fold_in(KEY, 11), (2, 10, 8))
-    xs = xs.at[1, 4].set(jnp.nan)  # a non-finite key is written as NaN both ways
+    xs = xs.at[1, 4].set(jnp.nan)
 
-    def run():
-        cache = jax.vmap(lambda _: m.init_cache(capacity, on_overflow="nan"))(jnp.zeros(2))
-        prefill = jax.vmap(m.prefill)
-        ys, cache = prefill(xs[:, :7], cache)
-        more, cache = prefill(xs[:, 7:], cache)
-        return jnp.concatenate([ys, more], axis=1), cache
+    def run(x):
+        cache = m.init_cache(capacity, on_overflow="nan")
+        ys, cache = m.prefill(x[:7], cache)
+        more, cache = m.prefill(x[7:], cache)
+        return jnp.concatenate([ys, more]), cache
 
-    plain, plain_cache = run()
-    with cache_module.portable_writes():
-        portable, portable_cache = run()
-    np.testing.assert_allclose(portable, plain, atol=1e-6)  # NaN where plain has NaN
-    for a, b in zip(jax.tree.leaves(portable_cache), jax.tree.leaves(plain_cache), strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-6)
+    batched, batched_cache = jax.jit(jax.vmap(run))(xs)
+    for b in range(2):
+        alone, alone_cache = jax.jit(run)(xs[b])
+        np.testing.assert_allclose(batched[b], alone, atol=1e-6)  # NaN where alone has NaN
+        pairs = zip(jax.tree.leaves(batched_cache), jax.tree.leaves(alone_cache), strict=True)
+        for a, c in pairs:
+            np.testing.assert_allclose(a[b], c, atol=1e-6)
+    if window is None:  # stream 1's NaN key in its row and only there; steps 8, 9 overflowed
+        nan_rows = np.isnan(np.asarray(batched_cache.keys[1])).any(axis=(0, 2))
+        assert nan_rows.tolist() == [i == 4 for i in range(capacity)]
+        assert np.isnan(np.asarray(batched[0, 8:])).all() and np.isfinite(batched[0, :8]).all()
 
 
 def test_a_whole_model_prefills_in_pieces_and_keeps_the_overflow_rules(monkeypatch):

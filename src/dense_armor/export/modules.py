@@ -9,7 +9,6 @@ from typing import Any
 import jax
 from jax import export
 
-from ..nn.state.cache import portable_writes
 from .lowering import Function, Lowering, strip_locations
 
 __all__ = ["write_portable", "write_static"]
@@ -55,12 +54,11 @@ def write_static(
                 if tuple(sizes.items()) in seen:
                     continue
                 seen.add(tuple(sizes.items()))
-                with portable_writes():  # no scatter: IREE rejects batched ones
-                    module, done = strip_locations(
-                        export.export(function.jitted(donate=False), platforms=(platform,))(
-                            *function.arguments(weights, sizes)
-                        )
+                module, done = strip_locations(
+                    export.export(function.jitted(donate=False), platforms=(platform,))(
+                        *function.arguments(weights, sizes)
                     )
+                )
                 stripped.append(done)
                 stem = ".".join([name, platform, *(f"{d}{v}" for d, v in sizes.items())])
                 bytecode = module.mlir_module_serialized

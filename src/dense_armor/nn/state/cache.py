@@ -39,14 +39,10 @@ A fixed cache that is full never overwrites a row. What happens instead is the c
 """
 
 import abc
-import contextlib
-import contextvars
 from collections.abc import Iterator
-from functools import partial
 from typing import Any, ClassVar, NamedTuple
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
@@ -61,7 +57,6 @@ __all__ = [
     "MeanCache",
     "PositionCache",
     "RingKVCache",
-    "portable_writes",
 ]
 
 
@@ -128,65 +123,25 @@ def _check_buffers(buffer: Array, new: Array, rows: str, owner: str) -> None:
         )
 
 
-_PORTABLE_WRITES: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "portable_writes", default=False
-)
-
-
-@contextlib.contextmanager
-def portable_writes() -> Iterator[None]:
-    """Within it, caches write their rows by a one-hot selection instead of a
-    dynamic-update-slice or a scatter.
-
-    Under `jax.vmap` (a batch of streams) a dynamic-update-slice becomes a scatter with batching
-    dimensions, which some StableHLO compilers (IREE) reject; a selection lowers to elementwise
-    ops and a dot product that every consumer compiles. It touches every row of the cache, so
-    JAX itself keeps the in-place update: the export stage lowers its static modules (the ones
-    for other runtimes) in this context. The results are the same."""
-    token = _PORTABLE_WRITES.set(True)
-    try:
-        yield
-    finally:
-        _PORTABLE_WRITES.reset(token)
-
-
 def _write_rows(buffer: Array, rows: Array, slots: Array, keep: Array | None = None) -> Array:
     """`buffer (n_heads, N, d_head)` with `rows (n_heads, K, d_head)` written at rows `slots (K,)`
-    (distinct among the written); where `keep` is true a row is not written. One row is a
-    dynamic-update-slice, the cheapest write; more rows are one scatter; within
-    `portable_writes()`, a one-hot selection."""
-    rows = rows.astype(buffer.dtype)
-    if _PORTABLE_WRITES.get():
-        return _select_rows(buffer, rows, slots, keep)
-    if rows.shape[1] == 1:
-        slot = jnp.minimum(slots[0], buffer.shape[1] - 1)
-        if keep is not None:
-            old = jax.lax.dynamic_slice_in_dim(buffer, slot, 1, axis=1)
-            rows = jnp.where(keep[0], old, rows)
-        return jax.lax.dynamic_update_slice_in_dim(buffer, rows, slot, axis=1)
-    if keep is not None:  # an index past the end is dropped
-        slots = jnp.where(keep, buffer.shape[1], slots)
-    return buffer.at[:, slots].set(rows, mode="drop")
+    (distinct among the written); where `keep` is true a row is not written.
 
-
-def _select_rows(buffer: Array, rows: Array, slots: Array, keep: Array | None) -> Array:
-    """`_write_rows` as a one-hot selection: a select for one row, a one-hot product (exact:
-    every sum has one nonzero term) for several."""
-    hits = slots[:, None] == jnp.arange(buffer.shape[1], dtype=slots.dtype)[None, :]  # (K, N)
+    One scatter into the leading axis of the buffer seen as `(n_heads * N, d_head)` (a reshape
+    that moves nothing): row `slot` of head `h` is row `h * N + slot`, and a row not written gets
+    the index `n_heads * N`, past the end, where the scatter drops it. In place under donation;
+    under `jax.vmap` (a batch of streams) a scatter with one batching dimension, which every
+    StableHLO consumer compiles (IREE rejects the batched dynamic-update-slice into the inner
+    axis that a per-head write becomes), so the exported modules for other runtimes and JAX
+    write a cache the same way."""
+    n_heads, n, d_head = buffer.shape
+    heads = jnp.arange(n_heads, dtype=slots.dtype)[:, None]
+    index = heads * n + slots[None, :]  # (n_heads, K)
     if keep is not None:
-        hits = hits & ~keep[:, None]
-    written = hits.any(axis=0)[None, :, None]
-    if rows.shape[1] == 1:
-        return jnp.where(written, rows, buffer)
-    # 0 * inf is NaN: the product takes finite rows, and a non-finite one is written as NaN.
-    finite = jnp.isfinite(rows)
-    # Booleans become numbers by a select, not a cast: Vulkan's SPIR-V has no i1-to-float cast.
-    one, zero = jnp.ones((), buffer.dtype), jnp.zeros((), buffer.dtype)
-    onehot = jnp.where(hits, one, zero)
-    spread = partial(jnp.einsum, "kn,hkd->hnd", precision=jax.lax.Precision.HIGHEST)
-    new = spread(onehot, jnp.where(finite, rows, zero))
-    bad = spread(onehot, jnp.where(finite, zero, one)) > 0
-    return jnp.where(written, jnp.where(bad, jnp.asarray(jnp.nan, buffer.dtype), new), buffer)
+        index = jnp.where(keep[None, :], n_heads * n, index)
+    flat = buffer.reshape(n_heads * n, d_head)
+    new = rows.astype(buffer.dtype).reshape(-1, d_head)
+    return flat.at[index.reshape(-1)].set(new, mode="drop").reshape(buffer.shape)
 
 
 class KVCache(KeyValueCache):

@@ -8,7 +8,6 @@ from ...nn.state.cache import KVUpdate as KVUpdate
 from ...nn.state.cache import MeanCache as MeanCache
 from ...nn.state.cache import PositionCache as PositionCache
 from ...nn.state.cache import RingKVCache as RingKVCache
-from ...nn.state.cache import portable_writes as portable_writes
 from ...nn.state.counter import OVERFLOW_MODES as OVERFLOW_MODES
 from ...nn.state.counter import Counter as Counter
 from ...nn.state.counter import validate_overflow_mode as validate_overflow_mode
