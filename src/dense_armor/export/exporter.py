@@ -30,9 +30,8 @@ directory holds:
   text (`.mlir`) and bytecode (`.mlirbc`), for runtimes other than JAX;
 - `weights.safetensors` (the weights are arguments of every function, never constants),
   `golden.safetensors` (inputs and the Python model's outputs), `run.py` (the standalone checker),
-  `runner.c` (the same check from C through a PJRT plugin, the static modules compiled by the
-  plugin; with `pjrt_c_api.h` when `xla-cpu-pjrt` is installed) and `manifest.json`, which
-  describes all of it.
+  `runner.c` and `pjrt_c_api.h` (the same check from C through a PJRT plugin, the static modules
+  compiled by the plugin) and `manifest.json`, which describes all of it.
 """
 
 import contextlib
@@ -357,34 +356,30 @@ def _manifest(
 
 
 def _copy_runner(tmp: pathlib.Path) -> dict[str, Any]:
-    """Write the C runner (and, from an installed `xla-cpu-pjrt`, the PJRT C API header it builds
-    against) into the artifact; the manifest's `pjrt` entry: the header's API version, which the
-    runner requires of a plugin (the same major version, warning on an older minor), and the
-    plugin wheels installed beside the export."""
-    source = pathlib.Path(__file__).with_name(standalone.RUNNER_SOURCE)
-    (tmp / standalone.RUNNER_SOURCE).write_bytes(source.read_bytes())
-    entry: dict[str, Any] = {
+    """Write the C runner and the PJRT C API header it builds against (XLA's, Apache-2.0, as
+    the `xla-cpu-pjrt` wheel ships it) into the artifact; the manifest's `pjrt` entry: the
+    header's API version, which the runner requires of a plugin (the same major version, warning
+    on an older minor), and the PJRT plugin wheels installed beside the export."""
+    here = pathlib.Path(__file__).parent
+    header = (here / standalone.PJRT_HEADER).read_text()
+    (tmp / standalone.RUNNER_SOURCE).write_bytes((here / standalone.RUNNER_SOURCE).read_bytes())
+    (tmp / standalone.PJRT_HEADER).write_text(header)
+    version = [
+        int(re.search(rf"#define PJRT_API_{part} (\d+)", header).group(1))  # type: ignore[union-attr]
+        for part in ("MAJOR", "MINOR")
+    ]
+    plugins = {}
+    for name in ("xla-cpu-pjrt", "xla-cuda12-pjrt", "xla-cuda13-pjrt"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            plugins[name] = importlib.metadata.version(name)
+    return {
         "runner": standalone.RUNNER_SOURCE,
-        "header": None,
-        "api_version": None,
-        "plugins": {},
+        "header": standalone.PJRT_HEADER,
+        "api_version": version,
+        "plugins": plugins,
         "usage": "cc -O2 -std=c11 -I. runner.c -ldl -lm -o runner && ./runner . --plugin "
         "PLUGIN.so (or: python run.py . --pjrt; dense-armor runner DIR)",
     }
-    plugin = standalone.installed_cpu_plugin()
-    header = plugin / "include" / standalone.PJRT_HEADER if plugin else None
-    if header is not None and header.is_file():
-        text = header.read_text()
-        version = [
-            int(re.search(rf"#define PJRT_API_{part} (\d+)", text).group(1))  # type: ignore[union-attr]
-            for part in ("MAJOR", "MINOR")
-        ]
-        (tmp / standalone.PJRT_HEADER).write_text(text)
-        entry.update(header=standalone.PJRT_HEADER, api_version=version)
-    for name in ("xla-cpu-pjrt", "xla-cuda12-pjrt", "xla-cuda13-pjrt"):
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            entry["plugins"][name] = importlib.metadata.version(name)
-    return entry
 
 
 INVALID_IDS = (

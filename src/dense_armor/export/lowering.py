@@ -311,12 +311,15 @@ class Lowering:
     def sample_prefill(
         self, weights: list[jax.Array], x: jax.Array, key: jax.Array, cache: list[jax.Array]
     ) -> tuple[jax.Array, list[jax.Array], jax.Array]:
-        logits, leaves, overflow = self.prefill(weights, x, cache)
+        model = self._model(weights, causal=True)  # the last position's logits only
+        logits, tree = jax.vmap(model.prefill_last)(x, self._cache_tree(cache))
+        leaves = jax.tree_util.tree_leaves(tree)
+        overflow = self._overflow(leaves, x.shape[0])
         assert self.position_index is not None  # a language model's cache counts its steps
         batch = x.shape[0]
         positions = leaves[self.position_index].reshape(batch, -1)[:, 0].astype(jnp.int32)
         rows = jnp.arange(batch, dtype=jnp.int32)
-        return draw_tokens(logits[:, -1], key, rows, positions, **self.sampling), leaves, overflow
+        return draw_tokens(logits, key, rows, positions, **self.sampling), leaves, overflow
 
     def sample_step(
         self, weights: list[jax.Array], x_t: jax.Array, key: jax.Array, cache: list[jax.Array]

@@ -1,10 +1,9 @@
 /* runner.c: run a dense_armor artifact's static StableHLO modules from C through a PJRT plugin.
 
-   The export stage copies this file into every artifact directory. It needs libc, dlopen and
-   XLA's PJRT C API header (pjrt_c_api.h, shipped with the PJRT plugin wheels and, when one was
-   installed at export, copied into the artifact):
+   The export stage copies this file into every artifact directory, beside XLA's PJRT C API
+   header (pjrt_c_api.h, as the PJRT plugin wheels ship it). It needs libc, dlopen and that:
 
-       cc -O2 -std=c11 -I ARTIFACT_DIR runner.c -ldl -o runner
+       cc -O2 -std=c11 -I ARTIFACT_DIR runner.c -ldl -lm -o runner
        ./runner ARTIFACT_DIR --plugin /path/to/xla_cpu_pjrt.so [--steps N] [--repeat R]
 
    It verifies the sha256 of every file the manifest lists, reads the weights from

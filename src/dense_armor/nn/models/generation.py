@@ -160,7 +160,7 @@ def check_stop_tokens(caller: str, model: TransformerLM, stop_tokens: Any) -> tu
 
 @eqx.filter_jit
 def _prefill(model: TransformerLM, ids: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
-    return model.prefill(ids, cache)
+    return model.prefill_last(ids, cache)
 
 
 @eqx.filter_jit
@@ -194,7 +194,7 @@ def stream_tokens(
     cache = model.init_cache(capacity, on_overflow="nan")
     with ids_checked():
         logits, cache = _prefill(model, jnp.asarray(padded[0]), cache)
-    logits, position = logits[-1], padded.shape[1]
+    position = padded.shape[1]
     for made in range(int(max_new_tokens)):
         token = int(choose(logits[None], key, jnp.int32(position))[0])
         yield token
@@ -246,7 +246,7 @@ def _compiled(
         rows = jnp.arange(batch)
         caches = model.init_streams(batch, capacity, on_overflow="nan")
         # The prompts' common length in one prefill; the loop feeds the rest of each prompt.
-        logits, caches = jax.vmap(model.prefill)(prompts[:, :common], caches)
+        logits, caches = jax.vmap(model.prefill_last)(prompts[:, :common], caches)
         stop_ids = jnp.asarray(stops or (-1,), jnp.int32)
 
         def body(state: tuple) -> tuple:
@@ -265,7 +265,7 @@ def _compiled(
 
         out = jnp.full((batch, max_new), -1, jnp.int32)
         made, done = jnp.zeros(batch, jnp.int32), jnp.zeros(batch, bool)
-        state = (jnp.int32(common), logits[:, -1], caches, out, made, done)
+        state = (jnp.int32(common), logits, caches, out, made, done)
         _, _, _, out, made, _ = jax.lax.while_loop(lambda s: ~jnp.all(s[-1]), body, state)
         return Generation(out, made)
 
