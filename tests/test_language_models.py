@@ -73,6 +73,7 @@ def greedy_stream(model, prompt, new_tokens):
 
 
 PREFILL = eqx.filter_jit(lambda m, ids, c: m.prefill(ids, c))
+PREFILL_LAST = eqx.filter_jit(lambda m, ids, c: m.prefill_last(ids, c))
 STEP = eqx.filter_jit(lambda m, token, c: m.step(token, c))
 
 
@@ -80,6 +81,15 @@ def test_greedy_generation_through_prefill_and_step_is_transformers_token_for_to
     _, model, _, golden = case
     prompt, want = golden["prompt"][0], golden["generated"][0]
     np.testing.assert_array_equal(greedy_stream(model, prompt, len(want)), want)
+    # prefill_last (what generation prefills with): prefill's last row of logits, the same cache
+    cache = model.init_cache(CAPACITY, on_overflow="nan")
+    with ids_checked():
+        every, after = PREFILL(model, jnp.asarray(prompt), cache)
+        last, last_after = PREFILL_LAST(model, jnp.asarray(prompt), cache)
+    assert last.shape == (every.shape[1],)
+    np.testing.assert_allclose(last, every[-1], atol=1e-5, rtol=0)
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(last_after), strict=True):
+        np.testing.assert_array_equal(a, b)
     # and the uncached forward's argmax after every prefix of the whole sequence
     logits = logits_of(model, np.r_[prompt, want][None])[0]
     following = np.argmax(logits, axis=-1)[len(prompt) - 1 : -1]
