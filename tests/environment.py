@@ -17,6 +17,8 @@ import gc
 import os
 import pathlib
 import shutil
+import subprocess
+import sys
 
 USER_CACHE = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
 CACHE_DIR = pathlib.Path(
@@ -73,3 +75,26 @@ def collect_garbage_less_often() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
+
+
+def run_py_without(
+    directory: pathlib.Path, blocked: tuple[str, ...], *arguments: str, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """The artifact's own `run.py DIRECTORY ARGUMENTS...` in a fresh interpreter in which the
+    top-level packages `blocked` cannot be imported (what a deployment without them sees)."""
+    blocker = (
+        "import sys, runpy\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name.split('.')[0] in {blocked!r}:\n"
+        "            raise ImportError(name + ' is not available here')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "sys.argv = ['run.py', *sys.argv[1:]]\n"
+        "runpy.run_path(sys.argv[1] + '/run.py', run_name='__main__')\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", blocker, str(directory), *arguments],
+        capture_output=True,
+        text=True,
+        env=env,
+    )

@@ -3,8 +3,6 @@ import json
 import pathlib
 import re
 import shutil
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -15,7 +13,7 @@ from dense_armor.checkpoint import CheckpointError, ModelConfig, save_checkpoint
 from dense_armor.cli import main as cli
 from dense_armor.export import ArtifactError, check_golden, export_model, load
 from dense_armor.export.standalone import sha256
-from environment import child_env
+from environment import child_env, run_py_without
 from streams import prefix_outputs
 
 MAX_LEN, CAPACITY = 8, 6
@@ -210,22 +208,8 @@ def test_golden_data_and_the_standalone_runner_without_dense_armor(artifact_dir)
     errors = check_golden(load(artifact_dir))
     assert max(errors.values()) < 1e-5
     assert {"init_cache", "prefill B=2 T=2", "step B=2, 4 steps", "reset at step 4"} <= set(errors)
-    blocker = (
-        "import sys, runpy\n"
-        "class Block:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] == 'dense_armor':\n"
-        "            raise ImportError('dense_armor is not available here')\n"
-        "sys.meta_path.insert(0, Block())\n"
-        "sys.argv = ['run.py', sys.argv[1]]\n"
-        "runpy.run_path(sys.argv[1] + '/run.py', run_name='__main__')\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", blocker, str(artifact_dir)],
-        capture_output=True,
-        text=True,
-        env=child_env(),  # the suite's compilation cache: the functions compile once
-    )
+    # the suite's compilation cache (child_env): the functions compile once
+    result = run_py_without(artifact_dir, ("dense_armor",), env=child_env())
     assert result.returncode == 0, result.stderr
     assert "(ok)" in result.stdout and "reset at step 4" in result.stdout
 

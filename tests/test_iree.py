@@ -17,6 +17,7 @@ from dense_armor.export import ArtifactError, export_model, load
 from dense_armor.export.iree import compile_artifact, target_flags
 from dense_armor.export.standalone import check_iree, sha256
 from dense_armor.huggingface import import_hf
+from environment import run_py_without
 from test_language_models import DATA
 
 ENCODER = ModelConfig(
@@ -105,19 +106,7 @@ def test_iree_runner_reproduces_the_golden_outputs(compiled):
 
 def test_run_py_checks_with_iree_without_jax_or_dense_armor(compiled):
     out, _ = compiled
-    blocker = (
-        "import sys, runpy\n"
-        "class Block:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] in ('dense_armor', 'jax', 'jaxlib'):\n"
-        "            raise ImportError(name + ' is not available here')\n"
-        "sys.meta_path.insert(0, Block())\n"
-        "sys.argv = ['run.py', sys.argv[1], '--iree']\n"
-        "runpy.run_path(sys.argv[1] + '/run.py', run_name='__main__')\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", blocker, str(out)], capture_output=True, text=True
-    )
+    result = run_py_without(out, ("dense_armor", "jax", "jaxlib"), "--iree")
     assert result.returncode == 0, result.stderr
     assert "iree-run-module" in result.stdout and "(ok)" in result.stdout
     assert re.search(r"iree step B=2, 6 steps +max \|error\| = \d", result.stdout)

@@ -8,7 +8,6 @@ import pathlib
 import re
 import shutil
 import subprocess
-import sys
 
 import jax
 import pytest
@@ -24,6 +23,7 @@ from dense_armor.export.standalone import (
     sha256,
 )
 from dense_armor.huggingface import import_hf
+from environment import run_py_without
 from test_language_models import DATA
 
 if not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):  # .ci/run's machine has one
@@ -289,20 +289,9 @@ def test_run_py_pjrt_from_the_artifact_alone(runner, tmp_path):
     """`python run.py DIR --pjrt` builds runner.c and runs it, with neither jax nor dense_armor
     importable; its report holds the runner's errors."""
     _, art = runner
-    blocker = (
-        "import sys, runpy\n"
-        "class Block:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] in ('dense_armor', 'jax', 'jaxlib'):\n"
-        "            raise ImportError(name + ' is not available here')\n"
-        "sys.meta_path.insert(0, Block())\n"
-        "sys.argv = ['run.py', sys.argv[1], '--pjrt', '--report', sys.argv[2]]\n"
-        "runpy.run_path(sys.argv[1] + '/run.py', run_name='__main__')\n"
-    )
     report = tmp_path / "report.json"
-    done = subprocess.run(
-        [sys.executable, "-c", blocker, str(art), str(report)], capture_output=True, text=True
-    )
+    blocked = ("dense_armor", "jax", "jaxlib")
+    done = run_py_without(art, blocked, "--pjrt", "--report", str(report))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "pjrt step B=2, 6 steps" in done.stdout and "(ok)" in done.stdout
     written = json.loads(report.read_text())
