@@ -14,12 +14,14 @@ draw), through 8 slots of a `Server`, against `generate` on fixed batches of 8 i
 (each batch as long as its longest request): new tokens per second over the whole run.
 
 transformers' `generate` (PyTorch, its KV cache on) runs the same shapes on a `GPT2LMHeadModel`
-with random weights: the session installs torch and transformers when `lm` is among the
-benchmarks; run elsewhere without them, the row says it is missing.
+with random weights, its calls interleaved with dense_armor's (the medians of 3 whole generations
+and of 9 first tokens each, A B A B ...): the session installs torch and transformers when `lm`
+is among the benchmarks; run elsewhere without them, the row says it is missing.
 """
 
-import statistics
 import time
+from collections.abc import Callable
+from functools import partial
 
 import jax
 import numpy as np
@@ -28,7 +30,7 @@ from dense_armor.nn.models.generation import generate
 from dense_armor.nn.models.language_model import TransformerLM
 from dense_armor.serving import Server
 
-from .harness import record
+from .harness import interleaved, record
 
 GPT2_SMALL = dict(vocab=50257, d_model=768, n_heads=12, d_ff=3072, depth=12, max_len=1024)
 GPT2_OPTIONS = dict(
@@ -36,6 +38,7 @@ GPT2_OPTIONS = dict(
     use_bias=True,
 )  # fmt: skip
 PROMPT, NEW, ROUNDS = 32, 128, 3
+FIRST_ROUNDS = 9  # the first token's time varies most from call to call
 
 
 def _gpt2_small() -> TransformerLM:
@@ -44,16 +47,6 @@ def _gpt2_small() -> TransformerLM:
         a["vocab"], a["d_model"], a["n_heads"], a["d_ff"], a["depth"], jax.random.PRNGKey(0),
         a["max_len"], **GPT2_OPTIONS,
     )  # fmt: skip
-
-
-def _seconds(fn, rounds: int = ROUNDS) -> float:
-    fn()  # compile
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def copy_bandwidth(megabytes: int = 512) -> float:
@@ -76,39 +69,58 @@ def run() -> str:
     rng = np.random.default_rng(0)
     lines = [
         "\nlanguage model decoding: GPT-2-small shape (124M parameters, float32), greedy, "
-        f"prompt {PROMPT}, {NEW} new tokens",
+        f"prompt {PROMPT}, {NEW} new tokens (each system's figures interleaved with the other's)",
         f"{'system':<40}{'tokens/s':>10}{'first token ms':>16}",
     ]
     bandwidth = copy_bandwidth()
     limit = bandwidth / weights  # tokens per second at batch 1 if each token reads every weight
     for batch in (1, 8):
         prompts = rng.integers(0, GPT2_SMALL["vocab"], (batch, PROMPT)).astype(np.int32)
-        whole = _seconds(lambda p=prompts: generate(model, p, NEW).tokens.block_until_ready())
-        first = _seconds(lambda p=prompts: generate(model, p, 1).tokens.block_until_ready())
-        rate = batch * NEW / whole
-        record(f"lm generate B={batch}/per new token", 1 / rate)
-        record(f"lm generate B={batch}/first token", first)
-        lines.append(f"{f'dense_armor generate, B={batch}':<40}{rate:>10.1f}{first * 1e3:>16.1f}")
+        runs = {
+            "dense_armor": lambda new, p=prompts: generate(model, p, new).tokens,
+            **_transformers(prompts),
+        }
+        whole = interleaved({n: partial(f, NEW) for n, f in runs.items()}, ROUNDS, warmup=1)
+        first = interleaved({n: partial(f, 1) for n, f in runs.items()}, FIRST_ROUNDS, warmup=1)
+        rate = {name: batch * NEW / seconds for name, seconds in whole.items()}
+        for name in runs:
+            record(f"lm {_figure(name)} B={batch}/per new token", 1 / rate[name])
+            record(f"lm {_figure(name)} B={batch}/first token", first[name])
+        ours = f"dense_armor generate, B={batch}"
+        lines.append(f"{ours:<40}{rate['dense_armor']:>10.1f}{first['dense_armor'] * 1e3:>16.1f}")
         if batch == 1:
             lines.append(
                 f"{'bandwidth limit, B=1':<40}{limit:>10.1f}"
                 f"   ({weights / 1e6:.0f} MB of weights over {bandwidth / 1e9:.1f} GB/s copied;"
-                f" generate at {limit / rate:.2f}x the limit's time)"
+                f" generate at {limit / rate['dense_armor']:.2f}x the limit's time)"
             )
-        lines.append(_transformers_row(prompts, batch, rate, first))
+        label = f"transformers generate, B={batch}"
+        if "transformers" not in runs:
+            lines.append(f"{label:<40}{'missing: torch and transformers not installed':>46}")
+            continue
+        lines.append(
+            f"{label:<40}{rate['transformers']:>10.1f}{first['transformers'] * 1e3:>16.1f}"
+            f"   (dense_armor: {rate['dense_armor'] / rate['transformers']:.2f}x the tokens/s; "
+            f"first token in {first['dense_armor'] / first['transformers']:.2f}x the time)"
+        )
     lines.append(_continuous_batching(model, rng))
     return "\n".join(lines)
 
 
-def _transformers_row(prompts: np.ndarray, batch: int, ours: float, ours_first: float) -> str:
-    """transformers' `generate` (PyTorch, its KV cache on, greedy, every row `NEW` tokens) on a
-    `GPT2LMHeadModel` of the same shape and random weights, or a row saying it is missing."""
-    label = f"transformers generate, B={batch}"
+def _figure(name: str) -> str:
+    """The recorded figures' names: dense_armor's as `lm generate`."""
+    return "generate" if name == "dense_armor" else name
+
+
+def _transformers(prompts: np.ndarray) -> dict[str, Callable[[int], object]]:
+    """transformers' `generate` (PyTorch, its KV cache on, greedy, every row the tokens asked
+    for) on a `GPT2LMHeadModel` of the same shape and random weights, as `{"transformers": run}`
+    (`run(new)`), or nothing where torch and transformers are not installed."""
     try:
         import torch
         import transformers
     except ImportError:
-        return f"{label:<40}{'missing: torch and transformers not installed':>46}"
+        return {}
     torch.manual_seed(0)
     a = GPT2_SMALL
     config = transformers.GPT2Config(
@@ -126,16 +138,7 @@ def _transformers_row(prompts: np.ndarray, batch: int, ours: float, ours_first: 
                 do_sample=False, use_cache=True, pad_token_id=0,
             )  # fmt: skip
 
-    whole = _seconds(lambda: run(NEW))
-    first = _seconds(lambda: run(1))
-    rate = batch * NEW / whole
-    record(f"lm transformers B={batch}/per new token", 1 / rate)
-    record(f"lm transformers B={batch}/first token", first)
-    return (
-        f"{label:<40}{rate:>10.1f}{first * 1e3:>16.1f}"
-        f"   (dense_armor: {ours / rate:.2f}x the tokens/s; first token in "
-        f"{ours_first / first:.2f}x the time)"
-    )
+    return {"transformers": run}
 
 
 def _continuous_batching(model: TransformerLM, rng: np.random.Generator) -> str:
