@@ -37,7 +37,7 @@ from dense_armor.data import ArraySource, ShardSource
 from dense_armor.distributed import data_mesh, device_mesh, initialize, partition_specs
 from dense_armor.export import ArtifactError, check_golden, export_model, load
 from dense_armor.export.iree import compile_artifact, target_flags
-from dense_armor.export.standalone import check_iree
+from dense_armor.export.standalone import check_iree, run_pjrt
 from dense_armor.export.standalone import main as run_py
 from dense_armor.interop import InteropError, import_torch
 from dense_armor.nn.layers.language import (
@@ -295,6 +295,17 @@ def with_compiled_claim(manifest):
     ]
 
 
+def pjrt_refused(tmp, capsys, *arguments, edit=None):
+    """run.py --pjrt on the small artifact (its manifest edited by `edit`): exit 2 with one
+    `error:` line, raised as SystemExit for the sweep."""
+    directory = edited_manifest(tmp, edit) if edit else exported(tmp)
+    code = run_py([str(directory), "--pjrt", *arguments])
+    err = capsys.readouterr().err
+    if code == 2 and err.startswith("error:") and err.count("\n") == 1:
+        raise SystemExit(err)
+    raise AssertionError(f"exit {code}: {err}")
+
+
 def iree_edited(tmp, capsys, edit):
     directory = edited_manifest(tmp, lambda m: (with_compiled_claim(m), edit(m)))
     code = run_py([str(directory), "--iree"])
@@ -548,6 +559,11 @@ BAD = [
     ("iree-check-edited-input-shape", lambda tmp, capsys: iree_edited(tmp, capsys, lambda m: claim_step_input(m, ["B", 4])), SystemExit, r"error: static/step.*the manifest says input 'x_t' has shape \(1, 4\).*the module has \(1, 3\)"),
     ("iree-check-edited-output-shape", lambda tmp, capsys: iree_edited(tmp, capsys, lambda m: claim_step_output(m, ["B", 7])), SystemExit, r"error: static/step.*output 'y_t' has shape \(1, 7\).*the module has \(1, 2\)"),
     ("iree-check-edited-dtype", lambda tmp, capsys: iree_edited(tmp, capsys, lambda m: m["functions"]["forward"]["inputs"][-1].update(dtype="bfloat16")), SystemExit, r"error: static/forward.*dtype bfloat16; the module has .* float32"),
+    ("pjrt-check-edited-output-shape", lambda tmp, capsys: pjrt_refused(tmp, capsys, edit=lambda m: claim_step_output(m, ["B", 7])), SystemExit, r"error: static/step.*the manifest says output y_t is \(1, 7\) float32; the module has \(1, 2\) float32"),
+    ("pjrt-check-plugin-missing", lambda tmp, capsys: pjrt_refused(tmp, capsys, "--plugin", str(tmp / "none.so")), SystemExit, r"error: cannot load the PJRT plugin .*none\.so"),
+    ("pjrt-check-with-iree-too", lambda tmp, capsys: pjrt_refused(tmp, capsys, "--iree"), SystemExit, r"error: --pjrt and --iree are two checks: choose one"),
+    ("run-pjrt-repeat-a-bool", lambda tmp, _: run_pjrt(exported(tmp), repeat=True), ArtifactError, r"`repeat` must be a positive integer; received True"),
+    ("run-pjrt-steps-a-string", lambda tmp, _: run_pjrt(exported(tmp), steps="2"), ArtifactError, r"`steps` must be a positive integer .*received '2'"),
     ("iree-check-dropped-output", lambda tmp, capsys: iree_edited(tmp, capsys, lambda m: m["functions"]["step"]["outputs"].pop()), SystemExit, r"lists \d+ outputs of this module; the module has \d+"),
     # round three: unclear errors
     ("step-on-streams-without-vmap", lambda: MODEL.step(jnp.ones(3), MODEL.init_streams(2, 6)), ShapeError, r"a batch of streams from `init_streams`.*jax.vmap\(model.step\)"),
