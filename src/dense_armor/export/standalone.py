@@ -683,35 +683,20 @@ def default_plugin() -> pathlib.Path:
     return found / "xla_cpu_pjrt.so"
 
 
-def _header_directory(directory: pathlib.Path, plugin: pathlib.Path) -> pathlib.Path:
-    """Where `pjrt_c_api.h` is: the artifact's copy (the API version its manifest records), else
-    beside the plugin, else the installed CPU plugin's."""
-    cpu = installed_cpu_plugin()
-    for candidate in (directory, plugin.parent / "include", *([cpu / "include"] if cpu else [])):
-        if (candidate / PJRT_HEADER).is_file():
-            return candidate
-    raise ArtifactError(
-        f"no {PJRT_HEADER} to build the runner with: not in {directory}, beside the plugin, or in "
-        "an installed xla-cpu-pjrt (pip install xla-cpu-pjrt)."
-    )
-
-
 def build_runner(
-    directory: str | pathlib.Path,
-    out: str | pathlib.Path,
-    plugin: str | pathlib.Path | None = None,
-    cc: str | None = None,
+    directory: str | pathlib.Path, out: str | pathlib.Path, cc: str | None = None
 ) -> str:
-    """Compile the artifact's `runner.c` into the executable `out` with the system C compiler
-    (`cc`, else $CC, else cc, gcc or clang on PATH); return the compiler's warnings (empty when
-    none)."""
+    """Compile the artifact's `runner.c` against its own `pjrt_c_api.h` into the executable
+    `out` with the system C compiler (`cc`, else $CC, else cc, gcc or clang on PATH); return the
+    compiler's warnings (empty when none)."""
     directory = pathlib.Path(directory)
     source = directory / RUNNER_SOURCE
-    if not source.is_file():
-        raise ArtifactError(
-            f"{directory} has no {RUNNER_SOURCE}: export the model again with this dense_armor."
-        )
-    include = _header_directory(directory, pathlib.Path(plugin) if plugin else default_plugin())
+    for name in (RUNNER_SOURCE, PJRT_HEADER):
+        if not (directory / name).is_file():
+            raise ArtifactError(
+                f"{directory} has no {name}: export the model again with this dense_armor."
+            )
+    include = directory
     compiler = (
         cc
         or os.environ.get("CC")
@@ -745,10 +730,18 @@ def run_pjrt(
     _check_steps(steps)
     if not _is_integer(repeat) or repeat < 1:
         raise ArtifactError(f"`repeat` must be a positive integer; received {repeat!r}.")
+    if tolerance is not None and not (
+        isinstance(tolerance, int | float | np.integer | np.floating)
+        and not isinstance(tolerance, bool | np.bool_)
+        and 0 <= tolerance < float("inf")
+    ):
+        raise ArtifactError(
+            f"`tolerance` must be a non-negative finite number or None; received {tolerance!r}."
+        )
     plugin = pathlib.Path(plugin) if plugin is not None else default_plugin()
     with tempfile.TemporaryDirectory() as work:
         runner = pathlib.Path(work) / "runner"
-        build_runner(directory, runner, plugin, cc)
+        build_runner(directory, runner, cc)
         command = [str(runner), str(directory), "--plugin", str(plugin), "--repeat", str(repeat)]
         command += ["--steps", str(steps)] if steps is not None else []
         command += ["--tolerance", repr(float(tolerance))] if tolerance is not None else []
