@@ -37,7 +37,7 @@ from dense_armor.data import ArraySource, ShardSource
 from dense_armor.distributed import data_mesh, device_mesh, initialize, partition_specs
 from dense_armor.export import ArtifactError, check_golden, export_model, load
 from dense_armor.export.iree import compile_artifact, target_flags
-from dense_armor.export.standalone import check_iree, run_pjrt
+from dense_armor.export.standalone import build_runner, check_iree, run_pjrt
 from dense_armor.export.standalone import main as run_py
 from dense_armor.interop import InteropError, import_torch
 from dense_armor.nn.layers.language import (
@@ -564,6 +564,9 @@ BAD = [
     ("pjrt-check-with-iree-too", lambda tmp, capsys: pjrt_refused(tmp, capsys, "--iree"), SystemExit, r"error: --pjrt and --iree are two checks: choose one"),
     ("run-pjrt-repeat-a-bool", lambda tmp, _: run_pjrt(exported(tmp), repeat=True), ArtifactError, r"`repeat` must be a positive integer; received True"),
     ("run-pjrt-steps-a-string", lambda tmp, _: run_pjrt(exported(tmp), steps="2"), ArtifactError, r"`steps` must be a positive integer .*received '2'"),
+    ("run-pjrt-tolerance-nan", lambda tmp, _: run_pjrt(exported(tmp), tolerance=float("nan")), ArtifactError, r"`tolerance` must be a non-negative finite number or None; received nan"),
+    ("run-pjrt-tolerance-a-string", lambda tmp, _: run_pjrt(exported(tmp), tolerance="0.1"), ArtifactError, r"`tolerance` must be .*received '0.1'"),
+    ("build-runner-without-the-header", lambda tmp, _: (exported(tmp) / "pjrt_c_api.h").unlink() or build_runner(tmp / "art", tmp / "runner"), ArtifactError, r"has no pjrt_c_api\.h: export the model again"),
     ("iree-check-dropped-output", lambda tmp, capsys: iree_edited(tmp, capsys, lambda m: m["functions"]["step"]["outputs"].pop()), SystemExit, r"lists \d+ outputs of this module; the module has \d+"),
     # round three: unclear errors
     ("step-on-streams-without-vmap", lambda: MODEL.step(jnp.ones(3), MODEL.init_streams(2, 6)), ShapeError, r"a batch of streams from `init_streams`.*jax.vmap\(model.step\)"),
