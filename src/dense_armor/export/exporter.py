@@ -34,14 +34,11 @@ directory holds:
   compiled by the plugin) and `manifest.json`, which describes all of it.
 """
 
-import contextlib
 import dataclasses
 import datetime
-import importlib.metadata
 import json
 import os
 import pathlib
-import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -68,7 +65,7 @@ from ..nn.sampling import check_sampling
 from . import standalone
 from .golden import golden
 from .lowering import GREEDY, Function, Lowering, spec
-from .modules import write_portable, write_static
+from .modules import write_portable, write_runner, write_static
 from .standalone import FORMAT, FORMAT_VERSION, MANIFEST, ArtifactError
 
 __all__ = ["PLATFORMS", "ExportSummary", "export_checkpoint", "export_model"]
@@ -168,7 +165,7 @@ def export_model(
         golden_arrays, golden_plan = golden(lowering, seed, functions, static_entries)
         save_file(golden_arrays, str(tmp / "golden.safetensors"))
         (tmp / "run.py").write_text(pathlib.Path(standalone.__file__).read_text())
-        pjrt = _copy_runner(tmp)
+        pjrt = write_runner(tmp)
         manifest = _manifest(
             lowering, functions, exported, config, causal_config, platforms, static_entries
         )
@@ -352,33 +349,6 @@ def _manifest(
         },
         "static": static_entries,
         "compatibility": _compatibility(exported),
-    }
-
-
-def _copy_runner(tmp: pathlib.Path) -> dict[str, Any]:
-    """Write the C runner and the PJRT C API header it builds against (XLA's, Apache-2.0, as
-    the `xla-cpu-pjrt` wheel ships it) into the artifact; the manifest's `pjrt` entry: the
-    header's API version, which the runner requires of a plugin (the same major version, warning
-    on an older minor), and the PJRT plugin wheels installed beside the export."""
-    here = pathlib.Path(__file__).parent
-    header = (here / standalone.PJRT_HEADER).read_text()
-    (tmp / standalone.RUNNER_SOURCE).write_bytes((here / standalone.RUNNER_SOURCE).read_bytes())
-    (tmp / standalone.PJRT_HEADER).write_text(header)
-    version = [
-        int(re.search(rf"#define PJRT_API_{part} (\d+)", header).group(1))  # type: ignore[union-attr]
-        for part in ("MAJOR", "MINOR")
-    ]
-    plugins = {}
-    for name in ("xla-cpu-pjrt", "xla-cuda12-pjrt", "xla-cuda13-pjrt"):
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            plugins[name] = importlib.metadata.version(name)
-    return {
-        "runner": standalone.RUNNER_SOURCE,
-        "header": standalone.PJRT_HEADER,
-        "api_version": version,
-        "plugins": plugins,
-        "usage": "cc -O2 -std=c11 -I. runner.c -ldl -lm -o runner && ./runner . --plugin "
-        "PLUGIN.so (or: python run.py . --pjrt; dense-armor runner DIR)",
     }
 
 

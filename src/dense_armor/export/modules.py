@@ -1,17 +1,22 @@
 """The exported modules written into an artifact's directory: each function's portable
 `jax.export` artifact (symbolic shapes, every platform) and its static modules (one platform and
-one shape each) with their manifest entries."""
+one shape each) with their manifest entries, and the C runner that runs the static modules
+through a PJRT plugin."""
 
+import contextlib
+import importlib.metadata
 import pathlib
+import re
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 from jax import export
 
+from . import standalone
 from .lowering import Function, Lowering, strip_locations
 
-__all__ = ["write_portable", "write_static"]
+__all__ = ["write_portable", "write_runner", "write_static"]
 
 
 def write_portable(
@@ -79,3 +84,30 @@ def write_static(
                     }
                 )
     return entries, all(stripped)
+
+
+def write_runner(tmp: pathlib.Path) -> dict[str, Any]:
+    """Write the C runner and the PJRT C API header it builds against (XLA's, Apache-2.0, as
+    the `xla-cpu-pjrt` wheel ships it) into the artifact; the manifest's `pjrt` entry: the
+    header's API version, which the runner requires of a plugin (the same major version, warning
+    on an older minor), and the PJRT plugin wheels installed beside the export."""
+    here = pathlib.Path(__file__).parent
+    header = (here / standalone.PJRT_HEADER).read_text()
+    (tmp / standalone.RUNNER_SOURCE).write_bytes((here / standalone.RUNNER_SOURCE).read_bytes())
+    (tmp / standalone.PJRT_HEADER).write_text(header)
+    version = [
+        int(re.search(rf"#define PJRT_API_{part} (\d+)", header).group(1))  # type: ignore[union-attr]
+        for part in ("MAJOR", "MINOR")
+    ]
+    plugins = {}
+    for name in ("xla-cpu-pjrt", "xla-cuda12-pjrt", "xla-cuda13-pjrt"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            plugins[name] = importlib.metadata.version(name)
+    return {
+        "runner": standalone.RUNNER_SOURCE,
+        "header": standalone.PJRT_HEADER,
+        "api_version": version,
+        "plugins": plugins,
+        "usage": "cc -O2 -std=c11 -I. runner.c -ldl -lm -o runner && ./runner . --plugin "
+        "PLUGIN.so (or: python run.py . --pjrt; dense-armor runner DIR)",
+    }
