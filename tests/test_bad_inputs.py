@@ -648,6 +648,7 @@ BAD = [
     ("lm-a-batch-of-ids", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8)(jnp.ones((2, 3), int)), ShapeError, r"TransformerLM.forward: received `ids.shape=\(2, 3\)`; expected `\(T\)`.*jax.vmap"),
     ("lm-prefill-last-a-batch-of-ids", lambda: TINY_LM.prefill_last(jnp.ones((2, 3), int), TINY_LM.init_cache(8)), ShapeError, r"TransformerLM.prefill_last: received `ids.shape=\(2, 3\)`; expected `\(K\)`"),
     ("lm-prefill-last-float-ids", lambda: TINY_LM.prefill_last(jnp.array([1.0, 2.0]), TINY_LM.init_cache(8)), ShapeError, r"TransformerLM.prefill_last.*`ids`: expected Int\['K'\]"),
+    ("lm-prefill-last-no-tokens", lambda: TINY_LM.prefill_last(jnp.zeros(0, jnp.int32), TINY_LM.init_cache(8)), ValueError, r"TransformerLM.prefill_last: received no tokens \(`ids.shape=\(0,\)`\): there is no last token"),
     ("lm-step-two-ids", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8).step(jnp.array([1, 2]), TransformerLM(16, 16, 2, 32, 1, KEY, 8).init_cache(4)), ShapeError, r"TransformerLM.step: received `x_t.shape=\(2,\)`; expected `\(\)`"),
     ("lm-source-input-id-past-the-vocabulary-at-a-later-step", lambda: lm_source_fit(1, np.full((4, 6), 16), np.zeros((4, 6), int)), ValueError, r"fit \(data source\): `xs` must lie in \[0, 16\), the model's vocabulary; received ids from 16 to 16 at step 1"),
     ("lm-source-negative-label-at-a-later-step", lambda: lm_source_fit(1, np.zeros((4, 6), int), np.full((4, 6), -1)), ValueError, r"`labels` must lie in \[0, 16\).*from -1 to -1 at step 1"),

@@ -160,6 +160,11 @@ class TransformerLM(Layer):
         """`prefill`, but only the logits after the last of the `K` tokens, `(vocab,)`: what
         generation needs of a prompt, without the head's product at every other position (at
         GPT-2's vocabulary, about a third of the work of a 32-token prompt's prefill)."""
+        if ids.shape[0] == 0:
+            raise ValueError(
+                "TransformerLM.prefill_last: received no tokens (`ids.shape=(0,)`): there is no "
+                "last token to give the logits after. Use `prefill` for a chunk that may be empty."
+            )
         h, cache = self._prefill_hidden(ids, cache)
         return self._logits(h[-1:])[0], cache
 
