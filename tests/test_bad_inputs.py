@@ -52,7 +52,7 @@ from dense_armor.nn.models.language_model import TransformerLM
 from dense_armor.nn.sampling import greedy, sample
 from dense_armor.serving import Server
 from dense_armor.sharded_checkpoint import ShardedCheckpoints, to_safetensors
-from dense_armor.train_step import next_token_loss
+from dense_armor.train_step import Loss, make_train_step, next_token_loss
 from dense_armor.training import evaluate, fit
 from dense_armor.utility.neural import (
     GRU,
@@ -683,6 +683,9 @@ BAD = [
     ("initialize-bind-address-without-port", lambda: initialize("127.0.0.1:1", 2, 0, bind_address="0.0.0.0"), ValueError, r"bind_address must be `host:port`.*'0.0.0.0'"),
     ("initialize-local-devices-negative", lambda: initialize("127.0.0.1:1", 2, 0, local_device_ids=[0, -1]), ValueError, r"`local_device_ids` must be a device index or a non-empty list"),
     ("accumulate-not-dividing", lambda: fit_with(batch_size=4, accumulate=3), ValueError, r"`accumulate=3` micro-batches must divide `batch_size=4`"),
+    ("accumulate-a-float", lambda: fit_with(accumulate=2.0), (TypeError, ValueError), r"fit: `accumulate` must be a positive integer; received `accumulate=2.0`"),
+    ("train-step-accumulate-zero", lambda: make_train_step(ADAM, accumulate=0), ValueError, r"make_train_step: `accumulate` must be a positive integer; received `accumulate=0`"),
+    ("loss-averages-samples-a-string", lambda: Loss(lambda m, x, y, k: 0.0, averages_samples="true"), ValueError, r"`averages_samples` must be True or False; received `averages_samples='true'`"),
     ("process-id-too-large", with_env(DENSE_ARMOR_COORDINATOR="127.0.0.1:1", DENSE_ARMOR_NUM_PROCESSES="2", DENSE_ARMOR_PROCESS_ID="2"), ValueError, r"process id 2 is outside \[0, 2\)"),
 ]  # fmt: skip
 

@@ -63,6 +63,14 @@ def test_four_devices_match_one(runs, mode):
     close(runs[mode], runs["single"])
 
 
+def test_a_batch_split_over_devices_is_never_cut_into_micro_batches(runs):
+    """`make_train_step`'s automatic micro-batches are for one CPU device: the same batch, with
+    the budget at one byte, is cut on one device and left whole when split over the mesh."""
+    chosen = runs["micro-batches"]
+    assert chosen["one device"] > 1 and 8 % chosen["one device"] == 0
+    assert chosen["split over 4"] == 1
+
+
 def test_evaluate_splits_its_batches_across_the_devices(runs):
     """The same model evaluated on one device and on four: the same metrics, and each batch's
     largest part that 4 divides split one row per device (the rest replicated)."""

@@ -170,3 +170,103 @@ def test_accumulated_micro_batches_train_like_the_whole_batch():
             batch_size=32, accumulate=3, progress=False)  # fmt: skip
     with pytest.raises(TypeError, match=r"`accumulate` must be a positive integer"):
         make_train_step(optax.adam(1e-3), accumulate="2")
+
+
+@pytest.fixture
+def tiny_budget(monkeypatch):
+    """`make_train_step`'s CPU budget for a step's temporaries lowered to 64 KiB, so that the
+    small models of these tests take the path of a large step."""
+    from dense_armor import train_step
+
+    monkeypatch.setattr(train_step, "CPU_STEP_BYTES", 64 * 2**10)
+
+
+def _whole_batch_gradient(model, xs, labels):
+    """The gradient of the mean cross-entropy over the whole batch, by `jax.grad` directly (no
+    dense_armor training code)."""
+
+    def loss(m):
+        logits = jax.vmap(m)(xs)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    return eqx.filter_grad(loss)(model)
+
+
+def test_a_large_step_on_the_cpu_runs_in_micro_batches_with_the_whole_batch_gradient(
+    tiny_budget,
+):
+    """Past the budget, the default step cuts the batch of 24 into equal micro-batches (a
+    divisor of 24) and its update is the whole batch's: with SGD at rate 1 the update is minus
+    the gradient, compared with `jax.grad` of the mean loss over all 24."""
+    xs, labels = toy_data(24)
+    config = ModelConfig(CONFIG.factory, {**CONFIG.arguments, "dropout": 0.0})
+    model = config.build(jax.random.PRNGKey(0))
+    optimizer = optax.sgd(1.0)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    step = make_train_step(optimizer)
+    k = step.micro_batches(model, opt_state, xs, labels)
+    assert k > 1 and 24 % k == 0
+    new, _, loss = step(model, opt_state, xs, labels, None)
+    expected = _whole_batch_gradient(model, xs, labels)
+    np.testing.assert_allclose(float(loss), float(cross_entropy_loss(model, xs, labels)), rtol=1e-6)
+    for path, before in tree_arrays(model).items():
+        grad = tree_arrays(expected)[path]
+        np.testing.assert_allclose(before - tree_arrays(new)[path], grad, atol=2e-6, err_msg=path)
+    # the whole batch under the default budget: one step of 24
+    from dense_armor import train_step
+
+    assert train_step.CPU_STEP_BYTES == 64 * 2**10
+    whole = make_train_step(optimizer, accumulate=1)(model, opt_state, xs, labels, None)
+    np.testing.assert_allclose(float(whole[2]), float(loss), rtol=1e-6)
+
+
+def test_a_small_step_and_a_loss_of_unknown_form_run_whole(tiny_budget, monkeypatch):
+    """The whole batch where the step fits the budget, where the loss does not say it is a mean
+    over samples (a `Loss(function)` may weigh its samples unequally), for one sample, and
+    inside another trace; a loss that says so is cut."""
+    from dense_armor import train_step
+
+    xs, labels = toy_data(24)
+    model = CONFIG.build(jax.random.PRNGKey(0))
+    optimizer = optax.sgd(0.1)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    args = (model, opt_state, xs, labels)
+    assert make_train_step(optimizer).micro_batches(*args) > 1
+
+    def mean_loss(m, xs, labels, key):
+        return cross_entropy_loss(m, xs, labels, key)
+
+    assert make_train_step(optimizer, mean_loss).micro_batches(*args) == 1
+    declared = train_step.Loss(mean_loss, averages_samples=True)
+    assert make_train_step(optimizer, declared).micro_batches(*args) > 1
+    assert make_train_step(optimizer).micro_batches(model, opt_state, xs[:1], labels[:1]) == 1
+    monkeypatch.setattr(train_step, "CPU_STEP_BYTES", 2**30)
+    assert make_train_step(optimizer).micro_batches(*args) == 1
+    monkeypatch.setattr(train_step, "CPU_STEP_BYTES", 64 * 2**10)
+    step = make_train_step(optimizer)
+
+    @eqx.filter_jit
+    def inside(model, opt_state, xs, labels):  # traced arrays: the whole batch, no compile
+        return step(model, opt_state, xs, labels, None)[2]
+
+    np.testing.assert_allclose(
+        float(inside(*args)), float(cross_entropy_loss(model, xs, labels)), rtol=1e-6
+    )
+    with pytest.raises(ValueError, match=r"`averages_samples` must be True or False"):
+        train_step.Loss(mean_loss, averages_samples="yes")
+
+
+def test_a_batch_size_with_no_fitting_divisor_runs_one_sample_at_a_time(monkeypatch):
+    """A prime batch of 7 whose step exceeds the budget (one byte) however it is cut: 7
+    micro-batches of one, and still the mean loss of the 7."""
+    from dense_armor import train_step
+
+    monkeypatch.setattr(train_step, "CPU_STEP_BYTES", 1)
+    xs, labels = toy_data(7)
+    model = CONFIG.build(jax.random.PRNGKey(0))
+    optimizer = optax.sgd(0.1)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    step = make_train_step(optimizer)
+    assert step.micro_batches(model, opt_state, xs, labels) == 7
+    _, _, loss = step(model, opt_state, xs, labels, None)
+    np.testing.assert_allclose(float(loss), float(cross_entropy_loss(model, xs, labels)), rtol=1e-6)

@@ -124,7 +124,7 @@ def fit(
     loss_fn: LossFn = cross_entropy_loss,
     mesh: Mesh | None = None,
     shard_params: bool = False,
-    accumulate: int = 1,
+    accumulate: int | None = None,
     checkpoint_format: str = "safetensors",
 ) -> FitResult:
     """Train `model` for `steps` optimizer steps on `train`: `(xs, labels)`, or a `BatchSource`
@@ -152,7 +152,9 @@ def fit(
 
     `accumulate=k` splits each batch into `k` micro-batches and accumulates their gradients
     before one optimizer update (`make_train_step`): the same training as the whole batch, with
-    the activations of one micro-batch in memory at a time.
+    the activations of one micro-batch in memory at a time. `accumulate=None` (the default)
+    leaves `k` to `make_train_step`: 1, or on one CPU device as many as keep the step's
+    temporary memory where the allocator reuses it.
     """
     objective = as_loss(loss_fn)
     source, rows = _check_fit(
@@ -223,9 +225,9 @@ def _check_fit(
     """`fit`'s arguments checked, before any work: its batch source, and the rows of each batch
     this process feeds."""
     require_int(0, caller="fit", steps=steps, seed=seed)
-    require_int(
-        1, caller="fit", batch_size=batch_size, eval_every=eval_every, accumulate=accumulate
-    )
+    require_int(1, caller="fit", batch_size=batch_size, eval_every=eval_every)
+    if accumulate is not None:
+        require_int(1, caller="fit", accumulate=accumulate)
     require_bool(resume=resume, progress=progress, shard_params=shard_params)
     if mesh is not None:
         check_mesh("fit", mesh)
@@ -239,6 +241,8 @@ def _check_fit(
         objective.check_data("fit (valid)", model, *valid)
     if checkpoint_dir is not None and config is None:
         raise ValueError("fit: saving checkpoints needs the model's `config`.")
+    if accumulate is None:
+        return source, len(range(batch_size)[process_rows(mesh, batch_size)])
     if batch_size % accumulate:
         raise ValueError(
             f"fit: `accumulate={accumulate}` micro-batches must divide `batch_size={batch_size}`."

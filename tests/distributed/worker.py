@@ -36,6 +36,7 @@ if mode.startswith("multi"):
 
     initialize()
 
+import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -253,6 +254,25 @@ def reported() -> dict:
     }
 
 
+def micro_batches() -> dict:
+    """How many micro-batches `make_train_step` chooses, with its CPU budget lowered to one byte
+    (any step exceeds it), for a batch on one device and for the batch split over the 4."""
+    from dense_armor.distributed import global_batch
+
+    model = CONFIG.build()
+    optimizer = optax.adam(1e-3)
+    state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    step = train_step.make_train_step(optimizer)
+    budget, train_step.CPU_STEP_BYTES = train_step.CPU_STEP_BYTES, 1
+    try:
+        one = step.micro_batches(model, state, jax.numpy.asarray(xs[:8]), labels[:8])
+        mesh = data_mesh()
+        split = global_batch(mesh, xs[:8]), global_batch(mesh, labels[:8])
+        return {"one device": one, "split over 4": step.micro_batches(model, state, *split)}
+    finally:
+        train_step.CPU_STEP_BYTES = budget
+
+
 runs = {}
 if mode == "multi":  # both two-process runs, in one pair of processes
     runs["multi"] = summary(train("mesh", checkpoint_dir=work / "ckpt"))
@@ -290,6 +310,7 @@ else:
     )
     runs["halves"] = summary(train("single", data=both_halves))
     runs["reported"] = reported()
+    runs["micro-batches"] = micro_batches()
     runs["lm single"], runs["lm tp+fsdp"] = train_lm("single"), train_lm("tp+fsdp")
 with open(f"{out}.{jax.process_index()}", "w") as handle:
     json.dump(runs, handle)
