@@ -75,3 +75,14 @@ def test_a_corrupted_record_names_its_file(tmp_path):
     (tmp_path / "recorded.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match=r"recorded.json: expected an object"):
         recorded.load(tmp_path / "recorded.json")
+
+
+def test_the_one_batch_training_step_gets_its_own_row_when_recorded():
+    """dense_armor's model in the peers' one-batch step: a row under the training step, the
+    peers over it, present only when the run recorded it."""
+    figures = {**FIGURES, "encoder training step/dense_armor, one batch": 0.225}
+    table = recorded.table({"date": "2026-12-02", "machine": "a CPU", "figures": figures})
+    row = next(line for line in table.splitlines() if line.startswith(f"| {recorded.ONE_BATCH}"))
+    assert row == f"| {recorded.ONE_BATCH} | 225.0 ms | 250.0 ms (1.11x) | 300.0 ms (1.33x) | |"
+    plain = recorded.table({"date": "2026-12-02", "machine": "a CPU", "figures": FIGURES})
+    assert recorded.ONE_BATCH not in plain
