@@ -365,15 +365,16 @@ def _temp_bytes(compiled: Any) -> int:
 
 def _signature(args: tuple) -> Any:
     """A hashable key of what a jitted function compiles for: the tree structure, each array's
-    shape and dtype, and every other leaf; `None` for a traced array (the step then runs inside
-    another trace) or an unhashable leaf."""
+    shape, dtype and placement, and every other leaf; `None` for a traced array (the step then
+    runs inside another trace) or an unhashable leaf."""
     leaves, tree = jax.tree_util.tree_flatten(args)
     key: list[Any] = [tree]
     for leaf in leaves:
         if isinstance(leaf, jax.core.Tracer):
             return None
         if isinstance(leaf, jax.Array | np.ndarray | np.generic):
-            key.append((leaf.shape, leaf.dtype, getattr(leaf, "weak_type", False)))
+            placed = getattr(leaf, "sharding", None)  # a compiled step takes its own devices
+            key.append((leaf.shape, leaf.dtype, getattr(leaf, "weak_type", False), placed))
             continue
         try:
             hash(leaf)
