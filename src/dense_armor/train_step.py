@@ -46,9 +46,10 @@ __all__ = [
 ]
 
 #: The most temporary memory a training step on one CPU device takes before `make_train_step`
-#: splits its batch into micro-batches (see there): below glibc's largest recycled block (32 MiB),
-#: with room for the step's other allocations.
-CPU_STEP_BYTES = 24 * 2**20
+#: splits its batch into micro-batches (see there): glibc's largest recycled block, 32 MiB, less
+#: a slack for the block's header and alignment. Below it the step gains nothing from a split
+#: (a language model's step of 30 MiB: no page fault whole, 9-17% slower in two micro-batches).
+CPU_STEP_BYTES = 31 * 2**20
 
 
 def make_train_step(
@@ -65,16 +66,18 @@ def make_train_step(
     round-off, for a loss that is a mean over the batch. With dropout, each micro-batch draws its
     own masks.
 
-    `accumulate=None` (the default) chooses `k` per batch shape, at the first call with it: 1,
+    `accumulate=None` (the default) chooses `k` once per batch shape (the shape, dtype and
+    placement of `xs` and `labels`, and whether a `key` is given), at the first call with it: 1,
     unless the batch is on one CPU device and the loss is a mean over its samples
     (`Loss.averages_samples`: the library's losses). Then, if the step's temporary buffers
-    (XLA's figure for the compiled step) exceed `CPU_STEP_BYTES`, the fewest micro-batches
+    (XLA's figure for the compiled step) exceed `CPU_STEP_BYTES` (31 MiB), the fewest micro-batches
     (a divisor of the batch) that bring them under it. XLA's CPU runtime allocates a step's
     temporaries afresh at every call; past 32 MiB the C allocator maps them from the operating
     system each time, and a page fault per 4 KiB touched then costs a quarter of the step's CPU
-    time. Micro-batches that stay under it reuse the same memory, warm in the caches: 1.3-1.5x
+    time. Micro-batches that stay under it reuse the same memory, warm in the caches: 1.2-1.4x
     faster for the encoder of the README's table. Such a step compiles twice at its first call
-    (the whole batch, to read its size, then the micro-batches). `step.micro_batches(model,
+    (the whole batch, to read its size, then the micro-batches); a step that fits compiles once
+    (the measured compilation is the one its calls then use). `step.micro_batches(model,
     opt_state, xs, labels, key)` says which `k` a batch gets. On a GPU or TPU, over several
     devices, or inside another trace, `k` is 1.
     """
@@ -141,58 +144,56 @@ def _value_and_grad(
 
 class _AutoStep:
     """The step of `make_train_step(accumulate=None)`: per batch shape, the whole batch or the
-    micro-batches its size on a CPU asks for, compiled once and kept."""
+    micro-batches its size on a CPU asks for, chosen once; every call then goes through that
+    choice's `eqx.filter_jit` step (whose compilation the choice's own compile left in JAX's
+    cache)."""
 
     def __init__(self, jitted: Callable[[int], Any], averages_samples: bool):
         self._jitted = jitted
         self._averages_samples = averages_samples
-        self._compiled: dict[Any, tuple[int, Any]] = {}
+        self._chosen: dict[Any, int] = {}
 
     def __call__(
         self, model: Any, opt_state: Any, xs: Any, labels: Any, key: Any = None
     ) -> tuple[Any, Any, jax.Array]:
         args = (model, opt_state, xs, labels, key)
-        chosen = self._choice(args)
-        if chosen is None:
-            return self._jitted(1)(*args)
-        return chosen[1](*args)
+        return self._jitted(self._choice(args))(*args)
 
     def micro_batches(
         self, model: Any, opt_state: Any, xs: Any, labels: Any, key: Any = None
     ) -> int:
         """How many micro-batches this step runs the batch `(xs, labels)` in."""
-        chosen = self._choice((model, opt_state, xs, labels, key))
-        return 1 if chosen is None else chosen[0]
+        return self._choice((model, opt_state, xs, labels, key))
 
-    def _choice(self, args: tuple) -> tuple[int, Any] | None:
-        """`(k, compiled step)` for these arguments' shapes, or `None` where the whole batch
-        is the only choice (no CPU, several devices, a trace, an unknown loss)."""
-        signature = _signature(args)
-        xs = args[2]
+    def _choice(self, args: tuple) -> int:
+        """The micro-batches for this batch: 1 where the whole batch is the only choice (no CPU,
+        several devices, a trace, a loss not known to be a mean, one sample), else chosen at
+        the first call with its shape."""
+        xs, labels, key = args[2:]
         if (
-            signature is None
-            or not self._averages_samples
+            not self._averages_samples
+            or isinstance(xs, jax.core.Tracer)
             or np.ndim(xs) == 0
             or np.shape(xs)[0] < 2
             or not _one_cpu(xs)
         ):
-            return None
-        chosen = self._compiled.get(signature)
-        if chosen is None:
-            chosen = self._compiled[signature] = self._compile(args)
-        return chosen
+            return 1
+        shape = (_batch_signature(xs), _batch_signature(labels), key is None)
+        if shape not in self._chosen:
+            self._chosen[shape] = self._measure(args)
+        return self._chosen[shape]
 
-    def _compile(self, args: tuple) -> tuple[int, Any]:
-        whole = self._jitted(1).lower(*args).compile()
-        temp = _temp_bytes(whole)
+    def _measure(self, args: tuple) -> int:
+        """Compile the whole-batch step, read XLA's figure for its temporaries, and return the
+        fewest micro-batches (a divisor of the batch) that bring them under `CPU_STEP_BYTES`."""
+        temp = _temp_bytes(self._jitted(1).lower(*args).compile())
         if temp <= CPU_STEP_BYTES:
-            return 1, whole
+            return 1
         batch = np.shape(args[2])[0]
-        k = next(
+        return next(
             (k for k in range(2, batch + 1) if batch % k == 0 and temp / k <= CPU_STEP_BYTES),
             batch,
         )
-        return k, self._jitted(k).lower(*args).compile()
 
 
 def _temp_bytes(compiled: Any) -> int:
@@ -202,25 +203,13 @@ def _temp_bytes(compiled: Any) -> int:
     return int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
 
 
-def _signature(args: tuple) -> Any:
-    """A hashable key of what a jitted function compiles for: the tree structure, each array's
-    shape, dtype and placement, and every other leaf; `None` for a traced array (the step then
-    runs inside another trace) or an unhashable leaf."""
-    leaves, tree = jax.tree_util.tree_flatten(args)
-    key: list[Any] = [tree]
-    for leaf in leaves:
-        if isinstance(leaf, jax.core.Tracer):
-            return None
-        if isinstance(leaf, jax.Array | np.ndarray | np.generic):
-            placed = getattr(leaf, "sharding", None)  # a compiled step takes its own devices
-            key.append((leaf.shape, leaf.dtype, getattr(leaf, "weak_type", False), placed))
-            continue
-        try:
-            hash(leaf)
-        except TypeError:
-            return None
-        key.append((type(leaf), leaf))
-    return tuple(key)
+def _batch_signature(a: Any) -> Any:
+    """The shape, dtype and placement of a batch's array (of a NumPy or nested-list batch: its
+    shape and dtype)."""
+    if isinstance(a, jax.Array):
+        return a.shape, a.dtype, a.sharding
+    array = np.asarray(a)
+    return array.shape, array.dtype
 
 
 def _one_cpu(xs: Any) -> bool:
