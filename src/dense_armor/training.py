@@ -241,8 +241,13 @@ def _check_fit(
         objective.check_data("fit (valid)", model, *valid)
     if checkpoint_dir is not None and config is None:
         raise ValueError("fit: saving checkpoints needs the model's `config`.")
-    if accumulate is None:
-        return source, len(range(batch_size)[process_rows(mesh, batch_size)])
+    if accumulate is not None:
+        _check_micro_batches(accumulate, batch_size, mesh)
+    return source, len(range(batch_size)[process_rows(mesh, batch_size)])
+
+
+def _check_micro_batches(accumulate: int, batch_size: int, mesh: Mesh | None) -> None:
+    """An explicit `accumulate`: equal micro-batches, each a multiple of the data devices."""
     if batch_size % accumulate:
         raise ValueError(
             f"fit: `accumulate={accumulate}` micro-batches must divide `batch_size={batch_size}`."
@@ -253,7 +258,6 @@ def _check_fit(
             f"fit: each of the {accumulate} micro-batches (`batch_size={batch_size}` in all) must "
             f'be a multiple of the mesh\'s {data_devices} `"data"` devices.'
         )
-    return source, len(range(batch_size)[process_rows(mesh, batch_size)])
 
 
 def _placed(mesh: Mesh | None, xs: Any, labels: Any) -> tuple[jax.Array, jax.Array]:
