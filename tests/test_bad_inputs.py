@@ -684,6 +684,8 @@ BAD = [
     ("initialize-local-devices-negative", lambda: initialize("127.0.0.1:1", 2, 0, local_device_ids=[0, -1]), ValueError, r"`local_device_ids` must be a device index or a non-empty list"),
     ("accumulate-not-dividing", lambda: fit_with(batch_size=4, accumulate=3), ValueError, r"`accumulate=3` micro-batches must divide `batch_size=4`"),
     ("accumulate-a-float", lambda: fit_with(accumulate=2.0), (TypeError, ValueError), r"fit: `accumulate` must be a positive integer; received `accumulate=2.0`"),
+    ("train-step-labels-of-another-length", lambda: make_train_step(ADAM)(MODEL, ADAM.init(eqx.filter(MODEL, eqx.is_inexact_array)), XS, LABELS[:2]), ValueError, r"make_train_step: a batch of \(\d+,\) inputs needs one label per input; received labels of shape \(2,\)"),
+    ("train-step-accumulate-a-bool", lambda: make_train_step(ADAM, accumulate=True), (TypeError, ValueError), r"make_train_step: `accumulate` must be a positive integer; received `accumulate=True` \(bool\)"),
     ("train-step-accumulate-zero", lambda: make_train_step(ADAM, accumulate=0), ValueError, r"make_train_step: `accumulate` must be a positive integer; received `accumulate=0`"),
     ("loss-averages-samples-a-string", lambda: Loss(lambda m, x, y, k: 0.0, averages_samples="true"), ValueError, r"`averages_samples` must be True or False; received `averages_samples='true'`"),
     ("process-id-too-large", with_env(DENSE_ARMOR_COORDINATOR="127.0.0.1:1", DENSE_ARMOR_NUM_PROCESSES="2", DENSE_ARMOR_PROCESS_ID="2"), ValueError, r"process id 2 is outside \[0, 2\)"),

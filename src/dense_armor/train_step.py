@@ -108,6 +108,11 @@ def _train_step(
 ) -> tuple[Any, Any, jax.Array]:
     """One optimizer update of `model` on the batch `(xs, labels)`, in `accumulate`
     micro-batches (see `make_train_step`)."""
+    if (loss.averages_samples or accumulate > 1) and np.shape(labels)[:1] != np.shape(xs)[:1]:
+        raise ValueError(
+            f"make_train_step: a batch of {np.shape(xs)[:1]} inputs needs one label per input; "
+            f"received labels of shape {np.shape(labels)}."
+        )
     value, grads = _value_and_grad(loss, accumulate, model, xs, labels, key)
     params = eqx.filter(model, eqx.is_inexact_array)
     updates, opt_state = optimizer.update(grads, opt_state, params)
