@@ -90,7 +90,7 @@ class PositionalEncoding(Layer):
         self, capacity: int | None = None, *, on_overflow: str = "raise"
     ) -> PositionCache:
         """A step counter at 0. `capacity` is not needed here (the bound is `max_len`)."""
-        return PositionCache(Counter.start(on_overflow))
+        return PositionCache(Counter.start(on_overflow, self.max_len))
 
     @shape_checked
     def prefill(
@@ -98,7 +98,7 @@ class PositionalEncoding(Layer):
     ) -> tuple[Float[Array, "K d_model"], PositionCache]:
         """Add the rows of the next `K` positions to `x`, and count `K` steps; a position at or
         past `max_len` fails as the counter's `on_overflow` says."""
-        positions, fits, counter = cache.counter.advance(x.shape[0], self.max_len)
+        positions, fits, counter = cache.counter.advance(x.shape[0])
         if self.max_len is not None:
             positions = jnp.minimum(positions, self.max_len - 1)
         y = x + self.rows(positions, x.shape[1]).astype(x.dtype)

@@ -195,9 +195,8 @@ class MultiHeadSelfAttention(MultiHeadAttention):
             return KVCache(jnp.zeros((0, width)), jnp.zeros((0, width)))
         require_positive(capacity=capacity)
         zeros = self._cache_shape(capacity)
-        return FixedKVCache(
-            keys=jnp.zeros(zeros), values=jnp.zeros(zeros), counter=Counter.start(on_overflow)
-        )
+        counter = Counter.start(on_overflow, capacity)
+        return FixedKVCache(keys=jnp.zeros(zeros), values=jnp.zeros(zeros), counter=counter)
 
     @shape_checked
     def prefill(

@@ -18,7 +18,7 @@ values, window, owner)` takes the new steps' keys and values per head, `(n_heads
 new step may see) and the updated cache; `cache.guard(y, fits)` then applies the cache's overflow
 rule to the `K` output rows. The growing, fixed and ring caches all answer it, so a layer's `step`
 and `prefill` have one code path; a new kind of cache is one new class. One `Counter` (index,
-overflow flag, overflow mode) serves the fixed cache and the positions.
+overflow flag, overflow mode, limit) serves the fixed cache and the positions.
 
 A batch of streams is a cache with a leading batch axis on every array (`batch_streams`, or
 `init_cache` under `jax.vmap`); every stream keeps its own counters. Every fixed-shape cache's empty
@@ -36,6 +36,10 @@ A fixed cache that is full never overwrites a row. What happens instead is the c
   or use `"nan"` and read the flag;
 - `"nan"`: the step's output is NaN and the cache's `overflow` flag becomes (and stays) `True`.
   This mode uses no host callback, so it is the one an exported step uses.
+
+A `Stream` (`nn.models.stream`) keeps the raise without the callback: its cache is in `"nan"` mode
+and it refuses, on the host, a step past the counters' smallest `limit` (static, so known without
+reading the device).
 """
 
 import abc
@@ -224,7 +228,7 @@ class FixedKVCache(KeyValueCache, Counted):
     def update(self, keys: Array, values: Array, window: int | None, owner: str) -> KVUpdate:
         _refuse_window(window, owner)
         _check_buffers(self.keys, keys, "capacity", owner)
-        positions, fits, counter = self.counter.advance(keys.shape[1], self.capacity)
+        positions, fits, counter = self.counter.advance(keys.shape[1])
         new_keys = _write_rows(self.keys, keys, positions, keep=~fits)
         new_values = _write_rows(self.values, values, positions, keep=~fits)
         visible = sees(

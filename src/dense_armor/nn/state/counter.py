@@ -53,29 +53,34 @@ if not any(isinstance(f, _OverflowFirst) for f in _CALLBACK_LOGGER.filters):
 
 class Counter(eqx.Module):
     """A stream's step counter: the index of the next step, whether a step ever went past the
-    limit, and what a step past it does (`on_overflow`: "raise" or "nan")."""
+    limit, what a step past it does (`on_overflow`: "raise" or "nan"), and the limit itself
+    (`limit` steps, `None` for none: a fixed cache's capacity, a positional table's `max_len`).
+    The mode and the limit are static, so a host that counts the steps it sent knows, without
+    reading the device, when the next one would overflow (see `Stream`)."""
 
     index: Int[Array, ""]
     overflow: Bool[Array, ""]
     on_overflow: str = eqx.field(static=True, converter=python_scalar, default="raise")
+    limit: int | None = eqx.field(static=True, converter=python_scalar, default=None)
 
     @classmethod
-    def start(cls, on_overflow: str = "raise") -> "Counter":
+    def start(cls, on_overflow: str = "raise", limit: int | None = None) -> "Counter":
         """A counter at 0, its flag clear; the one place the mode is validated."""
         validate_overflow_mode(on_overflow)
-        return cls(jnp.zeros((), jnp.int32), jnp.zeros((), bool), on_overflow)
+        return cls(jnp.zeros((), jnp.int32), jnp.zeros((), bool), on_overflow, limit)
 
-    def advance(self, steps: int, limit: int | None) -> tuple[Array, Array, "Counter"]:
+    def advance(self, steps: int) -> tuple[Array, Array, "Counter"]:
         """`(positions (steps,), fits (steps,), counter)`: the positions of the next `steps`
-        steps, which of them lie below `limit` (all, for `None`), and the counter after them. The
-        index never passes `limit`, and the flag, once set, stays set."""
+        steps, which of them lie below the limit (all, for `None`), and the counter after them.
+        The index never passes the limit, and the flag, once set, stays set."""
         positions = self.index + jnp.arange(steps, dtype=self.index.dtype)
-        if limit is None:
+        if self.limit is None:
             after = Counter(self.index + steps, self.overflow, self.on_overflow)
             return positions, jnp.ones(steps, bool), after
-        fits = positions < limit
-        index = jnp.minimum(self.index + steps, limit).astype(self.index.dtype)
-        return positions, fits, Counter(index, self.overflow | ~fits.all(), self.on_overflow)
+        fits = positions < self.limit
+        index = jnp.minimum(self.index + steps, self.limit).astype(self.index.dtype)
+        overflow = self.overflow | ~fits.all()
+        return positions, fits, Counter(index, overflow, self.on_overflow, self.limit)
 
     def guard(self, y: Array, fits: Array, message: str) -> Array:
         """`y (steps, ...)`, with each row that did not fit failed as `on_overflow` says: the

@@ -56,6 +56,20 @@ def reset(cache: Any, streams: Bool[Array, " B"], fresh: Any = None) -> Any:
                 f"{jnp.shape(leaf)}."
             )
     fresh = jax.tree.map(jnp.zeros_like, cache) if fresh is None else fresh
+
+    def check(old: Array, new: Array) -> None:
+        if jnp.shape(new) not in (jnp.shape(old), jnp.shape(old)[1:]):
+            raise ShapeError(
+                f"reset: `fresh` holds an array of shape {jnp.shape(new)} where the cache holds "
+                f"{jnp.shape(old)}: pass one stream's cache or a batch of {jnp.shape(old)[0]}."
+            )
+
+    fresh_leaves = jax.tree.leaves(fresh)
+    if len(fresh_leaves) == len(leaves):
+        # the arrays first: a cache of another capacity also differs in its counters' limit,
+        # and its shapes say what is wrong
+        for old, new in zip(leaves, fresh_leaves, strict=True):
+            check(old, new)
     fresh_structure: Any = jax.tree.structure(fresh)  # PyTreeDef compares, though untyped
     if fresh_structure != jax.tree.structure(cache):
         raise ShapeError(
@@ -64,11 +78,6 @@ def reset(cache: Any, streams: Bool[Array, " B"], fresh: Any = None) -> Any:
         )
 
     def pick(old: Array, new: Array) -> Array:
-        if jnp.shape(new) not in (jnp.shape(old), jnp.shape(old)[1:]):
-            raise ShapeError(
-                f"reset: `fresh` holds an array of shape {jnp.shape(new)} where the cache holds "
-                f"{jnp.shape(old)}: pass one stream's cache or a batch of {jnp.shape(old)[0]}."
-            )
         chosen = streams.reshape(streams.shape + (1,) * (jnp.ndim(old) - 1))
         return jnp.where(chosen, jnp.broadcast_to(new, jnp.shape(old)), old)
 
