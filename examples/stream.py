@@ -1,7 +1,8 @@
 """Feed a causal encoder one sample at a time, as a control loop would.
 
-The step is jitted once over a fixed-capacity cache that is donated back at every tick, so the
-loop never recompiles and updates the cache in place. At the end the streamed outputs are checked
+A `Stream` holds the encoder's fixed-capacity cache and its step, compiled once; each tick
+donates the cache to the step, so the loop never recompiles and updates the cache in place, and a
+tick past the capacity would raise before it ran. At the end the streamed outputs are checked
 against `forward` on every prefix of the stream.
 
     python examples/stream.py --steps 200 --capacity 256
@@ -13,7 +14,7 @@ import time
 import jax
 import numpy as np
 
-from dense_armor.utility.neural import transformer_encoder
+from dense_armor.utility.neural import Stream, transformer_encoder
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -30,13 +31,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         n_in, 64, 4, 128, 2, n_out, jax.random.PRNGKey(0), args.capacity, causal=True
     )
     stream = jax.random.normal(jax.random.PRNGKey(1), (args.steps, n_in))
-    step = jax.jit(lambda m, x_t, cache: m.step(x_t, cache), donate_argnums=2)
+    live = Stream(model, args.capacity)
 
-    cache = model.init_cache(args.capacity)
     outputs, latencies = [], []
     for x_t in stream:
         start = time.perf_counter()
-        y_t, cache = step(model, x_t, cache)
+        y_t = live.step(x_t)
         y_t.block_until_ready()
         latencies.append(time.perf_counter() - start)
         outputs.append(np.asarray(y_t))

@@ -66,6 +66,7 @@ from dense_armor.utility.neural import (
     MultiHeadSelfAttention,
     RecurrentBlock,
     ShapeError,
+    Stream,
     TransformerBlock,
     TransformerDecoderBlock,
     blocked_attention,
@@ -688,6 +689,11 @@ BAD = [
     ("train-step-accumulate-a-bool", lambda: make_train_step(ADAM, accumulate=True), (TypeError, ValueError), r"make_train_step: `accumulate` must be a positive integer; received `accumulate=True` \(bool\)"),
     ("train-step-accumulate-zero", lambda: make_train_step(ADAM, accumulate=0), ValueError, r"make_train_step: `accumulate` must be a positive integer; received `accumulate=0`"),
     ("loss-averages-samples-a-string", lambda: Loss(lambda m, x, y, k: 0.0, averages_samples="true"), ValueError, r"`averages_samples` must be True or False; received `averages_samples='true'`"),
+    ("stream-capacity-a-string", lambda: Stream(MultiHeadSelfAttention(8, 2, KEY, causal=True), "4"), (TypeError, ValueError), r"Stream: `capacity` must be a positive integer; received `capacity='4'` \(str\)"),
+    ("stream-capacity-zero", lambda: Stream(MultiHeadSelfAttention(8, 2, KEY, causal=True), 0), ValueError, r"Stream: `capacity` must be a positive integer; received `capacity=0`"),
+    ("stream-of-a-layer-that-sees-the-future", lambda: Stream(MultiHeadSelfAttention(8, 2, KEY), 4), CannotStream, r"causal"),
+    ("stream-prefill-of-a-scalar", lambda: Stream(MultiHeadSelfAttention(8, 2, KEY, causal=True), 4).prefill(1.0), TypeError, r"Stream.prefill: expected a chunk of steps \(a leading axis of `K` rows\); received a scalar"),
+    ("stream-past-its-capacity", lambda: Stream(MultiHeadSelfAttention(8, 2, KEY, causal=True), 2).prefill(jnp.ones((3, 8))), eqx.EquinoxRuntimeError, r"Stream.prefill: the stream is full: 0 of its 2 steps taken, and this prefill needs 3"),
     ("process-id-too-large", with_env(DENSE_ARMOR_COORDINATOR="127.0.0.1:1", DENSE_ARMOR_NUM_PROCESSES="2", DENSE_ARMOR_PROCESS_ID="2"), ValueError, r"process id 2 is outside \[0, 2\)"),
 ]  # fmt: skip
 

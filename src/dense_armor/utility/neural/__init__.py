@@ -46,6 +46,7 @@ from ...nn.models.sequential import Sequential as Sequential
 from ...nn.models.stack import Stack as Stack
 from ...nn.models.stack import stack_layers as stack_layers
 from ...nn.models.stack import unstack_layers as unstack_layers
+from ...nn.models.stream import Stream as Stream
 from ...nn.state.cache import FixedKVCache as FixedKVCache
 from ...nn.state.cache import KeyValueCache as KeyValueCache
 from ...nn.state.cache import KVCache as KVCache

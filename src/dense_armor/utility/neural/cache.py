@@ -1,6 +1,7 @@
 """A face: the caches and per-stream control, re-exported from their homes in `dense_armor.nn`
 (this module defines nothing of its own)."""
 
+from ...nn.models.stream import Stream as Stream
 from ...nn.state.cache import FixedKVCache as FixedKVCache
 from ...nn.state.cache import KeyValueCache as KeyValueCache
 from ...nn.state.cache import KVCache as KVCache
