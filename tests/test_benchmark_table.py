@@ -15,6 +15,7 @@ FIGURES = {
     "encoder forward/equinox": 0.050,
     "encoder forward/flax nnx": 0.060,
     "streaming step/dense_armor step": 100e-6,
+    "streaming step/dense_armor stream": 50e-6,
     "streaming step/flax nnx decode": 300e-6,
     "streaming step/recompute": 4e-3,
     "exported/python forward (jit)": 0.040,
@@ -36,9 +37,10 @@ def test_the_table_shows_each_peer_over_dense_armor():
     )
     assert "250.0 ms (1.25x)" in table and "300.0 ms (1.50x)" in table
     assert (
-        "| 100 us | | 300 us (3.00x, decode cache) | recompute over the prefix: 4.00 ms (40x) |"
+        "| 50 us | | 300 us (6.00x, decode cache) | recompute over the prefix: 4.00 ms (80x) |"
         in table
     )
+    assert "callback in the step) | 100 us | | 300 us (3.00x) | |" in table
     assert "1.10x / 0.50x" in table and "2026-12-01, a CPU" in table
 
 

@@ -7,10 +7,13 @@ steps a donated fixed cache; Flax NNX calls its `decode=True` layer through `nnx
 `nnx.merge` in a jitted function (the state comes back, the cache updated); the recompute runs the
 causal forward over the 512-step prefix. The loops are interleaved in rounds of 16 steps starting
 half-way through the cache, each system leading the rounds in turn (the round after the
-recompute starts with cold caches). dense_armor's step is timed twice: with the cache's default
-`on_overflow="raise"` (`eqx.error_if`: a callback to Python compiled into the step, called only
-when a step overflows), and with `on_overflow="nan"` (NaN rows and a flag, no callback: what the
-exported step does). Also: the whole encoder's step (depth 2).
+recompute starts with cold caches). dense_armor is timed three ways: its `Stream` (the library's
+stepping loop: the model's and the cache's arrays held flat, the cache in the callback-free mode,
+the overflow raised on the host before the step; each round reaches its first position by a
+prefill and untimed steps), and the layer's `step` under the user's own `jax.jit` with the cache's
+default `on_overflow="raise"` (`eqx.error_if`: a callback to Python compiled into the step, called
+only when a step overflows) and with `on_overflow="nan"` (NaN rows and a flag, no callback: what
+the exported step does). Also: the whole encoder's step (depth 2).
 """
 
 import time
@@ -20,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dense_armor.utility.neural import MultiHeadSelfAttention, transformer_encoder
+from dense_armor.utility.neural import MultiHeadSelfAttention, Stream, transformer_encoder
 
 from .harness import block, record, table
 
@@ -77,6 +80,20 @@ def run() -> str:
         block(y)
         return (time.perf_counter() - tick) / ROUND
 
+    stream = Stream(ours, CAPACITY)
+
+    def stream_round(t0: int) -> float:
+        stream.reset()
+        y = stream.prefill(prefix[:half])
+        for t in range(half, t0):
+            y = stream.step(rows[t])
+        block(y)
+        tick = time.perf_counter()
+        for t in range(t0, t0 + ROUND):
+            y = stream.step(rows[t])
+        block(y)
+        return (time.perf_counter() - tick) / ROUND
+
     def flax_round(t0: int) -> float:
         flax_cache = start["flax"]
         tick = time.perf_counter()
@@ -93,6 +110,7 @@ def run() -> str:
         return (time.perf_counter() - tick) / 2
 
     systems = [
+        ("dense_armor stream", stream_round),
         ("dense_armor step", lambda t0: ours_round("dense_armor step", t0)),
         ("dense_armor step, nan", lambda t0: ours_round("dense_armor step, nan", t0)),
         ("flax nnx decode", flax_round),
@@ -102,43 +120,63 @@ def run() -> str:
     for r in range(16):
         t0 = half + (r % 8) * ROUND
         # each system leads the round in turn: the one after the recompute starts with cold caches
-        for name, run_round in systems[r % 4 :] + systems[: r % 4]:
+        for name, run_round in systems[r % len(systems) :] + systems[: r % len(systems)]:
             samples[name].append(run_round(t0))
     medians = {name: float(np.median(v)) for name, v in samples.items()}
 
     encoder = transformer_encoder(16, D_MODEL, HEADS, 512, 2, 10, key, CAPACITY, causal=True)
     enc_step = jax.jit(lambda m, x, cache: m.step(x, cache), donate_argnums=2)
-    enc_cache = encoder.init_cache(CAPACITY)
+    enc_stream = Stream(encoder, CAPACITY)
     x16 = jnp.ones((16,))
-    for _ in range(half):
-        y, enc_cache = enc_step(encoder, x16, enc_cache)
-    block(y)
-    tick = time.perf_counter()
-    for _ in range(64):
-        y, enc_cache = enc_step(encoder, x16, enc_cache)
-    block(y)
-    encoder_us = (time.perf_counter() - tick) / 64 * 1e6
 
-    ours_s = medians["dense_armor step"]
+    def encoder_round() -> tuple[float, float]:
+        # both from half-full caches, 32 steps each, alternating
+        enc_cache = encoder.init_cache(CAPACITY)
+        enc_stream.reset()
+        for _ in range(half):
+            y, enc_cache = enc_step(encoder, x16, enc_cache)
+            y = enc_stream.step(x16)
+        block((y, enc_cache))
+        tick = time.perf_counter()
+        for _ in range(32):
+            y, enc_cache = enc_step(encoder, x16, enc_cache)
+        block(y)
+        jitted = (time.perf_counter() - tick) / 32
+        tick = time.perf_counter()
+        for _ in range(32):
+            y = enc_stream.step(x16)
+        block(y)
+        return jitted, (time.perf_counter() - tick) / 32
+
+    encoder_rounds = [encoder_round() for _ in range(3)]
+    encoder_us = float(np.median([r[0] for r in encoder_rounds])) * 1e6
+    encoder_stream_us = float(np.median([r[1] for r in encoder_rounds])) * 1e6
+
+    ours_s = medians["dense_armor stream"]
     for system, seconds in medians.items():
         record(f"streaming step/{system}", seconds)
     record("streaming step/whole encoder", encoder_us / 1e6)
+    record("streaming step/whole encoder, stream", encoder_stream_us / 1e6)
     return (
         table(
             "Streaming: one causal self-attention step (d_model=128, 8 heads, capacity 512)",
             {
-                "dense_armor step (fixed cache)": ours_s,
-                "dense_armor step, on_overflow='nan'": medians["dense_armor step, nan"],
+                "dense_armor Stream (fixed cache)": ours_s,
+                "dense_armor step, jax.jit, 'raise'": medians["dense_armor step"],
+                "dense_armor step, jax.jit, 'nan'": medians["dense_armor step, nan"],
                 "flax nnx decode": medians["flax nnx decode"],
                 "recompute causal forward, T=512": medians["recompute"],
             },
-            "dense_armor step (fixed cache)",
+            "dense_armor Stream (fixed cache)",
         )
         + f"\nspeed-up of the step: {medians['flax nnx decode'] / ours_s:.2f}x over flax nnx "
         f"decode (target >= 3x), {medians['recompute'] / ours_s:.1f}x over recompute "
-        "(target >= 20x); with on_overflow='nan' "
-        f"{medians['flax nnx decode'] / medians['dense_armor step, nan']:.2f}x over flax nnx"
-        + f"\nwhole encoder step (d_model=128, depth 2, d_ff=512): {encoder_us:.1f} us"
+        "(target >= 20x); the layer's step under jax.jit: "
+        f"{medians['flax nnx decode'] / medians['dense_armor step']:.2f}x with the default "
+        f"on_overflow='raise', "
+        f"{medians['flax nnx decode'] / medians['dense_armor step, nan']:.2f}x with 'nan'"
+        + f"\nwhole encoder step (d_model=128, depth 2, d_ff=512): {encoder_stream_us:.1f} us "
+        f"by its Stream, {encoder_us:.1f} us by its step under jax.jit"
     )
 
 
