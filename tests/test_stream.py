@@ -14,6 +14,7 @@ from dense_armor.utility.neural import (
     MultiHeadSelfAttention,
     ShapeError,
     Stream,
+    TransformerDecoderBlock,
     transformer_encoder,
 )
 
@@ -105,3 +106,20 @@ def test_counters_carry_their_limit():
         if hasattr(node, "counter")
     }
     assert limits == {"PositionCache": 4, "FixedKVCache": 8}
+
+
+def test_a_decoder_streams_against_its_context():
+    decoder = TransformerDecoderBlock(8, 2, 16, KEY, d_context=3, gate=True)
+    context = jax.random.normal(jax.random.PRNGKey(2), (4, 3))
+    mask = jnp.array([True, False, True, True])
+    stream = Stream(decoder, 6, context=context, context_mask=mask)
+    full = decoder(X[:6], context, context_mask=mask)
+    np.testing.assert_allclose(stream.prefill(X[:2]), full[:2], atol=1e-5)
+    np.testing.assert_allclose(np.stack([stream.step(x) for x in X[2:6]]), full[2:], atol=1e-5)
+    stream.reset()  # the same context again
+    np.testing.assert_allclose(stream.step(X[0]), full[0], atol=1e-5)
+    assert mask.tolist() == [True, False, True, True]  # the caller's arrays were never donated
+    with pytest.raises(TypeError, match=r"streams against a context: pass `context=`"):
+        Stream(decoder, 6)
+    with pytest.raises(TypeError, match=r"MultiHeadSelfAttention takes no context"):
+        Stream(LAYER, 6, context=context)

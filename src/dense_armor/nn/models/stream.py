@@ -17,6 +17,7 @@ per chunk length.
 """
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,8 @@ from ..state.counter import Counter
 
 __all__ = ["Stream"]
 
+_PROTOCOL = ("init_cache", "step", "prefill")
+
 
 def _limit(cache: Any) -> int | None:
     """The smallest limit of the cache's counters (`None` if none has one)."""
@@ -40,7 +43,8 @@ def _limit(cache: Any) -> int | None:
 class Stream:
     """One stream through `model` (a causal layer or model with `init_cache`, `step` and
     `prefill`), with a fixed cache of `capacity` steps (`None`: the model's growing cache, which
-    compiles again at every length; a windowed or recurrent model needs none).
+    compiles again at every length; a windowed or recurrent model needs none). A decoder streams
+    against a `context` (and its `context_mask`), given here once for the stream's life.
 
     `step(x_t)` returns the output of one step and `prefill(x)` of `K` steps at once, as the
     model's `step` and `prefill` do; `reset()` empties the stream. A step or prefill that would
@@ -50,13 +54,36 @@ class Stream:
     The model's arrays are read once, at construction: a `Stream` serves a trained model, and a
     new model (new weights) needs a new `Stream`."""
 
-    def __init__(self, model: Any, capacity: int | None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        capacity: int | None,
+        *,
+        context: Any = None,
+        context_mask: Any = None,
+    ) -> None:
+        if not all(callable(getattr(model, name, None)) for name in _PROTOCOL):
+            raise TypeError(
+                "Stream: expected a model that streams (with `init_cache`, `step` and "
+                f"`prefill`); received {type(model).__name__}."
+            )
         if capacity is not None:
             require_int(capacity=capacity, caller="Stream")
+        needs_context = "context" in inspect.signature(model.init_cache).parameters
+        if needs_context != (context is not None):
+            raise TypeError(
+                f"Stream: {type(model).__name__} streams against a context: pass `context=` "
+                "(and `context_mask=` if it has padding)."
+                if needs_context
+                else f"Stream: {type(model).__name__} takes no context; received `context=`."
+            )
+        if context_mask is not None and context is None:
+            raise TypeError("Stream: `context_mask` needs a `context`.")
         self._model, self._capacity = model, capacity
+        self._context = (context, context_mask)
         params, static = eqx.partition(model, eqx.is_array)
         self._params, params_def = jax.tree_util.tree_flatten(params)
-        cache = model.init_cache(capacity, on_overflow="nan")
+        cache = self._fresh()
         self._cache, cache_def = jax.tree_util.tree_flatten(cache)
         self._cache_def = cache_def
         self._limit, self._position = _limit(cache), 0
@@ -127,10 +154,21 @@ class Stream:
             )
         return self._advance("prefill", x, int(x.shape[0]))
 
+    def _fresh(self) -> Any:
+        """An empty cache, in the callback-free mode, in buffers of its own: each step donates
+        them, and a cache may hold a caller's array (a decoder's `context_mask`)."""
+        context, mask = self._context
+        if context is None:
+            cache = self._model.init_cache(self._capacity, on_overflow="nan")
+        else:
+            cache = self._model.init_cache(
+                context, self._capacity, context_mask=mask, on_overflow="nan"
+            )
+        return jax.tree_util.tree_map(jnp.copy, cache)
+
     def reset(self) -> None:
-        """Empty the stream: a fresh cache, `position` 0."""
-        cache = self._model.init_cache(self._capacity, on_overflow="nan")
-        self._cache, self._position = jax.tree_util.tree_leaves(cache), 0
+        """Empty the stream: a fresh cache (against the same context), `position` 0."""
+        self._cache, self._position = jax.tree_util.tree_leaves(self._fresh()), 0
 
     def __repr__(self) -> str:
         return (
