@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dense_armor.nn.models.language_model import TransformerLM
 from dense_armor.utility.neural import (
     GRU,
     CannotStream,
@@ -123,3 +124,12 @@ def test_a_decoder_streams_against_its_context():
         Stream(decoder, 6)
     with pytest.raises(TypeError, match=r"MultiHeadSelfAttention takes no context"):
         Stream(LAYER, 6, context=context)
+
+
+def test_a_language_model_streams_its_tokens():
+    lm = TransformerLM(50, 16, 2, 32, 1, KEY, 8)
+    ids = jnp.array([3, 1, 4, 1, 5], jnp.int32)
+    stream = Stream(lm, 8)
+    logits = np.concatenate([stream.prefill(ids[:3]), np.stack([stream.step(i) for i in ids[3:]])])
+    np.testing.assert_allclose(logits, lm(ids), atol=1e-5)
+    assert stream.position == 5 and stream.limit == 8
