@@ -690,6 +690,8 @@ BAD = [
     ("train-step-accumulate-zero", lambda: make_train_step(ADAM, accumulate=0), ValueError, r"make_train_step: `accumulate` must be a positive integer; received `accumulate=0`"),
     ("loss-averages-samples-a-string", lambda: Loss(lambda m, x, y, k: 0.0, averages_samples="true"), ValueError, r"`averages_samples` must be True or False; received `averages_samples='true'`"),
     ("stream-of-a-non-model", lambda: Stream(jnp.ones(3), 4), TypeError, r"Stream: expected a model that streams \(with `init_cache`, `step` and `prefill`\); received ArrayImpl"),
+    ("stream-of-a-decoder-without-its-context", lambda: Stream(TransformerDecoderBlock(8, 2, 16, KEY, d_context=3), 4), TypeError, r"Stream: TransformerDecoderBlock streams against a context: pass `context=`"),
+    ("stream-context-mask-without-a-context", lambda: Stream(MultiHeadSelfAttention(8, 2, KEY, causal=True), 4, context_mask=jnp.ones(3, bool)), TypeError, r"Stream: `context_mask` needs a `context`"),
     ("stream-capacity-a-string", lambda: Stream(MultiHeadSelfAttention(8, 2, KEY, causal=True), "4"), (TypeError, ValueError), r"Stream: `capacity` must be a positive integer; received `capacity='4'` \(str\)"),
     ("stream-capacity-zero", lambda: Stream(MultiHeadSelfAttention(8, 2, KEY, causal=True), 0), ValueError, r"Stream: `capacity` must be a positive integer; received `capacity=0`"),
     ("stream-of-a-layer-that-sees-the-future", lambda: Stream(MultiHeadSelfAttention(8, 2, KEY), 4), CannotStream, r"causal"),
