@@ -119,7 +119,7 @@ class Embedding(Pointwise):
         self, ids: Int[Array, "*T"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "*T d_model"]:
         valid = self.in_range(ids)
-        rows = jnp.take(self.table.value, jnp.clip(ids, 0, self.vocab - 1), axis=0)
+        rows = jnp.take(self.table.value, jnp.clip(ids, 0, self.vocab - 1), axis=0, mode="clip")
         if not isinstance(ids, jax.core.Tracer) and self.on_invalid == "raise":
             bad = np.argwhere(~np.asarray(valid))
             if bad.size:

@@ -99,8 +99,8 @@ class PositionalEncoding(Layer):
         """Add the rows of the next `K` positions to `x`, and count `K` steps; a position at or
         past `max_len` fails as the counter's `on_overflow` says."""
         positions, fits, counter = cache.counter.advance(x.shape[0])
-        if self.max_len is not None:
-            positions = jnp.minimum(positions, self.max_len - 1)
+        if self.max_len is not None:  # a row past the table is never read (its output fails)
+            positions = jnp.clip(positions, 0, self.max_len - 1)
         y = x + self.rows(positions, x.shape[1]).astype(x.dtype)
         message = f"{type(self).__name__}: step at a position >= max_len={self.max_len}"
         return counter.guard(y, fits, message), PositionCache(counter)
@@ -124,7 +124,9 @@ class LearnedPositions(PositionalEncoding):
         self.d_model = d_model
 
     def rows(self, positions: Int[Array, "*P"], d_model: int) -> Float[Array, "*P d_model"]:
-        return self.P.value[positions]
+        # clipped here too: every index of the gather inside the table, whatever the runtime
+        inside = jnp.clip(positions, 0, self.P.value.shape[0] - 1)
+        return jnp.take(self.P.value, inside, axis=0, mode="clip")
 
 
 class AddPositions(PositionalEncoding):

@@ -295,7 +295,7 @@ class MinGRU(Recurrent):
         if mask is not None:  # a skipped step is the identity map
             a = jnp.where(mask[:, None], a, 1.0)
             b = jnp.where(mask[:, None], b, 0.0)
-        b = b.at[0].add(a[0] * state.h)  # the first map applied to the state
+        b = jnp.concatenate([b[:1] + a[:1] * state.h[None], b[1:]])  # the first map on the state
 
         def compose(earlier: tuple[Array, Array], later: tuple[Array, Array]) -> tuple[Any, Any]:
             return earlier[0] * later[0], later[0] * earlier[1] + later[1]

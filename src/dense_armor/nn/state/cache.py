@@ -127,25 +127,39 @@ def _check_buffers(buffer: Array, new: Array, rows: str, owner: str) -> None:
         )
 
 
-def _write_rows(buffer: Array, rows: Array, slots: Array, keep: Array | None = None) -> Array:
-    """`buffer (n_heads, N, d_head)` with `rows (n_heads, K, d_head)` written at rows `slots (K,)`
-    (distinct among the written); where `keep` is true a row is not written.
+def _write_rows(
+    buffer: Array, rows: Array, slots: Array, last: Array, keep: Array | None = None
+) -> Array:
+    """`buffer (n_heads, N, d_head)` with `rows (n_heads, K, d_head)` written at rows `slots (K,)`.
+
+    Every index stays inside the buffer by construction, whatever runtime runs the step (XLA
+    drops an out-of-range scatter update; IREE writes it, past the end of the buffer): `slots`
+    are clipped into `[0, N)`, and a slot that several of the `K` writes share gets the same row
+    from each of them, so their order does not matter. `last (K,)` is that row: the one of `rows`
+    the slot holds after the write (in `[0, K)`), or, where `keep` is true, the buffer's own row
+    (a write that must not land: it writes back what is there).
 
     One scatter into the leading axis of the buffer seen as `(n_heads * N, d_head)` (a reshape
-    that moves nothing): row `slot` of head `h` is row `h * N + slot`, and a row not written gets
-    the index `n_heads * N`, past the end, where the scatter drops it. In place under donation;
+    that moves nothing): row `slot` of head `h` is row `h * N + slot`. In place under donation;
     under `jax.vmap` (a batch of streams) a scatter with one batching dimension, which every
     StableHLO consumer compiles (IREE rejects the batched dynamic-update-slice into the inner
     axis that a per-head write becomes), so the exported modules for other runtimes and JAX
     write a cache the same way."""
     n_heads, n, d_head = buffer.shape
-    heads = jnp.arange(n_heads, dtype=slots.dtype)[:, None]
-    index = heads * n + slots[None, :]  # (n_heads, K)
+    slots = jnp.clip(slots, 0, n - 1)
+    if isinstance(rows.shape[1], int) and rows.shape[1] == 1:  # a step: its one row
+        new = rows.astype(buffer.dtype)
+    else:
+        new = jnp.take(rows, jnp.clip(last, 0, rows.shape[1] - 1), axis=1, mode="clip")
+        new = new.astype(buffer.dtype)
     if keep is not None:
-        index = jnp.where(keep[None, :], n_heads * n, index)
+        old = jnp.take(buffer, slots, axis=1, mode="clip")
+        new = jnp.where(keep[None, :, None], old, new)
+    heads = jnp.arange(n_heads, dtype=slots.dtype)[:, None]
+    index = (heads * n + slots[None, :]).reshape(-1)  # (n_heads * K,), each in [0, n_heads * N)
     flat = buffer.reshape(n_heads * n, d_head)
-    new = rows.astype(buffer.dtype).reshape(-1, d_head)
-    return flat.at[index.reshape(-1)].set(new, mode="drop").reshape(buffer.shape)
+    written = flat.at[index].set(new.reshape(-1, d_head), mode="promise_in_bounds")
+    return written.reshape(buffer.shape)
 
 
 class KVCache(KeyValueCache):
@@ -229,8 +243,13 @@ class FixedKVCache(KeyValueCache, Counted):
         _refuse_window(window, owner)
         _check_buffers(self.keys, keys, "capacity", owner)
         positions, fits, counter = self.counter.advance(keys.shape[1])
-        new_keys = _write_rows(self.keys, keys, positions, keep=~fits)
-        new_values = _write_rows(self.values, values, positions, keep=~fits)
+        # A step past the last slot writes slot N - 1 again, with what that slot ends up holding:
+        # the chunk's row for it, or (the cache full before the chunk) the row already there.
+        slots = jnp.minimum(positions, self.capacity - 1)
+        first = self.counter.index
+        keep = slots < first
+        new_keys = _write_rows(self.keys, keys, slots, slots - first, keep)
+        new_values = _write_rows(self.values, values, slots, slots - first, keep)
         visible = sees(
             positions[:, None], jnp.arange(self.capacity, dtype=positions.dtype)[None, :]
         )
@@ -293,12 +312,14 @@ class RingKVCache(KeyValueCache):
         written = jnp.concatenate([held >= 0, jnp.ones(steps, bool)])
         visible = written[None, :] & sees(new[:, None], positions[None, :], window)
         # The softmax does not care about the order of the keys, so the ring needs no rotation.
-        # Only the last `window` new steps stay in the ring, each in its own row; the earlier
-        # ones of a long chunk are not written (a comparison, so `steps` may be symbolic).
-        overwritten = jnp.arange(steps) < steps - window
+        # Only the last `window` new steps stay in the ring, each in its own row: an earlier one
+        # of a long chunk writes its slot with the later step that the slot keeps (arithmetic on
+        # `arange`, so `steps` may be symbolic).
+        i = jnp.arange(steps, dtype=n.dtype)
+        last = i + window * ((steps - 1 - i) // window)
         slots = jnp.mod(new, window)
-        ring_keys = _write_rows(self.keys, keys, slots, keep=overwritten)
-        ring_values = _write_rows(self.values, values, slots, keep=overwritten)
+        ring_keys = _write_rows(self.keys, keys, slots, last)
+        ring_values = _write_rows(self.values, values, slots, last)
         index = n + steps
         index = jnp.where(index >= 2 * window, window + jnp.mod(index - window, window), index)
         return KVUpdate(
