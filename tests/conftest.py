@@ -22,6 +22,7 @@ LONGEST_FIRST = [
     "test_docs.py",  # 104
     "test_export.py",  # 84
     "test_iree.py",  # 69
+    "test_index_safety.py",
     "test_examples.py",  # 55
     "test_prefill.py",  # 50
     "test_distributed.py",  # 49

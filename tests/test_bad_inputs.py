@@ -307,6 +307,15 @@ def pjrt_refused(tmp, capsys, *arguments, edit=None):
     raise AssertionError(f"exit {code}: {err}")
 
 
+def run_py_refused(tmp, capsys, *arguments):
+    """run.py on the small artifact: exit 2 with one `error:` line, raised as SystemExit."""
+    code = run_py([str(exported(tmp)), *arguments])
+    err = capsys.readouterr().err
+    if code == 2 and err.startswith("error:") and err.count("\n") == 1:
+        raise SystemExit(err)
+    raise AssertionError(f"exit {code}: {err}")
+
+
 def iree_edited(tmp, capsys, edit):
     directory = edited_manifest(tmp, lambda m: (with_compiled_claim(m), edit(m)))
     code = run_py([str(directory), "--iree"])
@@ -612,6 +621,10 @@ BAD = [
     ("compile-cache-a-file", lambda tmp, _: compile_artifact(exported(tmp), ["llvm-cpu"], cache=tmp / "art" / "manifest.json"), ArtifactError, r"the compile cache .*manifest.json is a file, not a directory"),
     ("check-golden-steps-zero", lambda tmp, _: check_golden(load(exported(tmp)), steps=0), ArtifactError, r"`steps` must be a positive integer .* or None for all; received 0"),
     ("check-iree-steps-a-string", lambda tmp, _: check_iree(exported(tmp), steps="3"), ArtifactError, r"`steps` must be a positive integer.*received '3'"),
+    ("check-iree-device-a-gpu", lambda tmp, _: check_iree(exported(tmp), device="cuda"), ArtifactError, r"`device` must be one of \('local-task', 'local-sync'\); received 'cuda'"),
+    ("run-py-iree-device-unknown", lambda tmp, _: run_py([str(exported(tmp)), "--iree", "--device", "local-gpu"]), SystemExit, r"^2$"),
+    ("run-py-steps-negative", lambda tmp, capsys: run_py_refused(tmp, capsys, "--steps", "-3"), SystemExit, r"error: `steps` must be a positive integer .*received -3"),
+    ("run-py-iree-steps-zero", lambda tmp, capsys: run_py_refused(tmp, capsys, "--iree", "--steps", "0"), SystemExit, r"error: `steps` must be a positive integer .*received 0"),
     ("init-streams-float", lambda: MODEL.init_streams(2.0, 6), ValueError, r"`batch` must be a positive integer; received `batch=2.0` \(float\)"),
     ("initialize-timeout-float", lambda: initialize("127.0.0.1:1", 2, 0, timeout=1.5), ValueError, r"`timeout` must be a positive number of seconds; got 1.5"),
     ("evaluate-batch-size-string", lambda: evaluate(MODEL, XS, LABELS, batch_size="8"), TypeError, r"evaluate: `batch_size` must be a positive integer; received `batch_size='8'`"),

@@ -158,7 +158,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     ru.add_argument("directory", type=pathlib.Path)
     ru.add_argument("--plugin", type=pathlib.Path, help="the PJRT plugin (xla-cpu-pjrt's)")
-    ru.add_argument("--steps", type=int, help="golden steps of each stream to run (all)")
+    ru.add_argument(
+        "--steps",
+        type=int,
+        help="steps of each stream (the golden ones); past them the last input repeats and each "
+        "step is checked against the overflow contract",
+    )
     ru.add_argument("--repeat", type=int, default=1, help="run each stream R times (latency)")
     ru.add_argument("--tolerance", type=float, help="largest error accepted (as run.py's)")
     ru.add_argument("--cc", help="the C compiler ($CC, cc, gcc or clang)")

@@ -12,8 +12,12 @@
    init_cache, prefill, reset, and a stream of `step` calls (or a language model's `sample_step`
    decoding) whose cache stays on the device from one call to the next, only each step's output
    coming back to the host. It prints the largest error against the Python model's outputs and
-   the median latency of a step. Exit status: 0 within the tolerance, 1 beyond it, 2 for an
-   unusable artifact, plugin or command line (a one-line `error: ...` on stderr), as run.py. */
+   the median latency of a step. `--steps N` past a stream's golden steps repeats its last input
+   (a decoding feeds back its tokens) and checks each step past them against the overflow
+   contract: a stream flagged `overflow` has NaN outputs, an unflagged one finite outputs, and a
+   flagged stream's fixed key/value cache never changes. Exit status: 0 within the tolerance, 1
+   beyond it (or off the contract), 2 for an unusable artifact, plugin or command line (a one-line
+   `error: ...` on stderr), as run.py. */
 
 #define _POSIX_C_SOURCE 200809L
 #include <dlfcn.h>
@@ -816,6 +820,80 @@ static void check_golden_array(const Array *a, const Spec *s, int leading_steps,
     fail("%s: golden array %s does not fit the manifest's %s (edited?).", where, a->name, s->name);
 }
 
+/* A stream past its golden steps (--steps beyond them), its last input repeated (a decoding
+   feeds back its tokens): each call checked against the manifest's overflow contract. A stream
+   flagged `overflow` must have NaN outputs (a decoding's tokens are not checked), an unflagged one
+   finite outputs, and a stream flagged before the call its fixed key/value cache unchanged. */
+typedef struct {
+  size_t batch, n_cache;
+  int *fixed;          /* per cache array: part of a fixed key/value cache */
+  unsigned char *was;  /* per stream: flagged before this call */
+  long *first;         /* per stream: the step (from 1) its flag was first seen set; 0: never */
+  unsigned char **before; /* the fixed cache arrays before this call, on the host */
+  size_t *sizes;
+  long broken;         /* streams off the contract, summed over the calls */
+} Past;
+
+static Past past_start(Json *manifest, const Spec *cache, size_t n_cache, size_t batch) {
+  Past p = {.batch = batch, .n_cache = n_cache};
+  p.fixed = checked_alloc(n_cache * sizeof *p.fixed);
+  p.was = checked_alloc(batch), p.first = checked_alloc(batch * sizeof *p.first);
+  p.before = checked_alloc(n_cache * sizeof *p.before), p.sizes = checked_alloc(n_cache * sizeof *p.sizes);
+  Json *layout = json_get(json_get(manifest, "streaming"), "layout");
+  for (size_t i = 0; i < n_cache && layout && layout->type == J_ARRAY; i++)
+    for (size_t k = 0; k < layout->n; k++) {
+      Json *path = json_get(layout->items[k], "path"), *holders = json_get(layout->items[k], "holders");
+      if (path && path->type == J_STRING && !strcmp(path->string, cache[i].name) && holders &&
+          holders->type == J_ARRAY && holders->n > 0 && holders->items[0]->type == J_STRING)
+        p.fixed[i] = !strcmp(holders->items[0]->string, "FixedKVCache");
+    }
+  return p;
+}
+
+static void past_before(Past *p, PJRT_Buffer **cache) {
+  for (size_t i = 0; i < p->n_cache; i++)
+    if (p->fixed[i]) p->before[i] = to_host(cache[i], &p->sizes[i]);
+}
+
+static void past_after(Past *p, const unsigned char *y, size_t y_size, const DType *y_type, int tokens,
+                       PJRT_Buffer **cache, PJRT_Buffer *flags_buffer, long step) {
+  size_t size, per = y_size / y_type->size / p->batch;
+  unsigned char *flags = to_host(flags_buffer, &size);
+  unsigned char **after = checked_alloc(p->n_cache * sizeof *after);
+  for (size_t i = 0; i < p->n_cache; i++)
+    if (p->fixed[i]) after[i] = to_host(cache[i], &size);
+  for (size_t b = 0; b < p->batch; b++) {
+    int wrong = 0, rewritten = 0;
+    for (size_t j = 0; !tokens && j < per; j++) {
+      double v = element(y_type, y, b * per + j);
+      wrong |= flags[b] ? !isnan(v) : !isfinite(v);
+    }
+    for (size_t i = 0; p->was[b] && i < p->n_cache; i++) {
+      size_t slice = p->sizes[i] / p->batch;
+      if (p->fixed[i]) rewritten |= memcmp(p->before[i] + b * slice, after[i] + b * slice, slice) != 0;
+    }
+    p->broken += wrong || rewritten;
+    if (flags[b] && !p->first[b]) p->first[b] = step;
+    p->was[b] = flags[b];
+  }
+  for (size_t i = 0; i < p->n_cache; i++)
+    if (p->fixed[i]) free(after[i]), free(p->before[i]);
+  free(after), free(flags);
+}
+
+static void past_report(Run *run, Past *p, const char *label, long extra, long golden_steps) {
+  char where[256] = "", line[512];
+  size_t used = 0;
+  for (size_t b = 0; b < p->batch && used < sizeof where; b++)
+    if (p->first[b])
+      used += (size_t)snprintf(where + used, sizeof where - used, "%sstream %zu from step %ld",
+                               used ? ", " : "", b, p->first[b]);
+  snprintf(line, sizeof line, "%s, %ld steps past the golden %ld (overflow: %s; streams off contract)",
+           label, extra, golden_steps, used ? where : "none");
+  report(run, line, (double)p->broken);
+  free(p->fixed), free(p->was), free(p->first), free(p->before), free(p->sizes);
+}
+
 static void run_case(Run *run, Json *c, Json *entry, Module *module) {
   const char *function = need(c, "function", J_STRING, "golden.static[].")->string;
   Json *sizes = need(c, "shape", J_OBJECT, "golden.static[].");
@@ -893,7 +971,8 @@ static void run_case(Run *run, Json *c, Json *entry, Module *module) {
     if (n_out != n_cache + 2)
       fail("%s: a step returns its output, the cache and the overflow flags; the manifest lists "
            "%zu outputs for %zu cache arrays (edited?).", label, n_out, n_cache);
-    long n = run->steps > 0 && run->steps < steps ? run->steps : steps;
+    long n = run->steps > 0 ? run->steps : steps; /* past `steps`: the last input again */
+    Past past = past_start(run->manifest, &specs[n_weights + plain], n_cache, (size_t)golden_in[0]->dims[0]);
     const Array *xs = golden_in[0];
     size_t batch = (size_t)xs->dims[0], row = xs->dtype->size; /* bytes of one step of one stream */
     for (int d = 2; !feedback && d < xs->ndim; d++) row *= (size_t)xs->dims[d];
@@ -913,7 +992,7 @@ static void run_case(Run *run, Json *c, Json *entry, Module *module) {
           Array slice = *xs;
           unsigned char *rows = checked_alloc(batch * row);
           for (size_t b = 0; b < batch; b++)
-            memcpy(rows + b * row, xs->data + (b * (size_t)steps + (size_t)t) * row, row);
+            memcpy(rows + b * row, xs->data + (b * (size_t)steps + (size_t)(t < steps ? t : steps - 1)) * row, row);
           slice.data = rows, slice.nbytes = batch * row, slice.ndim = xs->ndim - 1;
           for (int d = 1; d < slice.ndim; d++) slice.dims[d] = xs->dims[d + 1];
           x_t = to_device(&slice, specs[n_weights].dtype);
@@ -921,12 +1000,21 @@ static void run_case(Run *run, Json *c, Json *entry, Module *module) {
           every[n_weights] = x_t;
         }
         for (size_t k = 0; k < kept->n; k++) args[k] = every[(size_t)kept->items[k]->number];
+        int beyond = r == 0 && t >= steps;
+        if (beyond) past_before(&past, &every[n_weights + plain]);
         double begin = now_us();
         execute(module, args, kept->n, results);
         unsigned char *y = to_host(results[0], &size); /* only the step's output comes back */
         latency[timed++] = now_us() - begin;
         size_t per_step = count_of(golden_out[0]) / (size_t)steps;
-        if (r == 0) {
+        if (beyond) past_after(&past, y, size, out[0].dtype, feedback, &results[1], results[n_out - 1], t + 1);
+        else if (r == 0 && t == steps - 1) { /* the flags the first call past the golden starts from */
+          size_t flag_size;
+          unsigned char *flags = to_host(results[n_out - 1], &flag_size);
+          memcpy(past.was, flags, flag_size < past.batch ? flag_size : past.batch);
+          free(flags);
+        }
+        if (r == 0 && t < steps) {
           for (size_t b = 0; b < batch; b++) {
             size_t offset = (b * (size_t)steps + (size_t)t) * (per_step / batch);
             double e = largest_error(y + b * (per_step / batch) * out[0].dtype->size,
@@ -950,7 +1038,7 @@ static void run_case(Run *run, Json *c, Json *entry, Module *module) {
         } else {
           destroy_buffer(results[0]);
         }
-        if (t == n - 1 && r == 0 && n == steps) { /* the whole stream: its final cache and flags */
+        if (t == steps - 1 && r == 0) { /* the whole golden stream: its final cache and flags */
           for (size_t i = 1; i < n_out; i++) {
             unsigned char *host = to_host(results[i], &size);
             double e = largest_error(host, size, out[i].dtype, golden_out[i], 0, count_of(golden_out[i]));
@@ -968,11 +1056,13 @@ static void run_case(Run *run, Json *c, Json *entry, Module *module) {
     }
     char line[320];
     if (feedback) {
-      snprintf(line, sizeof line, "%s, %ld tokens (tokens that differ)", label, n);
+      snprintf(line, sizeof line, "%s, %ld tokens (tokens that differ)", label, n < steps ? n : steps);
       report(run, line, (double)wrong);
     }
-    snprintf(line, sizeof line, "%s, %ld steps", label, n);
+    snprintf(line, sizeof line, "%s, %ld steps", label, n < steps ? n : steps);
     report(run, line, worst > final ? worst : final);
+    if (n > steps) past_report(run, &past, label, n - steps, steps);
+    else free(past.fixed), free(past.was), free(past.first), free(past.before), free(past.sizes);
     qsort(latency, (size_t)timed, sizeof *latency, by_value);
     printf("  %-44s %.1f us per step (median of %ld, cache on the device)\n", "", latency[timed / 2], timed);
     memcpy(every, start, n_in * sizeof *every); /* the golden inputs, destroyed below */

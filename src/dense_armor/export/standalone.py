@@ -7,14 +7,18 @@ directory as `run.py`, so a deployment can run
 
 to verify every file's sha256, run the golden inputs through the exported forward and a stream
 through the exported `init_cache`, `prefill`, `step` and `reset` (the first `N` steps), and print
-the largest error against the outputs of the Python model. `load(ARTIFACT_DIR)` returns an
+the largest error against the outputs of the Python model. An `N` past the golden stream repeats
+its last input: each step past it is checked against the overflow contract (a stream past the
+capacity is flagged, its outputs NaN, its fixed cache unchanged), and the line says from which
+step each stream overflowed. `load(ARTIFACT_DIR)` returns an
 `Artifact` with `forward`, `init_cache`, `step`, `prefill` and `reset`.
 
     python run.py ARTIFACT_DIR --iree
 
 runs the IREE-compiled static modules (`dense-armor compile`) on their golden cases with IREE's
-own runner, `iree-run-module`, instead: the forward, `init_cache`, `prefill`, `reset` and a stream
-of steps with the cache fed back. That needs numpy, safetensors and `iree-run-module` (the
+own runner, `iree-run-module` (`--device local-sync` for IREE's single-thread device), instead:
+the forward, `init_cache`, `prefill`, `reset` and a stream of steps with the cache fed back
+(`--steps N` as above). That needs numpy, safetensors and `iree-run-module` (the
 `iree-base-runtime` wheel), not jax.
 
     python run.py ARTIFACT_DIR --pjrt [--plugin PLUGIN.so]
@@ -405,7 +409,8 @@ def check_golden(artifact: Artifact, steps: int | None = None) -> dict[str, floa
         errors[f"forward B={case['B']} T={case['T']}"] = _error(y, golden[case["output"]])
     plan = artifact.manifest["golden"]["stream"]
     xs, ys = golden[plan["x"]], golden[plan["y"]]
-    n = xs.shape[1] if steps is None else max(1, min(steps, xs.shape[1]))
+    total = xs.shape[1] if steps is None else steps
+    n = min(total, xs.shape[1])
     cache = artifact.call("init_cache", *(golden[k] for k in plan["init_cache"]["inputs"]))
     errors["init_cache"] = max(
         (_error(a, golden[k]) for a, k in zip(cache, plan["init_cache"]["outputs"], strict=True)),
@@ -432,7 +437,27 @@ def check_golden(artifact: Artifact, steps: int | None = None) -> dict[str, floa
     errors[f"step B={b}, {n - k} steps"] = worst["step"]
     if k <= plan["reset_at"] < n:
         errors[f"reset at step {plan['reset_at']}"] = worst["reset"]
+    if total > n:
+        errors.update(_steps_past_the_golden(artifact, xs[:, -1], cache, overflow, n, total))
     return errors
+
+
+def _steps_past_the_golden(
+    artifact: Artifact, x_t: Any, cache: Any, overflow: Any, done: int, total: int
+) -> dict[str, float]:
+    """Steps `done + 1 .. total` of the golden stream, its last input repeated: the streams that
+    break the overflow contract (`_past_the_golden`)."""
+    fixed = _fixed_cache(artifact.manifest, artifact.manifest["functions"]["step"])
+    broken, flagged = 0, {}
+    for t in range(done, total):
+        before = [np.array(a) for a in cache]  # the step donates the cache
+        y_t, new, flags = artifact.step(x_t, cache)
+        broken += _past_the_golden(y_t, before, new, overflow, flags, fixed, tokens=False)
+        for b in np.flatnonzero(np.asarray(flags)):
+            flagged.setdefault(int(b), t + 1)
+        cache, overflow = new, flags
+    b = np.asarray(x_t).shape[0]
+    return {_past_label(f"step B={b}", total - done, done, flagged): float(broken)}
 
 
 def _runner() -> str:
@@ -453,11 +478,13 @@ def run_iree(
     outputs: Sequence[dict[str, Any]],
     sizes: dict[str, int],
     work: pathlib.Path,
+    device: str = "local-task",
 ) -> list[np.ndarray]:
-    """`main` of a compiled module on the local CPU through `iree-run-module`, inputs and outputs
-    passed as files (`outputs`: the manifest's output specs, their dimensions named in `sizes`).
-    A bfloat16 output, which .npy cannot hold, comes back as raw bytes, widened to float32."""
-    args = [runner, "--device=local-task", f"--module={module}", "--function=main"]
+    """`main` of a compiled module on the local CPU through `iree-run-module` (on IREE's
+    `device`), inputs and outputs passed as files (`outputs`: the manifest's output specs, their
+    dimensions named in `sizes`). A bfloat16 output, which .npy cannot hold, comes back as raw
+    bytes, widened to float32."""
+    args = [runner, f"--device={device}", f"--module={module}", "--function=main"]
     for i, array in enumerate(inputs):
         np.save(work / f"in{i}.npy", np.ascontiguousarray(array))
         args.append(f"--input=@{work / f'in{i}.npy'}")
@@ -494,9 +521,10 @@ def _run_kept(
     sizes: dict[str, int],
     work: pathlib.Path,
     every: Sequence[np.ndarray],
+    device: str = "local-task",
 ) -> list[np.ndarray]:
     """`run_iree` on the inputs of `every` (weights, plain inputs, cache) that the module kept."""
-    return run_iree(runner, module, [every[i] for i in kept], outputs, sizes, work)
+    return run_iree(runner, module, [every[i] for i in kept], outputs, sizes, work, device)
 
 
 # StableHLO's element types, by the names the manifest gives them.
@@ -582,11 +610,20 @@ def _check_generation(
     return {f"decode B={prompts.shape[0]}, {n} tokens (tokens that differ)": float(wrong)}
 
 
-def check_iree(directory: str | pathlib.Path, steps: int | None = None) -> dict[str, float]:
-    """Run every `llvm-cpu` module of the artifact on its golden case with `iree-run-module` and
+IREE_DEVICES = ("local-task", "local-sync")
+
+
+def check_iree(
+    directory: str | pathlib.Path, steps: int | None = None, device: str = "local-task"
+) -> dict[str, float]:
+    """Run every `llvm-cpu` module of the artifact on its golden case with `iree-run-module` (on
+    IREE's `device`: `local-task`, its thread pool, or `local-sync`, the calling thread) and
     return the largest absolute error of each against the Python model's outputs. A step case is
-    a stream: `steps` (default all) calls, the cache fed back."""
+    a stream: `steps` (default all) calls, the cache fed back; past the golden stream its last
+    input is repeated (a decoding feeds back its tokens) and `_past_the_golden` checks each call."""
     _check_steps(steps)
+    if device not in IREE_DEVICES:
+        raise ArtifactError(f"`device` must be one of {IREE_DEVICES}; received {device!r}.")
     directory = pathlib.Path(directory)
     manifest = read_manifest(directory)
     verify_files(directory, manifest)
@@ -605,7 +642,7 @@ def check_iree(directory: str | pathlib.Path, steps: int | None = None) -> dict[
     stored = _load_safetensors(directory / manifest["weights"]["file"])
     weights = [stored[n] for n in manifest["weights"]["names"]]
     golden = _load_safetensors(directory / manifest["golden"]["file"])
-    errors = {}
+    errors: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as work:
         for case in manifest["golden"]["static"]:
             entry = next(
@@ -615,45 +652,118 @@ def check_iree(directory: str | pathlib.Path, steps: int | None = None) -> dict[
             )
             if entry["bytecode"] not in compiled:
                 continue
-            module = directory / compiled[entry["bytecode"]]
-            kept = entry["kept_inputs"]
-            inputs = [golden[k] for k in case["inputs"]]
-            expected = [golden[k] for k in case["outputs"]]
-            outputs = manifest["functions"][case["function"]]["outputs"]
             label = "iree " + " ".join(
                 [case["function"], *(f"{d}={v}" for d, v in case["shape"].items())]
             )
             call = functools.partial(
-                _run_kept, runner, module, kept, outputs, case["shape"], pathlib.Path(work)
+                _run_kept,
+                runner,
+                directory / compiled[entry["bytecode"]],
+                entry["kept_inputs"],
+                manifest["functions"][case["function"]]["outputs"],
+                case["shape"],
+                pathlib.Path(work),
+                device=device,
             )
-
+            inputs = [golden[k] for k in case["inputs"]]
+            expected = [golden[k] for k in case["outputs"]]
             if case["steps"] is None:
                 got = call([*weights, *inputs])
                 errors[label] = max(_error(g, e) for g, e in zip(got, expected, strict=True))
-                continue
-            roles = [i["role"] for i in manifest["functions"][case["function"]]["inputs"]]
-            plain = len([r for r in roles if r not in ("weight", "cache")])
-            xs, rest, cache = inputs[0], inputs[1:plain], inputs[plain:]
-            n = case["steps"] if steps is None else max(1, min(steps, case["steps"]))
-            worst, feedback, wrong = 0.0, bool(case.get("feedback")), 0
-            x_t = xs if feedback else xs[:, 0]
-            for t in range(n):
-                got = call([*weights, x_t, *rest, *cache])
-                cache = got[1:-1]
-                if feedback:  # decoding: each step's token is the next one's input
-                    wrong += int(np.sum(np.asarray(got[0]) != expected[0][:, t]))
-                    x_t = got[0]
-                else:
-                    worst = max(worst, _error(got[0], expected[0][:, t]))
-                    x_t = xs[:, min(t + 1, xs.shape[1] - 1)]
-            if feedback:
-                errors[f"{label}, {n} tokens (tokens that differ)"] = float(wrong)
-            if n == case["steps"]:  # the whole stream: its final cache and flags too
-                worst = max(
-                    [worst] + [_error(g, e) for g, e in zip(got[1:], expected[1:], strict=True)]
-                )
-            errors[f"{label}, {n} steps"] = worst
+            else:
+                stream = functools.partial(_iree_stream, manifest, case, call, weights)
+                errors.update(stream(inputs, expected, label, steps))
     return errors
+
+
+def _iree_stream(
+    manifest: dict[str, Any],
+    case: dict[str, Any],
+    call: Any,
+    weights: list[np.ndarray],
+    inputs: list[np.ndarray],
+    expected: list[np.ndarray],
+    label: str,
+    steps: int | None,
+) -> dict[str, float]:
+    """A golden step case run as a stream through `call`: its errors, and past the golden
+    stream (`steps` beyond its length) what `_past_the_golden` finds."""
+    function = manifest["functions"][case["function"]]
+    roles = [i["role"] for i in function["inputs"]]
+    plain = len([r for r in roles if r not in ("weight", "cache")])
+    xs, rest, cache = inputs[0], inputs[1:plain], inputs[plain:]
+    golden_steps = case["steps"]
+    n = golden_steps if steps is None else steps
+    worst, feedback, wrong, broken, flagged = 0.0, bool(case.get("feedback")), 0, 0, {}
+    fixed, was = _fixed_cache(manifest, function), np.zeros(xs.shape[0], bool)
+    x_t = xs if feedback else xs[:, 0]
+    for t in range(n):
+        got = call([*weights, x_t, *rest, *cache])
+        if t >= golden_steps:
+            broken += _past_the_golden(got[0], cache, got[1:-1], was, got[-1], fixed, feedback)
+            for b in np.flatnonzero(np.asarray(got[-1])):
+                flagged.setdefault(int(b), t + 1)
+        elif feedback:  # decoding: each step's token is the next one's input
+            wrong += int(np.sum(np.asarray(got[0]) != expected[0][:, t]))
+        else:
+            worst = max(worst, _error(got[0], expected[0][:, t]))
+        cache, was = got[1:-1], got[-1]
+        x_t = got[0] if feedback else xs[:, min(t + 1, xs.shape[1] - 1)]
+        if t == golden_steps - 1:  # the whole golden stream: its final cache and flags too
+            worst = max(
+                [worst] + [_error(g, e) for g, e in zip(got[1:], expected[1:], strict=True)]
+            )
+    shown = min(n, golden_steps)
+    errors = {}
+    if feedback:
+        errors[f"{label}, {shown} tokens (tokens that differ)"] = float(wrong)
+    errors[f"{label}, {shown} steps"] = worst
+    if n > golden_steps:
+        errors[_past_label(label, n - golden_steps, golden_steps, flagged)] = float(broken)
+    return errors
+
+
+def _fixed_cache(manifest: dict[str, Any], function: dict[str, Any]) -> list[bool]:
+    """For each cache input of `function`: whether it belongs to a fixed key/value cache (its
+    keys, values and counter), whose rows a stream past its capacity never writes."""
+    holders = {e["path"]: e["holders"] for e in manifest["streaming"]["layout"]}
+    cache = [i["name"] for i in function["inputs"] if i["role"] == "cache"]
+    return [holders.get(name, [""])[0] == "FixedKVCache" for name in cache]
+
+
+def _past_the_golden(
+    y: Any,
+    before: Sequence[Any],
+    after: Sequence[Any],
+    was: Any,
+    overflow: Any,
+    fixed: list[bool],
+    tokens: bool,
+) -> int:
+    """How many streams of one call past the golden stream break the overflow contract (the
+    manifest's `streaming.overflow`): a stream flagged `overflow` must have NaN outputs (a token
+    is not a float: a decoding's are not checked), an unflagged one finite outputs, and a stream
+    flagged before the call (`was`) its fixed cache unchanged, every array of it bit for bit."""
+    flags, was = np.asarray(overflow).reshape(-1), np.asarray(was).reshape(-1)
+    rows = np.asarray(y).reshape(flags.shape[0], -1)
+    broken = 0
+    for b, flag in enumerate(flags):
+        wrong_rows = not np.isnan(rows[b]).all() if flag else not np.isfinite(rows[b]).all()
+        rewritten = was[b] and any(
+            not np.array_equal(np.asarray(old)[b], np.asarray(new)[b])
+            for old, new, is_fixed in zip(before, after, fixed, strict=True)
+            if is_fixed
+        )
+        broken += int((wrong_rows and not tokens) or rewritten)
+    return broken
+
+
+def _past_label(label: str, extra: int, golden_steps: int, flagged: dict[int, int]) -> str:
+    where = ", ".join(f"stream {b} from step {t}" for b, t in sorted(flagged.items()))
+    return (
+        f"{label}, {extra} steps past the golden {golden_steps} (overflow: {where or 'none'}; "
+        "streams off contract)"
+    )
 
 
 # The C runner's source and the PJRT C API header it is built against, as the export copies them.
@@ -751,7 +861,13 @@ def run_pjrt(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Check a dense_armor artifact directory.")
     parser.add_argument("directory", nargs="?", default=str(pathlib.Path(__file__).parent))
-    parser.add_argument("--steps", type=int, default=None, help="golden steps to run (all)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="steps of the stream to run (default: the golden ones); past those the last input "
+        "repeats and each step is checked against the overflow contract",
+    )
     parser.add_argument(
         "--tolerance",
         type=float,
@@ -766,6 +882,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--pjrt", action="store_true", help="build runner.c and run the static modules from C"
     )
     parser.add_argument("--plugin", help="the PJRT plugin for --pjrt (default: xla-cpu-pjrt's)")
+    parser.add_argument(
+        "--device",
+        choices=IREE_DEVICES,
+        default="local-task",
+        help="IREE's device for --iree: its thread pool (local-task) or the calling thread",
+    )
     args = parser.parse_args(argv)
     try:
         if args.pjrt and args.iree:
@@ -781,8 +903,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.report.write_text(json.dumps(report, indent=2) + "\n")
             return done.returncode
         if args.iree:
-            errors = check_iree(args.directory, args.steps)
-            where = "IREE llvm-cpu modules through iree-run-module"
+            errors = check_iree(args.directory, args.steps, args.device)
+            where = f"IREE llvm-cpu modules through iree-run-module ({args.device})"
         else:
             errors = check_golden(load(args.directory), args.steps)
             where = f"{jax.default_backend()} (jax {jax.__version__})"
