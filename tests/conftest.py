@@ -1,13 +1,20 @@
 """Strict numerics for every test: silent broadcasting or dtype promotion is a bug here. And one
-JAX compilation cache shared by every process of the suite, and a garbage collector that runs
-less often (tests/environment.py)."""
+JAX compilation cache shared by every process of the suite, XLA's quickest compilation for the
+suite's own functions, and a garbage collector that runs less often (tests/environment.py)."""
 
 import gc
 
-import jax
-import pytest
+from environment import (
+    collect_garbage_less_often,
+    compile_quickly,
+    enable_compilation_cache,
+    trim_compilation_cache,
+)
 
-from environment import collect_garbage_less_often, enable_compilation_cache, trim_compilation_cache
+compile_quickly()  # before jax starts its backend
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 enable_compilation_cache()

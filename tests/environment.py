@@ -35,6 +35,20 @@ CACHE_SETTINGS = {
 }
 MAX_BYTES = 2**30
 
+# The suite's own compilations at XLA's lowest LLVM optimisation level: on an empty compilation
+# cache most of a test's time is XLA compiling small functions, and level 0 compiles them faster
+# (no fast-math either way, so the numerics are IEEE's). The pytest workers and the suite's own
+# children take it (`child_env`); the pages and examples run in children with JAX's defaults,
+# as a reader runs them, and the benchmarks in a process of their own.
+SUITE_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
+def compile_quickly() -> None:
+    """This process's XLA_FLAGS gain `SUITE_XLA_FLAGS` (before its first compilation)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if SUITE_XLA_FLAGS not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {SUITE_XLA_FLAGS}".strip()
+
 
 def trim_compilation_cache() -> None:
     """Empty a cache that has grown past `MAX_BYTES` (entries of code long changed)."""
@@ -58,10 +72,15 @@ def enable_compilation_cache() -> None:
         jax.config.update(option, value if option.endswith("dir") else int(value))
 
 
-def child_env(**extra: str) -> dict[str, str]:
-    """This environment without any JAX_ or XLA_ setting of the caller (a child starts with JAX's
-    defaults, as a reader's interpreter would), with the shared cache, and with `extra`."""
+def child_env(*, as_users_run: bool = False, **extra: str) -> dict[str, str]:
+    """This environment without any JAX_ or XLA_ setting of the caller, with the shared cache,
+    and with `extra`. A child of the suite's own (a worker, a killed writer) compiles as the
+    suite does (`SUITE_XLA_FLAGS`, before any XLA_FLAGS of `extra`), so its results are the
+    test's bit for bit; a page or an example (`as_users_run=True`) starts with JAX's defaults, as
+    a reader's interpreter would."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    if not as_users_run:
+        extra["XLA_FLAGS"] = f"{SUITE_XLA_FLAGS} {extra.get('XLA_FLAGS', '')}".strip()
     return {**env, **CACHE_SETTINGS, **extra}
 
 

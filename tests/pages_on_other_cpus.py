@@ -32,7 +32,7 @@ def differences(isa: str) -> list[str]:
     for page, cases in pages.items():
         listings = [{"name": c.id, "code": c.values[1]} for c in cases]
         work = pathlib.Path(tempfile.mkdtemp(prefix=f"pages-{isa}-"))
-        env = child_env(**page_env(page))
+        env = child_env(as_users_run=True, **page_env(page))
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_cpu_max_isa={isa}".strip()
         env["JAX_COMPILATION_CACHE_DIR"] = str(work / "cache")
         subprocess.run(

@@ -91,7 +91,7 @@ def page_results(tmp_path_factory):
                 text=True,
                 timeout=1800,
                 cwd=cwd[page],
-                env=child_env(**env),
+                env=child_env(as_users_run=True, **env),
             )
             assert ran.returncode == 0 and report.exists(), ran.stderr
             ran_listings = json.loads(report.read_text())
@@ -155,7 +155,7 @@ def test_contract_page_checker_passes():
         capture_output=True,
         text=True,
         timeout=900,
-        env=child_env(),
+        env=child_env(as_users_run=True),
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "6 passed, 0 failed" in result.stdout

@@ -112,7 +112,7 @@ def test_data_parallel_example_runs_over_a_mesh(tmp_path, options, mesh, saved):
          "--steps", "6", "--batch-size", "16", "--out", str(tmp_path / "run"), *options],
         capture_output=True,
         text=True,
-        env=child_env(),
+        env=child_env(as_users_run=True),
         timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
