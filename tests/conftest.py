@@ -20,30 +20,32 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 enable_compilation_cache()
 
 
-# The test files that take longest, longest first (seconds of one worker, measured on the 2-core
-# AMD EPYC, 2026-12-02): the suite's workers take whole files (`--dist=loadfile`) in collection
-# order (with `--no-loadscope-reorder`, as the noxfile runs it; xdist otherwise sorts files by
-# their number of tests), so when the longest go first the last files to run are short ones and
-# neither worker waits on the other at the end (xdist's order left one idle for 35-51 s).
+# The test files that take longest, longest first (seconds of one worker with empty compilation
+# caches, measured on the 2-core AMD EPYC, 2026-12-03): the suite's workers take whole files
+# (`--dist=loadfile`) in collection order (with `--no-loadscope-reorder`, as the noxfile runs it;
+# xdist otherwise sorts files by their number of tests), so when the longest go first the last
+# files to run are short ones and neither worker waits on the other at the end.
 LONGEST_FIRST = [
-    "test_docs.py",  # 104
-    "test_export.py",  # 84
-    "test_iree.py",  # 69
-    "test_index_safety.py",
-    "test_examples.py",  # 55
-    "test_prefill.py",  # 50
-    "test_distributed.py",  # 49
-    "test_language_models.py",  # 43
-    "test_recurrent.py",  # 42
-    "test_sequences.py",  # 38
-    "test_scan.py",  # 37
-    "test_bad_inputs.py",  # 35
-    "test_sharded_checkpoint.py",  # 31
-    "test_blocked.py",  # 29
-    "test_attention.py",  # 29
-    "test_gqa.py",  # 22
-    "test_rotary.py",  # 17
-    "test_streaming.py",  # 16
+    "test_docs.py",  # 235
+    "test_iree.py",  # 116
+    "test_index_safety.py",  # 106
+    "test_examples.py",  # 101
+    "test_export.py",  # 94
+    "test_language_models.py",  # 91
+    "test_prefill.py",  # 88
+    "test_recurrent.py",  # 68
+    "test_sequences.py",  # 67
+    "test_distributed.py",  # 60
+    "test_bad_inputs.py",  # 59
+    "test_runner.py",  # 59
+    "test_scan.py",  # 49
+    "test_attention.py",  # 44
+    "test_blocked.py",  # 40
+    "test_sharded_checkpoint.py",  # 36
+    "test_training.py",  # 31
+    "test_gqa.py",  # 30
+    "test_rotary.py",  # 24
+    "test_streaming.py",  # 24
 ]
 
 
