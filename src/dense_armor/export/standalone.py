@@ -448,7 +448,7 @@ def _steps_past_the_golden(
     """Steps `done + 1 .. total` of the golden stream, its last input repeated: the streams that
     break the overflow contract (`_past_the_golden`)."""
     fixed = _fixed_cache(artifact.manifest, artifact.manifest["functions"]["step"])
-    broken, flagged = 0, {}
+    broken, flagged = 0, dict[int, int]()  # stream -> the step its flag was first set
     for t in range(done, total):
         before = [np.array(a) for a in cache]  # the step donates the cache
         y_t, new, flags = artifact.step(x_t, cache)
@@ -694,7 +694,8 @@ def _iree_stream(
     xs, rest, cache = inputs[0], inputs[1:plain], inputs[plain:]
     golden_steps = case["steps"]
     n = golden_steps if steps is None else steps
-    worst, feedback, wrong, broken, flagged = 0.0, bool(case.get("feedback")), 0, 0, {}
+    worst, feedback, wrong, broken = 0.0, bool(case.get("feedback")), 0, 0
+    flagged: dict[int, int] = {}  # stream -> the step its flag was first set
     fixed, was = _fixed_cache(manifest, function), np.zeros(xs.shape[0], bool)
     x_t = xs if feedback else xs[:, 0]
     for t in range(n):
