@@ -32,6 +32,7 @@ from dense_armor.export.iree import compile_artifact
 from dense_armor.export.lowering import Lowering
 from dense_armor.export.standalone import (
     _error,
+    _past_label,
     _past_the_golden,
     build_runner,
     check_iree,
@@ -120,7 +121,7 @@ def _expect_overflow(name, golden, where, broken):
     if limit is None:  # a ring: its stream goes on, every output finite
         assert where == "none"
     else:
-        assert where == f"stream 0 from step {limit + 1}, stream 1 from step {limit + 1}"
+        assert where == f"streams 0-1 from step {limit + 1}"
     assert broken == 0.0
 
 
@@ -310,6 +311,12 @@ def test_the_overflow_contract_check_finds_what_breaks_it():
     assert _past_the_golden(y, cache, changed, was, flags, [True, True], tokens=False) == 1
     assert _past_the_golden(y, cache, changed, was, flags, [False, True], tokens=False) == 0
     assert _past_the_golden(y, cache, changed, ~was, flags, [True, True], tokens=False) == 0
+    # the line names runs of neighbouring streams flagged at the same step
+    flagged = {0: 5, 1: 5, 2: 5, 3: 7, 5: 7}
+    assert "(overflow: streams 0-2 from step 5, stream 3 from step 7, stream 5 from step 7;" in (
+        _past_label("step B=6", 3, 4, flagged)
+    )
+    assert "(overflow: none;" in _past_label("step B=6", 3, 4, {})
 
 
 # Every gather, scatter and dynamic slice in an exported function, by the innermost function of

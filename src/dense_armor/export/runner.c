@@ -884,10 +884,17 @@ static void past_after(Past *p, const unsigned char *y, size_t y_size, const DTy
 static void past_report(Run *run, Past *p, const char *label, long extra, long golden_steps) {
   char where[256] = "", line[512];
   size_t used = 0;
-  for (size_t b = 0; b < p->batch && used < sizeof where; b++)
-    if (p->first[b])
+  for (size_t b = 0, run; b < p->batch && used < sizeof where; b += run) {
+    /* a run of neighbouring streams flagged at the same step: "streams 0-7 from step 9" */
+    for (run = 1; b + run < p->batch && p->first[b + run] == p->first[b]; run++) {}
+    if (!p->first[b]) continue;
+    if (run == 1)
       used += (size_t)snprintf(where + used, sizeof where - used, "%sstream %zu from step %ld",
                                used ? ", " : "", b, p->first[b]);
+    else
+      used += (size_t)snprintf(where + used, sizeof where - used, "%sstreams %zu-%zu from step %ld",
+                               used ? ", " : "", b, b + run - 1, p->first[b]);
+  }
   snprintf(line, sizeof line, "%s, %ld steps past the golden %ld (overflow: %s; streams off contract)",
            label, extra, golden_steps, used ? where : "none");
   report(run, line, (double)p->broken);

@@ -760,9 +760,19 @@ def _past_the_golden(
 
 
 def _past_label(label: str, extra: int, golden_steps: int, flagged: dict[int, int]) -> str:
-    where = ", ".join(f"stream {b} from step {t}" for b, t in sorted(flagged.items()))
+    where, items = [], sorted(flagged.items())
+    while items:  # runs of neighbouring streams flagged at the same step: "streams 0-7 from step 9"
+        run = 1
+        while run < len(items) and items[run] == (items[0][0] + run, items[0][1]):
+            run += 1
+        (first, step), last = items[0], items[run - 1][0]
+        where.append(
+            f"stream{'s' if run > 1 else ''} {first}{f'-{last}' * (run > 1)} from step {step}"
+        )
+        items = items[run:]
     return (
-        f"{label}, {extra} steps past the golden {golden_steps} (overflow: {where or 'none'}; "
+        f"{label}, {extra} steps past the golden {golden_steps} (overflow: "
+        f"{', '.join(where) or 'none'}; "
         "streams off contract)"
     )
 
