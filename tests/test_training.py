@@ -1,3 +1,5 @@
+import sys
+
 import equinox as eqx
 import jax
 import numpy as np
@@ -270,3 +272,17 @@ def test_a_batch_size_with_no_fitting_divisor_runs_one_sample_at_a_time(monkeypa
     assert step.micro_batches(model, opt_state, xs, labels) == 7
     _, _, loss = step(model, opt_state, xs, labels, None)
     np.testing.assert_allclose(float(loss), float(cross_entropy_loss(model, xs, labels)), rtol=1e-6)
+
+
+def test_the_progress_bar_shows_on_a_terminal_only(capsys, monkeypatch):
+    """`progress=True` (the default) draws the bar on a terminal and keeps a log or a pipe clean
+    (pytest's capture is no terminal); `progress=False` never draws it."""
+    xs, labels = toy_data(16)
+    model = CONFIG.build(jax.random.PRNGKey(0))
+    fit(model, optax.adam(1e-3), (xs, labels), steps=2, batch_size=8)
+    assert "2/2" not in capsys.readouterr().err
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    fit(model, optax.adam(1e-3), (xs, labels), steps=2, batch_size=8)
+    assert "2/2" in capsys.readouterr().err
+    fit(model, optax.adam(1e-3), (xs, labels), steps=2, batch_size=8, progress=False)
+    assert "2/2" not in capsys.readouterr().err

@@ -141,7 +141,8 @@ def fit(
     best one (its `best_step()`), each process writing its own shards in the background; it
     resumes onto another mesh.
 
-    A progress bar shows the loss and the throughput (samples per second).
+    A progress bar shows the loss and the throughput (samples per second) when standard error is
+    a terminal (tqdm's rule: a log file or a pipe gets no bar); `progress=False` turns it off.
 
     With a `mesh` (`dense_armor.distributed.data_mesh()` or `device_mesh(model=...)`), each batch
     is split over its `"data"` axis; each model's heads and feed-forward units over its `"model"`
@@ -171,7 +172,8 @@ def fit(
     train_step = make_train_step(optimizer, objective, accumulate)
     root_key = jax.random.PRNGKey(seed)
     bar = tqdm(
-        total=steps, initial=run.start, disable=not progress or jax.process_index() != 0,
+        total=steps, initial=run.start,
+        disable=None if progress and jax.process_index() == 0 else True,  # None: on a terminal
         unit="step", dynamic_ncols=True,
     )  # fmt: skip
     run.tick = time.perf_counter()
