@@ -324,11 +324,8 @@ def test_the_overflow_contract_check_finds_what_breaks_it():
 AUDITED = {
     ("scatter", "_write_rows"): "slots clipped into [0, N); a repeated slot gets one row",
     ("gather", "_write_rows"): "the chunk's rows and the buffer's own rows, at clipped indices",
-    ("gather", "Embedding.forward"): "an embedding's ids clipped into [0, vocab) before the take",
-    (
-        "gather",
-        "LearnedPositions.rows",
-    ): "a learned position table at positions clipped into [0, max_len)",
+    ("gather", "Embedding.forward"): "ids clipped into [0, vocab) before the take",
+    ("gather", "LearnedPositions.rows"): "positions clipped into [0, max_len)",
 }
 INDEXING = ("gather", "scatter", "dynamic_slice", "dynamic_update_slice")
 
