@@ -235,27 +235,73 @@ def test_a_prefill_chunk_past_the_limit_in_iree(artifact, tmp_path, device):
     assert filled > limit + 1  # a chunk crossed the limit (or met it), and one came after it
 
 
-def _with_ids(art, ids_of):
-    """The language model's golden step stream with some ids replaced by `ids_of(ids)`, and its
-    outputs recomputed through the JAX loader; the manifest's sha256 rewritten to match."""
+def _rewrite_golden(art, function, edit):
+    """The golden case of `function` changed by `edit(golden, case, model)` (`model`: the
+    artifact through the JAX loader, which recomputes the outputs), saved, and the manifest's
+    sha256 rewritten to match."""
     manifest = json.loads((art / "manifest.json").read_text())
     golden = load_file(art / manifest["golden"]["file"])
-    case = next(c for c in manifest["golden"]["static"] if c["function"] == "step")
-    xs = ids_of(golden[case["inputs"][0]])
-    golden[case["inputs"][0]] = xs
-    model = load(art)
-    cache = [golden[k] for k in case["inputs"][1:]]
-    ys = []
-    for t in range(xs.shape[1]):
-        y, cache, flags = model.step(xs[:, t], cache)
-        ys.append(np.asarray(y))
-    golden[case["outputs"][0]] = np.stack(ys, axis=1)
-    for key, array in zip(case["outputs"][1:], [*cache, flags], strict=True):
-        golden[key] = np.asarray(array)
+    case = next(c for c in manifest["golden"]["static"] if c["function"] == function)
+    edit(golden, case, load(art))
     save_file(golden, str(art / manifest["golden"]["file"]))
     manifest["files"] = file_table(art)
     (art / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return golden[case["outputs"][0]]
+
+
+def _with_ids(art, ids_of):
+    """The language model's golden step stream with some ids replaced by `ids_of(ids)`."""
+
+    def edit(golden, case, model):
+        xs = golden[case["inputs"][0]] = ids_of(golden[case["inputs"][0]])
+        cache, ys = [golden[k] for k in case["inputs"][1:]], []
+        for t in range(xs.shape[1]):
+            y, cache, flags = model.step(xs[:, t], cache)
+            ys.append(np.asarray(y))
+        golden[case["outputs"][0]] = np.stack(ys, axis=1)
+        for key, array in zip(case["outputs"][1:], [*cache, flags], strict=True):
+            golden[key] = np.asarray(array)
+
+    return _rewrite_golden(art, "step", edit)
+
+
+def test_the_c_runner_and_iree_replay_a_prefill_that_crosses_the_capacity(
+    artifact, runner, tmp_path
+):
+    """The golden prefill chunk (3 steps) moved onto a cache that already holds 3 of its 4 steps,
+    its outputs, cache and flags recomputed through the JAX loader: the C runner and `run.py
+    --iree` reproduce that overflowing chunk, NaN rows included, under the memory checker."""
+    name, art = artifact
+    copy = tmp_path / "art"
+    shutil.copytree(art, copy)
+
+    def onto_a_fuller_cache(golden, case, model):
+        x, *cache = (golden[k] for k in case["inputs"])
+        _, cache, _ = model.prefill(x, cache)
+        for key, array in zip(case["inputs"][1:], cache, strict=True):
+            golden[key] = np.asarray(array)
+        y, cache, flags = model.prefill(x, [golden[k] for k in case["inputs"][1:]])
+        for key, array in zip(case["outputs"], [y, *cache, flags], strict=True):
+            golden[key] = np.asarray(array)
+
+    y = _rewrite_golden(copy, "prefill", onto_a_fuller_cache)
+    if FAMILIES[name][1] is None:  # a ring never fills
+        assert np.isfinite(y).all()
+    else:
+        assert np.isfinite(y[:, 0]).all() and np.isnan(y[:, 1:]).all()
+    env = {**os.environ, **MALLOC_CHECK}
+    done = subprocess.run(
+        [str(runner), str(copy), "--plugin", str(default_plugin())],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"pjrt prefill B=2 T=3( S=2)?\s+max \|error\| = \S+", done.stdout)
+    done = subprocess.run(
+        [sys.executable, str(copy / "run.py"), str(copy), "--iree", "--device", "local-sync"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"iree prefill B=2 T=3( S=2)?\s+max \|error\| = \S+", done.stdout)
 
 
 @pytest.mark.parametrize("artifact", ["language model"], indirect=True)
