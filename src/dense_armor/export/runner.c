@@ -898,6 +898,9 @@ static void past_report(Run *run, Past *p, const char *label, long extra, long g
   snprintf(line, sizeof line, "%s, %ld steps past the golden %ld (overflow: %s; streams off contract)",
            label, extra, golden_steps, used ? where : "none");
   report(run, line, (double)p->broken);
+}
+
+static void past_free(Past *p) {
   free(p->fixed), free(p->was), free(p->first), free(p->before), free(p->sizes);
 }
 
@@ -979,9 +982,9 @@ static void run_case(Run *run, Json *c, Json *entry, Module *module) {
       fail("%s: a step returns its output, the cache and the overflow flags; the manifest lists "
            "%zu outputs for %zu cache arrays (edited?).", label, n_out, n_cache);
     long n = run->steps > 0 ? run->steps : steps; /* past `steps`: the last input again */
-    Past past = past_start(run->manifest, &specs[n_weights + plain], n_cache, (size_t)golden_in[0]->dims[0]);
     const Array *xs = golden_in[0];
     size_t batch = (size_t)xs->dims[0], row = xs->dtype->size; /* bytes of one step of one stream */
+    Past past = past_start(run->manifest, &specs[n_weights + plain], n_cache, batch);
     for (int d = 2; !feedback && d < xs->ndim; d++) row *= (size_t)xs->dims[d];
     double *latency = checked_alloc((size_t)(n * run->repeat) * sizeof *latency);
     double worst = 0, final = 0;
@@ -1069,7 +1072,7 @@ static void run_case(Run *run, Json *c, Json *entry, Module *module) {
     snprintf(line, sizeof line, "%s, %ld steps", label, n < steps ? n : steps);
     report(run, line, worst > final ? worst : final);
     if (n > steps) past_report(run, &past, label, n - steps, steps);
-    else free(past.fixed), free(past.was), free(past.first), free(past.before), free(past.sizes);
+    past_free(&past);
     qsort(latency, (size_t)timed, sizeof *latency, by_value);
     printf("  %-44s %.1f us per step (median of %ld, cache on the device)\n", "", latency[timed / 2], timed);
     memcpy(every, start, n_in * sizeof *every); /* the golden inputs, destroyed below */

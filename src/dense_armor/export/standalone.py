@@ -671,8 +671,9 @@ def check_iree(
                 got = call([*weights, *inputs])
                 errors[label] = max(_error(g, e) for g, e in zip(got, expected, strict=True))
             else:
-                stream = functools.partial(_iree_stream, manifest, case, call, weights)
-                errors.update(stream(inputs, expected, label, steps))
+                errors.update(
+                    _iree_stream(manifest, case, call, weights, inputs, expected, label, steps)
+                )
     return errors
 
 
