@@ -623,6 +623,7 @@ BAD = [
     ("check-iree-steps-a-string", lambda tmp, _: check_iree(exported(tmp), steps="3"), ArtifactError, r"`steps` must be a positive integer.*received '3'"),
     ("check-iree-device-a-gpu", lambda tmp, _: check_iree(exported(tmp), device="cuda"), ArtifactError, r"`device` must be one of \('local-task', 'local-sync'\); received 'cuda'"),
     ("run-py-iree-device-unknown", lambda tmp, _: run_py([str(exported(tmp)), "--iree", "--device", "local-gpu"]), SystemExit, r"^2$"),
+    ("run-py-device-without-iree", lambda tmp, capsys: run_py_refused(tmp, capsys, "--device", "local-sync"), SystemExit, r"error: --device chooses IREE's device: it goes with --iree"),
     ("run-py-steps-negative", lambda tmp, capsys: run_py_refused(tmp, capsys, "--steps", "-3"), SystemExit, r"error: `steps` must be a positive integer .*received -3"),
     ("run-py-iree-steps-zero", lambda tmp, capsys: run_py_refused(tmp, capsys, "--iree", "--steps", "0"), SystemExit, r"error: `steps` must be a positive integer .*received 0"),
     ("init-streams-float", lambda: MODEL.init_streams(2.0, 6), ValueError, r"`batch` must be a positive integer; received `batch=2.0` \(float\)"),

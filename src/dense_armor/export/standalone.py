@@ -897,13 +897,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--device",
         choices=IREE_DEVICES,
-        default="local-task",
-        help="IREE's device for --iree: its thread pool (local-task) or the calling thread",
+        help="IREE's device for --iree: its thread pool (local-task, the default) or the calling "
+        "thread (local-sync)",
     )
     args = parser.parse_args(argv)
     try:
         if args.pjrt and args.iree:
             raise ArtifactError("--pjrt and --iree are two checks: choose one.")
+        if args.device is not None and not args.iree:
+            raise ArtifactError("--device chooses IREE's device: it goes with --iree.")
         if args.pjrt:
             done = run_pjrt(args.directory, args.plugin, args.steps, tolerance=args.tolerance)
             print(done.stdout, end="")
@@ -915,8 +917,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.report.write_text(json.dumps(report, indent=2) + "\n")
             return done.returncode
         if args.iree:
-            errors = check_iree(args.directory, args.steps, args.device)
-            where = f"IREE llvm-cpu modules through iree-run-module ({args.device})"
+            device = args.device or "local-task"
+            errors = check_iree(args.directory, args.steps, device)
+            where = f"IREE llvm-cpu modules through iree-run-module ({device})"
         else:
             errors = check_golden(load(args.directory), args.steps)
             where = f"{jax.default_backend()} (jax {jax.__version__})"
