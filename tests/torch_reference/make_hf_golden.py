@@ -33,6 +33,7 @@ GPT2 = dict(
     vocab_size=VOCAB, n_positions=POSITIONS, n_embd=D, n_layer=LAYERS, n_head=HEADS, n_inner=D_FF,
     initializer_range=0.2, bos_token_id=1, eos_token_id=2,
 )  # fmt: skip
+ORIGINAL = ("gpt2", "llama_gqa", "llama_tied", "qwen2")  # made with ids (2, 8)
 CASES = {
     # GPT-2: learned positions, pre-LN LayerNorm with biases, the tanh GELU, fused c_attn in
     # Conv1D layout, a tied head
@@ -63,7 +64,128 @@ CASES = {
         dict(LLAMA, num_key_value_heads=2, tie_word_embeddings=False),
         None,
     ),
+    # Llama 3.2 (Llama-3.2-1B's config, sizes shrunk): rotary base 500000 with `llama3` scaling
+    # (factor 32, 8192 pretrained positions), grouped queries, a tied head, eps 1e-5
+    "llama32": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(
+            LLAMA, num_key_value_heads=2, tie_word_embeddings=True, rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            ),
+        ),
+        None,
+    ),
+    # Qwen2.5 with YaRN (the long-context variants' `rope_scaling`: factor 4 over 32768 pretrained
+    # positions, here 16, so that the ramp between interpolation and extrapolation falls inside
+    # the head)
+    "qwen2_yarn": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        dict(
+            LLAMA, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1000000.0,
+            rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16),
+        ),
+        None,
+    ),
+    # Qwen3 (Qwen3-0.6B's config): a head width apart from hidden / heads (16, not 8), RMSNorm on
+    # each head's queries and keys, rotary base 1e6, a tied head
+    "qwen3": (
+        transformers.Qwen3Config,
+        transformers.Qwen3ForCausalLM,
+        dict(
+            LLAMA, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+            rope_theta=1000000.0, attention_bias=False, use_sliding_window=False,
+        ),
+        None,
+    ),
+    # Mistral (Mistral-7B-v0.1's sliding window, Mistral-Nemo's head width apart), window 4
+    "mistral": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        dict(
+            LLAMA, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+            rope_theta=1000000.0, sliding_window=4,
+        ),
+        None,
+    ),
+    # Phi-3/4-mini: fused qkv_proj and gate_up_proj, Phi-4-mini's partial rotary (0.75 of each
+    # head), a tied head
+    "phi3": (
+        transformers.Phi3Config,
+        transformers.Phi3ForCausalLM,
+        dict(
+            LLAMA, num_key_value_heads=2, tie_word_embeddings=True, rms_norm_eps=1e-5,
+            partial_rotary_factor=0.75, rope_theta=10000.0, hidden_act="silu",
+            resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+        ),
+        None,
+    ),
+    # OLMo 2 (OLMo-2-1B's config): RMSNorm over the whole query and key projections, norms after
+    # each sub-layer and none before, rotary base 500000, an untied head
+    "olmo2": (
+        transformers.Olmo2Config,
+        transformers.Olmo2ForCausalLM,
+        dict(
+            LLAMA, num_key_value_heads=4, tie_word_embeddings=False, rope_theta=500000.0,
+            attention_bias=False,
+        ),
+        None,
+    ),
+    # Gemma (1): embedding scaled by sqrt(hidden), RMSNorm scaled by 1 + w, tanh GeGLU, head 16
+    "gemma": (
+        transformers.GemmaConfig,
+        transformers.GemmaForCausalLM,
+        dict(
+            LLAMA, num_key_value_heads=1, head_dim=16, hidden_act="gelu_pytorch_tanh",
+            hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+        ),
+        None,
+    ),
+    # Gemma 2 (gemma-2-2b's config): sliding (window 4) and global layers in turn, four norms per
+    # block, attention-logit and final-logit soft-capping (caps lowered to 5 and 3, where these
+    # tiny models' scores and logits reach them), a query scale apart from head_dim**-0.5
+    "gemma2": (
+        transformers.Gemma2Config,
+        transformers.Gemma2ForCausalLM,
+        dict(
+            LLAMA, num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
+            hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24, sliding_window=4,
+            attn_logit_softcapping=5.0, final_logit_softcapping=3.0, tie_word_embeddings=True,
+        ),
+        None,
+    ),
+    # Gemma 3 text (gemma-3-1b-it's config, with gemma-3-4b's linear scaling of the global
+    # layers): five sliding layers (window 4, base 10000) to one global (base 1e6), q/k norms,
+    # eight layers so that the pattern repeats and leaves two over
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        dict(
+            LLAMA, num_hidden_layers=8, num_key_value_heads=1, head_dim=16,
+            hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=16, sliding_window=4,
+            rope_theta=1000000.0, rope_local_base_freq=10000.0,
+            rope_scaling=dict(rope_type="linear", factor=8.0), tie_word_embeddings=True,
+        ),
+        None,
+    ),
+    # StarCoder2: LayerNorm with biases, the two-layer MLP with tanh GELU, biases everywhere,
+    # a sliding window (4)
+    "starcoder2": (
+        transformers.Starcoder2Config,
+        transformers.Starcoder2ForCausalLM,
+        dict(
+            LLAMA, num_key_value_heads=2, norm_epsilon=1e-5, use_bias=True, sliding_window=4,
+            hidden_act="gelu_pytorch_tanh", rope_theta=100000.0, tie_word_embeddings=True,
+            residual_dropout=0.0, embedding_dropout=0.0,
+        ),
+        None,
+    ),
 }
+LONG_IDS = 24  # sequences past the windows (4) and the YaRN model's 16 pretrained positions
 
 
 def make(name: str) -> None:
@@ -78,7 +200,7 @@ def make(name: str) -> None:
         model.save_pretrained(directory, safe_serialization=True, max_shard_size=shard_size)
     (directory / "generation_config.json").unlink(missing_ok=True)
     generator = torch.Generator().manual_seed(7)
-    ids = torch.randint(3, VOCAB, (2, 8), generator=generator)
+    ids = torch.randint(3, VOCAB, (2, 8 if name in ORIGINAL else LONG_IDS), generator=generator)
     prompt = torch.randint(3, VOCAB, (1, 5), generator=generator)
     with torch.no_grad():
         logits = model(ids).logits
@@ -111,6 +233,8 @@ def make(name: str) -> None:
 
 
 if __name__ == "__main__":
+    import sys
+
     HERE.mkdir(parents=True, exist_ok=True)
-    for case in CASES:
+    for case in sys.argv[1:] or CASES:
         make(case)

@@ -29,14 +29,18 @@ from ..core import (
 from ..layers.basic import Dropout, FeedForward, LayerNorm
 from ..layers.language import GatedFeedForward, RMSNorm
 
-__all__ = ["Block", "Gate", "MixerBlock"]
+__all__ = ["Block", "Gate", "MixerBlock", "make_norm"]
 
 
 REMAT = (None, "block", "attention")
 # A block's normalisation (`norm=`): LayerNorm (the page's; GPT-2's) or RMSNorm (Llama's); its
 # feed-forward (`feed_forward=`): the two-layer MLP or the gated one (SwiGLU with "silu").
-NORMS = ("layer", "rms")
+NORMS = ("layer", "rms", "rms_plus_one")
 FEED_FORWARDS = ("mlp", "gated")
+# Where a pre-LN block's norms go (`norm_placement=`): on each sub-layer's input (the usual
+# pre-LN), on its output before the residual addition (OLMo 2's), or both (Gemma 2/3's four norms
+# per block).
+NORM_PLACEMENTS = ("input", "output", "both")
 Norm = LayerNorm | RMSNorm
 Feed = FeedForward | GatedFeedForward
 
@@ -90,13 +94,22 @@ class Block(Layer):
         x: Array,
         sublayers: Sequence[Callable[[Array], tuple[Array, Any]]],
         key: PRNGKeyArray | None,
+        placement: str = "input",
+        output_norms: Sequence[Norm] = (),
     ) -> tuple[Array, Any]:
         """`x` through `sublayers`, each `sub(h) -> (out, cache)`, with the block's residuals and
-        norms; returns the output and the first sub-layer's cache (the mixer's)."""
+        norms (a pre-LN block's `placement`: see `NORM_PLACEMENTS`; `output_norms` those on the
+        outputs when `placement="both"`); returns the output and the first sub-layer's cache (the
+        mixer's)."""
         keys = [None] * len(sublayers) if key is None else list(jr.split(key, len(sublayers)))
         first_cache = None
         for i, (sub, norm, sub_key) in enumerate(zip(sublayers, self.norms, keys, strict=True)):
-            out, cache = sub(norm(x) if self.norm_first else x)
+            on_input = self.norm_first and placement != "output"
+            out, cache = sub(norm(x) if on_input else x)
+            if placement == "output":
+                out = norm(out)
+            elif placement == "both":
+                out = output_norms[i](out)
             first_cache = cache if i == 0 else first_cache
             out = self.dropout(out, key=sub_key)
             x = self.gates[i](x, out) if self.gates else x + out
@@ -115,6 +128,8 @@ class MixerBlock(Block):
     norm1: eqx.AbstractVar[Norm]
     feed_forward: eqx.AbstractVar[Feed]
     norm2: eqx.AbstractVar[Norm]
+    norm_placement: eqx.AbstractVar[str]
+    output_norms: eqx.AbstractVar["tuple[Norm, ...]"]
     accepts_mask: ClassVar[bool] = True
 
     @property
@@ -140,15 +155,24 @@ class MixerBlock(Block):
         layer_norm_eps: float,
         norm: str = "layer",
         feed_forward: str = "mlp",
+        norm_placement: str = "input",
     ) -> None:
         """The fields every block has besides its mixer (called from a block's `__init__`)."""
         require_choice("norm", norm, NORMS)
         require_choice("feed_forward", feed_forward, FEED_FORWARDS)
-        make_norm = LayerNorm if norm == "layer" else RMSNorm
-        self.norm1 = make_norm(d_model, layer_norm_eps)
+        require_choice("norm_placement", norm_placement, NORM_PLACEMENTS)
+        if norm_placement != "input" and not norm_first:
+            raise ValueError(
+                f"`norm_placement={norm_placement!r}` places a pre-LN block's norms; it needs "
+                "`norm_first=True`."
+            )
+        self.norm1 = make_norm(norm, d_model, layer_norm_eps)
         feed = FeedForward if feed_forward == "mlp" else GatedFeedForward
         self.feed_forward = feed(d_model, d_ff, ffn_key, activation)
-        self.norm2 = make_norm(d_model, layer_norm_eps)
+        self.norm2 = make_norm(norm, d_model, layer_norm_eps)
+        self.norm_placement = norm_placement
+        both = norm_placement == "both"
+        self.output_norms = tuple(make_norm(norm, d_model, layer_norm_eps) for _ in "12" if both)
         self.dropout = Dropout(dropout)
         # Gate keys come from a separate fold, so gate=False models keep their weights.
         gate_keys = jr.split(jr.fold_in(key, 1), 2)
@@ -165,7 +189,8 @@ class MixerBlock(Block):
         self, x: Array, mix: Callable[[Array], tuple[Array, Any]], key: PRNGKeyArray | None
     ) -> tuple[Array, Any]:
         """The block's equations around a mixer `mix(h) -> (a, cache)`, for every path."""
-        return self._apply(x, (mix, lambda h: (self.feed_forward(h), None)), key)
+        sublayers = (mix, lambda h: (self.feed_forward(h), None))
+        return self._apply(x, sublayers, key, self.norm_placement, self.output_norms)
 
     @shape_checked
     def forward(
@@ -191,6 +216,13 @@ class MixerBlock(Block):
 
     def _prefill(self, x: Array, cache: Any) -> tuple[Array, Any]:
         return self._mix_then_feed_forward(x, lambda h: self.mixer.prefill(h, cache), None)
+
+
+def make_norm(norm: str, d_model: int, eps: float) -> Norm:
+    """The norm that `norm` names (`NORMS`): LayerNorm, RMSNorm, or Gemma's RMSNorm (`1 + w`)."""
+    if norm == "layer":
+        return LayerNorm(d_model, eps)
+    return RMSNorm(d_model, eps, plus_one=norm == "rms_plus_one")
 
 
 class Gate(Layer):

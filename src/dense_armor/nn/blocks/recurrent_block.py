@@ -36,6 +36,8 @@ class RecurrentBlock(MixerBlock):
     gates: "tuple[Gate, ...]"
     d_model: int = eqx.field(static=True, converter=python_scalar)
     norm_first: bool = eqx.field(static=True, converter=python_scalar)
+    norm_placement: str = eqx.field(static=True, converter=python_scalar)
+    output_norms: "tuple[LayerNorm, ...]"
     remat: str | None = eqx.field(static=True, converter=python_scalar)
 
     def __init__(

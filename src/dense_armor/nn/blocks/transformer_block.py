@@ -32,8 +32,11 @@ class TransformerBlock(MixerBlock):
     `jax.checkpoint`; `"attention"`: only the attention's, whose `(n_heads, T, T)` scores are most
     of them), and as PyTorch's layers: `activation="relu"` (or `"gelu"`, of the feed-forward;
     `"gelu_tanh"`, `"silu"`) and `layer_norm_eps=1e-5`; `norm="layer"` (or `"rms"`: `RMSNorm`,
-    Llama's, `layer_norm_eps` its eps) and `feed_forward="mlp"` (or `"gated"`: `GatedFeedForward`,
-    SwiGLU with `activation="silu"`). Every other keyword is an option of the attention
+    Llama's, `layer_norm_eps` its eps; `"rms_plus_one"`: Gemma's, scaled by `1 + w`),
+    `feed_forward="mlp"` (or `"gated"`: `GatedFeedForward`, SwiGLU with `activation="silu"`) and,
+    with `norm_first=True`, `norm_placement="input"` (or `"output"`: each sub-layer's output is
+    normalised before the residual addition and its input is not, OLMo 2's `x + Norm(Sub(x))`;
+    `"both"`: `x + Norm'(Sub(Norm(x)))`, Gemma 2/3's four norms per block). Every other keyword is an option of the attention
     (`**attention`, `mixers.options.ATTENTION_OPTIONS`), passed to its `MultiHeadSelfAttention` as
     given: `window=None` (sliding-window attention), `implementation=None` (how the scores are
     computed) and its older spelling `memory_efficient=None`, `n_kv_heads=None` (grouped-query
@@ -56,6 +59,8 @@ class TransformerBlock(MixerBlock):
     gates: "tuple[Gate, ...]"
     d_model: int = eqx.field(static=True, converter=python_scalar)
     norm_first: bool = eqx.field(static=True, converter=python_scalar)
+    norm_placement: str = eqx.field(static=True, converter=python_scalar)
+    output_norms: "tuple[Norm, ...]"
     remat: str | None = eqx.field(static=True, converter=python_scalar)
 
     def __init__(
@@ -73,16 +78,17 @@ class TransformerBlock(MixerBlock):
         layer_norm_eps: float = 1e-5,
         norm: str = "layer",
         feed_forward: str = "mlp",
+        norm_placement: str = "input",
         **attention: Any,
     ):
         _check_block(key, d_model, d_ff, gate, norm_first)
-        _check_heads(d_model, n_heads)
+        _check_heads(d_model, n_heads, head_dim=attention.get("head_dim"))
         options = attention_options("TransformerBlock", attention)
         akey, fkey = jr.split(key)
         self.attention = MultiHeadSelfAttention(d_model, n_heads, akey, causal=causal, **options)
         self._build_around_mixer(
             d_model, d_ff, key, fkey, dropout, gate, norm_first, remat, activation,
-            layer_norm_eps, norm, feed_forward,
+            layer_norm_eps, norm, feed_forward, norm_placement,
         )  # fmt: skip
 
     @property
@@ -94,7 +100,8 @@ class TransformerBlock(MixerBlock):
         self, x: Float[Array, "T d_model"], *, mask: Bool[Array, " T"] | None = None
     ) -> Float[Array, "n_heads T T"]:
         """The weights `(n_heads, T, T)` of the block's attention on the input `x`."""
-        return self.attention.attention_weights(self.norm1(x) if self.norm_first else x, mask=mask)
+        on_input = self.norm_first and self.norm_placement != "output"
+        return self.attention.attention_weights(self.norm1(x) if on_input else x, mask=mask)
 
     @shape_checked
     def prefill(

@@ -18,15 +18,20 @@ from ..core import ShapeError, type_checked
 __all__ = ["attention_weights", "scaled_dot_product_attention"]
 
 
-def _masked_scores(q: Array, k: Array, mask: Array | None) -> tuple[Array, Array | None]:
-    """The scores `q k^T / sqrt(d_k)` in float32, `-inf` where `mask` hides a key, and the mask
-    broadcast to them (or `None`).
+def _masked_scores(
+    q: Array, k: Array, mask: Array | None, softcap: float | None = None
+) -> tuple[Array, Array | None]:
+    """The scores `q k^T / sqrt(d_k)` in float32 (`softcap * tanh(s / softcap)` with a
+    `softcap`, Gemma 2's), `-inf` where `mask` hides a key, and the mask broadcast to them (or
+    `None`).
 
     The queries are scaled, not the scores (as Equinox, Flax and PyTorch do): a pass over
     `(T, d_k)` instead of `(T, S)`, where XLA's CPU compiler would feed the fused softmax a
     materialised `(..., T, S)` array of the constant. Exact for a power-of-two `d_k`."""
     q = q * jnp.asarray(1.0 / math.sqrt(q.shape[-1]), q.dtype)
     scores = jnp.einsum("...td,...sd->...ts", q, k, preferred_element_type=jnp.float32)
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
     if mask is None:
         return scores, None
     mask = _broadcast_mask(mask, q, k)
@@ -37,13 +42,14 @@ def attention_weights(
     q: Float[Array, "*#batch T d_k"],
     k: Float[Array, "*#batch S d_k"],
     mask: Bool[Array, "..."] | None = None,
+    softcap: float | None = None,
 ) -> Float[Array, "*#batch T S"]:
     """The weights `softmax(q k^T / sqrt(d_k))` of `scaled_dot_product_attention`, in float32.
 
     Same arguments as `scaled_dot_product_attention`; every row sums to 1, or is all zeros where
-    the mask hides every key.
+    the mask hides every key. `softcap` caps the scores first (`_masked_scores`).
     """
-    scores, mask = _masked_scores(q, k, mask)
+    scores, mask = _masked_scores(q, k, mask, softcap)
     if mask is None:
         return jax.nn.softmax(scores, axis=-1)
     # A row that sees no key would be all -inf, and its softmax NaN: its scores are replaced by
@@ -84,17 +90,24 @@ def scaled_dot_product_attention(
 
 
 def _attention(
-    q: Array, k: Array, v: Array, mask: Array | None, hidden_zeros: bool = False
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Array | None,
+    hidden_zeros: bool = False,
+    softcap: float | None = None,
 ) -> Array:
     """`scaled_dot_product_attention`, unchecked. `hidden_zeros=True` (a cache's promise, see
     `KVUpdate`): every value `mask` hides is zero, so none needs zeroing; a row whose output is
     not finite is then made NaN whole, which is the same rule at a pass over `(T, d_v)` instead
-    of two over the values and the `(T, S)` mask (half a cached step's time)."""
+    of two over the values and the `(T, S)` mask (half a cached step's time). `softcap`: the
+    scores capped (`_masked_scores`), differentiated by JAX's own rules."""
+    attend = _attend if softcap is None else (lambda *a: _attend_parts(*a, softcap)[0])
     if mask is None or hidden_zeros:
         # every value a query may weigh is one it sees: one non-finite value makes its row NaN
         if mask is not None:
             mask = _broadcast_mask(mask, q, k)
-        out = _attend(*_common_batch(q, k, v), mask)
+        out = attend(*_common_batch(q, k, v), mask)
         if mask is None:  # every row sees every value: read them alone, no pass over (T, S)
             bad = ~jnp.isfinite(v).all(axis=(-2, -1))
             bad = jnp.broadcast_to(bad[..., None, None], out.shape)
@@ -107,7 +120,7 @@ def _attention(
     clean = jnp.where(finite[..., None], v, jnp.zeros((), v.dtype))
     q, k, clean = _common_batch(q, k, clean)
     mask = _broadcast_mask(mask, q, k)
-    out = _attend(q, k, clean, mask)
+    out = attend(q, k, clean, mask)
     bad = jnp.broadcast_to(jnp.expand_dims(~finite, -2), mask.shape) & mask
     return jnp.where(bad.any(axis=-1)[..., None], jnp.nan, out).astype(v.dtype)
 
@@ -142,10 +155,12 @@ def _transposed_product(a: Array, b: Array) -> Array:
     return jax.lax.optimization_barrier(product)  # else a transpose after it folds in again
 
 
-def _attend_parts(q: Array, k: Array, v: Array, mask: Array | None) -> tuple[Array, Array, Array]:
+def _attend_parts(
+    q: Array, k: Array, v: Array, mask: Array | None, softcap: float | None = None
+) -> tuple[Array, Array, Array]:
     """`(out, p, total)`: `p = exp(s - max s)` of the masked scores `s` (float32), its row sums
     (1 for a row that sees nothing, whose `p` is all zeros) and `out = (p v) / total`."""
-    scores, _ = _masked_scores(q, k, mask)
+    scores, _ = _masked_scores(q, k, mask, softcap)
     if scores.shape[-1] == 0:  # no key at all: every row's output is 0
         p = jnp.zeros(scores.shape)
         return jnp.zeros((*scores.shape[:-1], v.shape[-1])), p, jnp.ones((*scores.shape[:-1], 1))

@@ -23,6 +23,7 @@ from ..core import (
     Param,
     Pointwise,
     python_scalar,
+    require_bool,
     require_choice,
     require_key,
     require_positive,
@@ -170,19 +171,22 @@ class RMSNorm(Pointwise):
     """Root-mean-square normalisation (Zhang and Sennrich 2019): `x / sqrt(mean(x^2) + eps) *
     gain` over the last axis, as Llama's and Qwen2's `RMSNorm`.
 
-    **Arguments:** `d_model`, `eps=1e-6`. The statistics are computed in float32 whatever the
-    input dtype; the output has the input's dtype. `gain` starts at 1; `params()` is `[gain]`.
+    **Arguments:** `d_model`, `eps=1e-6`, `plus_one=False` (Gemma's: the scale is `1 + gain`,
+    `gain` starting at 0). The statistics are computed in float32 whatever the input dtype; the
+    output has the input's dtype. `gain` starts at 1; `params()` is `[gain]`.
     """
 
     gain: Param
     d_model: int = eqx.field(static=True, converter=python_scalar)
     eps: float = eqx.field(static=True, converter=python_scalar)
+    plus_one: bool = eqx.field(static=True, converter=python_scalar, default=False)
 
-    def __init__(self, d_model: int, eps: float = 1e-6):
+    def __init__(self, d_model: int, eps: float = 1e-6, *, plus_one: bool = False):
         require_positive(d_model=d_model)
         _require_eps(eps)
-        self.gain = Param(jnp.ones((d_model,)))
-        self.d_model, self.eps = d_model, eps
+        require_bool(plus_one=plus_one)
+        self.gain = Param(jnp.zeros((d_model,)) if plus_one else jnp.ones((d_model,)))
+        self.d_model, self.eps, self.plus_one = d_model, eps, plus_one
 
     @shape_checked
     def forward(
@@ -190,7 +194,9 @@ class RMSNorm(Pointwise):
     ) -> Float[Array, "*T d_model"]:
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
-        return (y * jnp.broadcast_to(self.gain.value, y.shape)).astype(x.dtype)
+        gain = self.gain.value.astype(jnp.float32)
+        gain = 1.0 + gain if self.plus_one else gain
+        return (y * jnp.broadcast_to(gain, y.shape)).astype(x.dtype)
 
 
 class GatedFeedForward(Pointwise):

@@ -62,8 +62,17 @@ class MultiHeadCrossAttention(MultiHeadAttention):
     b_K: Param | None
     b_V: Param | None
     b_O: Param | None
-    # Rotary positions are the self-attention's: a context's steps have no place in the sequence.
-    rope_base: None = eqx.field(static=True)
+    # Rotary positions are the self-attention's: a context's steps have no place in the sequence;
+    # the options of the checkpoints' self-attentions (see `MultiHeadSelfAttention`) are not
+    # taken here.
+    rope_base: None = eqx.field(static=True, default=None)
+    head_dim: int = eqx.field(static=True, converter=python_scalar, default=0)
+    rope_scaling: None = eqx.field(static=True, default=None)
+    rotary_fraction: float = eqx.field(static=True, default=1.0)
+    q_norm: None = None
+    k_norm: None = None
+    query_scale: None = eqx.field(static=True, default=None)
+    logit_softcap: None = eqx.field(static=True, default=None)
 
     def __init__(
         self,

@@ -20,15 +20,21 @@ from ..core import CannotStream, Layer, Param, require_bool, require_positive, s
 from ..kernels.blocked import blocked_attention
 from ..kernels.choice import _dot_product_attention, choose_kernel, older_spelling
 from ..kernels.materialised import _attention, attention_weights
-from ..kernels.rotary import rotate
+from ..kernels.rotary import Rotary
+from ..layers.language import RMSNorm
 
 __all__ = ["HEAD_SPLIT", "MultiHeadAttention"]
 
 
-def _check_heads(d_model: int, n_heads: int, n_kv_heads: int | None = None) -> int:
-    """Check the head counts; return `n_kv_heads` (default `n_heads`)."""
+def _check_heads(
+    d_model: int, n_heads: int, n_kv_heads: int | None = None, head_dim: int | None = None
+) -> int:
+    """Check the head counts (and a head width set apart from `d_model / n_heads`); return
+    `n_kv_heads` (default `n_heads`)."""
     require_positive(d_model=d_model, n_heads=n_heads)
-    if d_model % n_heads:
+    if head_dim is not None:
+        require_positive(head_dim=head_dim)
+    elif d_model % n_heads:
         raise ValueError(
             f"`d_model` must be divisible by `n_heads`; received `d_model={d_model}`, "
             f"`n_heads={n_heads}` (remainder {d_model % n_heads})."
@@ -59,7 +65,7 @@ HEAD_SPLIT: dict[str, tuple[int, str | None]] = {
 
 
 def _heads(a: Array, n_heads: int) -> Array:
-    """`(L, d_model) -> (n_heads, L, d_model / n_heads)`."""
+    """`(L, n_heads * d_head) -> (n_heads, L, d_head)`."""
     return a.reshape(a.shape[0], n_heads, a.shape[1] // n_heads).transpose(1, 0, 2)
 
 
@@ -122,6 +128,13 @@ class MultiHeadAttention(Layer):
     implementation: eqx.AbstractVar[str]
     rope_base: eqx.AbstractVar[float | None]
     attention_dropout: eqx.AbstractVar[float]
+    head_dim: eqx.AbstractVar[int]
+    rope_scaling: eqx.AbstractVar[tuple | None]
+    rotary_fraction: eqx.AbstractVar[float]
+    q_norm: eqx.AbstractVar[RMSNorm | None]
+    k_norm: eqx.AbstractVar[RMSNorm | None]
+    query_scale: eqx.AbstractVar[float | None]
+    logit_softcap: eqx.AbstractVar[float | None]
     tensor_parallel: ClassVar[Mapping[str, tuple[int, str | None]]] = HEAD_SPLIT
 
     def _build_projections(
@@ -132,6 +145,7 @@ class MultiHeadAttention(Layer):
         n_kv_heads: int,
         d_source: int,
         use_bias: bool,
+        d_head: int | None = None,
     ) -> None:
         """The four projections (uniform in `[-1/sqrt(fan_in), 1/sqrt(fan_in)]`, keys and values
         from `d_source` features) and their biases (zeros, as PyTorch's `nn.MultiheadAttention`
@@ -143,15 +157,26 @@ class MultiHeadAttention(Layer):
             bound = 1.0 / math.sqrt(d_in)
             return Param(jr.uniform(k, (d_in, width), minval=-bound, maxval=bound))
 
-        kv_width = n_kv_heads * (d_model // n_heads)
-        self.W_Q, self.W_O = init(qkey, d_model, d_model), init(okey, d_model, d_model)
+        d_head = d_model // n_heads if d_head is None else d_head
+        q_width, kv_width = n_heads * d_head, n_kv_heads * d_head
+        self.W_Q, self.W_O = init(qkey, d_model, q_width), init(okey, q_width, d_model)
         self.W_K, self.W_V = init(kkey, d_source, kv_width), init(vkey, d_source, kv_width)
-        self.b_Q, self.b_O = (Param(jnp.zeros(d_model)) if use_bias else None for _ in "QO")
+        self.b_Q = Param(jnp.zeros(q_width)) if use_bias else None
+        self.b_O = Param(jnp.zeros(d_model)) if use_bias else None
         self.b_K, self.b_V = (Param(jnp.zeros(kv_width)) if use_bias else None for _ in "KV")
+        self.head_dim = d_head
 
     @property
     def d_head(self) -> int:
-        return self.d_model // self.n_heads
+        """The width of a head: `d_model / n_heads`, or `head_dim` where it is set apart."""
+        return self.head_dim
+
+    @property
+    def rotary(self) -> Rotary | None:
+        """The layer's rotation (`None` without rotary positions)."""
+        if self.rope_base is None:
+            return None
+        return Rotary(self.rope_base, self.d_head, self.rotary_fraction, self.rope_scaling)
 
     @property
     def memory_efficient(self) -> bool | None:
@@ -166,7 +191,18 @@ class MultiHeadAttention(Layer):
     def keys_values(self, source: Array) -> tuple[Array, Array]:
         """The keys `source W_K` and values `source W_V` (plus biases), `(S, n_kv_heads *
         d_head)` each, of a sequence or a context `source (S, d_source)`."""
-        return self._affine(source, self.W_K, self.b_K), self._affine(source, self.W_V, self.b_V)
+        keys = self._affine(source, self.W_K, self.b_K)
+        if self.k_norm is not None:
+            keys = self._normalised(keys, self.k_norm)
+        return keys, self._affine(source, self.W_V, self.b_V)
+
+    def _normalised(self, a: Array, norm: RMSNorm) -> Array:
+        """`a (L, heads * d_head)` through a query/key norm: over each head's features (Qwen3's,
+        Gemma 3's) or over the whole projection (OLMo 2's), as the norm's width says."""
+        if norm.d_model == a.shape[-1]:
+            return norm(a)
+        heads = a.reshape(a.shape[0], a.shape[1] // norm.d_model, norm.d_model)
+        return norm(heads).reshape(a.shape)
 
     def _query_heads(
         self, x: Array, keys: Array, positions: tuple[Array, Array] | None
@@ -175,16 +211,22 @@ class MultiHeadAttention(Layer):
         heads `(n_kv_heads, S, d_head)`, both rotated by their `(query, key)` positions when the
         layer has rotary positions (a whole sequence: step t at position t). Keys are cached
         unrotated."""
-        q = _heads(self._affine(x, self.W_Q, self.b_Q), self.n_heads)
-        if self.rope_base is None:
+        queries = self._affine(x, self.W_Q, self.b_Q)
+        if self.q_norm is not None:
+            queries = self._normalised(queries, self.q_norm)
+        if self.query_scale is not None:  # the kernels divide by sqrt(d_head): that undone here
+            queries = queries * jnp.asarray(self.query_scale * math.sqrt(self.d_head), x.dtype)
+        q = _heads(queries, self.n_heads)
+        rotary = self.rotary
+        if rotary is None:
             return q, keys
         if positions is None:
             positions = (jnp.arange(q.shape[-2]), jnp.arange(keys.shape[-2]))
-        return rotate(q, positions[0], self.rope_base), rotate(keys, positions[1], self.rope_base)
+        return rotary(q, positions[0]), rotary(keys, positions[1])
 
     def _output(self, out: Array) -> Array:
         """Heads `(n_heads, T, d_head)` joined to `(T, d_model)` and projected by `W_O`."""
-        joined = out.transpose(1, 0, 2).reshape(out.shape[1], self.d_model)
+        joined = out.transpose(1, 0, 2).reshape(out.shape[1], self.n_heads * self.d_head)
         return self._affine(joined, self.W_O, self.b_O)
 
     def attend_heads(
@@ -207,7 +249,7 @@ class MultiHeadAttention(Layer):
             out = _dot_product_attention(q, keys, values, mask, kernel)
         elif keys.shape[0] == q.shape[0]:  # a key/value head per query head: no group axis, whose
             # broadcast in the products XLA's CPU compiler runs 2.5x slower
-            out = _attention(q, keys, values, mask, hidden_zeros)
+            out = _attention(q, keys, values, mask, hidden_zeros, self.logit_softcap)
         else:  # grouped-query attention: each key/value head's group of query heads folded into
             # its query rows, `(n_kv_heads, group * T, d)`, for plain batched products (a broadcast
             # group axis runs 1.25x slower), the mask tiled over the group to match
@@ -216,7 +258,8 @@ class MultiHeadAttention(Layer):
             if mask is not None:
                 scores = (n_kv, group, length, keys.shape[1])
                 mask = jnp.broadcast_to(mask, scores).reshape(n_kv, group * length, keys.shape[1])
-            out = _attention(folded, keys, values, mask, hidden_zeros).reshape(q.shape)
+            out = _attention(folded, keys, values, mask, hidden_zeros, self.logit_softcap)
+            out = out.reshape(q.shape)
         return self._output(out)
 
     def attend_sequence(
@@ -253,7 +296,8 @@ class MultiHeadAttention(Layer):
         """The attention weights `(n_kv_heads, group, T, S)` in float32 of the queries of `x`
         against projected `keys (S, n_kv_heads * d_head)` under `mask (T, S)`."""
         q, k = self._query_heads(x, _heads(keys, self.n_kv_heads), None)
-        return attention_weights(_grouped(q, self.n_kv_heads), k[:, None], mask)
+        grouped = _grouped(q, self.n_kv_heads)
+        return attention_weights(grouped, k[:, None], mask, self.logit_softcap)
 
     def attend_dropping_weights(
         self, x: Array, keys: Array, values: Array, mask: Array | None, key: PRNGKeyArray

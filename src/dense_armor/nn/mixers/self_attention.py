@@ -3,6 +3,7 @@ cache that owns its writes (`cache.update`)."""
 
 import math
 import numbers
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import equinox as eqx
@@ -23,6 +24,8 @@ from ..core import (
 )
 from ..kernels import blocked as blocked
 from ..kernels.choice import choose_kernel, resolve_implementation
+from ..kernels.rotary import check_rope_scaling
+from ..layers.language import RMSNorm
 from ..state.cache import FixedKVCache, KVCache, RingKVCache
 from ..state.counter import Counter, validate_overflow_mode
 from .heads import (
@@ -40,20 +43,64 @@ __all__ = ["MultiHeadSelfAttention"]
 Cache = KVCache | FixedKVCache | RingKVCache
 
 
-def _check_rope(rope_base: float | None, d_head: int) -> None:
+def _check_rope(rope_base: float | None, d_head: int, fraction: float = 1.0) -> None:
     if rope_base is None:
         return
+    if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) or not 0 < fraction <= 1:
+        raise ValueError(
+            f"`rotary_fraction` must be a number in (0, 1] (the share of each head's features "
+            f"that rotate); received `rotary_fraction={fraction!r}`."
+        )
     real = isinstance(rope_base, numbers.Real) and not isinstance(rope_base, bool | np.bool_)
     if not real or not math.isfinite(rope_base) or rope_base <= 1:
         raise ValueError(
             f"`rope_base` must be a finite number above 1 (10000 in RoFormer), or None for no "
             f"rotary positions; received `rope_base={rope_base!r}`."
         )
-    if d_head % 2:
+    if int(d_head * fraction) % 2 or int(d_head * fraction) == 0:
         raise ValueError(
-            f"rotary positions rotate pairs of features: `d_model / n_heads` must be even; it is "
-            f"{d_head}."
+            f"rotary positions rotate pairs of features: `d_model / n_heads` (or `head_dim`) "
+            f"times `rotary_fraction` must be even and positive; it is "
+            f"{int(d_head * fraction)}."
         )
+
+
+QK_NORMS = (None, "head", "projection")
+
+
+def _softcap_implementation(implementation: str) -> str:
+    """Soft-capped scores are computed by the materialised kernel alone (the blocked one and
+    `jax.nn.dot_product_attention` have no cap): `"auto"` becomes `"materialised"`."""
+    if implementation not in ("auto", "materialised"):
+        raise ValueError(
+            f"`logit_softcap` caps the materialised scores; `implementation={implementation!r}` "
+            "has no cap. Leave `implementation` unset or pass 'materialised'."
+        )
+    return "materialised"
+
+
+def _check_number(name: str, value: Any) -> float | None:
+    """A positive finite number, or `None`."""
+    if value is None:
+        return None
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
+    if not real or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"`{name}` must be a positive finite number or None; received {value!r}.")
+    return float(value)
+
+
+def _qk_norms(
+    qk_norm: str | None, n_heads: int, n_kv_heads: int, d_head: int, eps: float, plus_one: bool
+) -> tuple[RMSNorm | None, RMSNorm | None]:
+    """The query and key RMSNorms that `qk_norm` asks for (`None`, `"head"`: over each head's
+    features, one gain shared by the heads; `"projection"`: over the whole projection)."""
+    require_bool(qk_norm_plus_one=plus_one)
+    if qk_norm not in QK_NORMS:
+        raise ValueError(f"`qk_norm` must be one of {QK_NORMS}; received `qk_norm={qk_norm!r}`.")
+    if qk_norm is None:
+        return None, None
+    widths = (d_head, d_head) if qk_norm == "head" else (n_heads * d_head, n_kv_heads * d_head)
+    return tuple(RMSNorm(w, eps, plus_one=plus_one) for w in widths)  # type: ignore[return-value]
 
 
 class MultiHeadSelfAttention(MultiHeadAttention):
@@ -81,6 +128,17 @@ class MultiHeadSelfAttention(MultiHeadAttention):
     `b_Q, b_K, b_V, b_O`, started at zero, as PyTorch's `nn.MultiheadAttention` has) and
     `attention_dropout=0.0` (dropout on the attention weights, in `forward` with a `key`; the
     weights are then materialised).
+
+    The options of the checkpoints of 2024-2026: `head_dim=None` (each head's width, apart from
+    `d_model / n_heads`: Qwen3's, Gemma's and Mistral-Nemo's), `rope_scaling=None` (a mapping with
+    `rope_type` `"linear"`, `"llama3"` or `"yarn"` and that kind's keys, as in a Hugging Face
+    config; see `kernels.rotary`), `rotary_fraction=1.0` (only the first fraction of each head's
+    features rotate: Phi-3/4's `partial_rotary_factor`), `qk_norm=None` (an RMSNorm on the queries
+    and keys before the rotation: `"head"`, over each head's features, Qwen3's and Gemma 3's;
+    `"projection"`, over the whole projection, OLMo 2's; `qk_norm_eps=1e-6`,
+    `qk_norm_plus_one=False`: Gemma's `1 + w` gain), `query_scale=None` (the scores' scale, apart
+    from `d_head ** -0.5`: Gemma's `query_pre_attn_scalar ** -0.5`) and `logit_softcap=None`
+    (scores `cap * tanh(s / cap)` before the mask, Gemma 2's `attn_logit_softcapping`).
 
     `forward(x, mask=None)` maps `(T, d_model) -> (T, d_model)`, `mask` the padding mask of
     `Layer`.
@@ -110,6 +168,13 @@ class MultiHeadSelfAttention(MultiHeadAttention):
     b_K: Param | None
     b_V: Param | None
     b_O: Param | None
+    head_dim: int = eqx.field(static=True, converter=python_scalar)
+    rope_scaling: tuple | None = eqx.field(static=True)
+    rotary_fraction: float = eqx.field(static=True, converter=python_scalar)
+    q_norm: RMSNorm | None
+    k_norm: RMSNorm | None
+    query_scale: float | None = eqx.field(static=True, converter=python_scalar)
+    logit_softcap: float | None = eqx.field(static=True, converter=python_scalar)
     accepts_mask: ClassVar[bool] = True
 
     def __init__(
@@ -125,14 +190,32 @@ class MultiHeadSelfAttention(MultiHeadAttention):
         rope_base: float | None = None,
         use_bias: bool = False,
         attention_dropout: float = 0.0,
+        head_dim: int | None = None,
+        rope_scaling: Mapping[str, Any] | None = None,
+        rotary_fraction: float = 1.0,
+        qk_norm: str | None = None,
+        qk_norm_eps: float = 1e-6,
+        qk_norm_plus_one: bool = False,
+        query_scale: float | None = None,
+        logit_softcap: float | None = None,
     ):
         require_key(key)
-        n_kv_heads = _check_heads(d_model, n_heads, n_kv_heads)
-        _check_rope(rope_base, d_model // n_heads)
+        n_kv_heads = _check_heads(d_model, n_heads, n_kv_heads, head_dim)
+        d_head = d_model // n_heads if head_dim is None else int(head_dim)
+        _check_rope(rope_base, d_head, rotary_fraction)
+        self.rope_scaling = check_rope_scaling(rope_scaling)
+        self.rotary_fraction = float(rotary_fraction)
         require_bool(causal=causal)
         _check_window(window, causal)
         implementation = resolve_implementation(memory_efficient, implementation)
-        self._build_projections(key, d_model, n_heads, n_kv_heads, d_model, use_bias)
+        self.query_scale = _check_number("query_scale", query_scale)
+        self.logit_softcap = _check_number("logit_softcap", logit_softcap)
+        if self.logit_softcap is not None:
+            implementation = _softcap_implementation(implementation)
+        self.q_norm, self.k_norm = _qk_norms(
+            qk_norm, n_heads, n_kv_heads, d_head, qk_norm_eps, qk_norm_plus_one
+        )
+        self._build_projections(key, d_model, n_heads, n_kv_heads, d_model, use_bias, d_head)
         self.d_model = d_model
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads

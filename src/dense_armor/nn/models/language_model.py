@@ -3,13 +3,18 @@ the two lineages of the checkpoints it loads: GPT-2 (learned positions, LayerNor
 GPT-2's tanh GELU, biases, a tied head) and Llama / Qwen2 (rotary positions, RMSNorm, SwiGLU,
 grouped-query attention, an untied or tied head, Qwen2's query/key/value biases)."""
 
+import math
+import numbers
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import equinox as eqx
+import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ..blocks.mixer_block import Norm
+from ..blocks.mixer_block import Norm, make_norm
 from ..blocks.transformer_block import TransformerBlock
 from ..core import (
     Layer,
@@ -20,12 +25,12 @@ from ..core import (
     require_positive,
     shape_checked,
 )
-from ..layers.basic import LayerNorm
-from ..layers.language import Embedding, LMHead, RMSNorm
+from ..layers.language import Embedding, LMHead
 from ..layers.positions import LearnedPositions
 from ..mixers.options import attention_options
 from ..state.streams import batch_streams
-from .stack import Stack
+from .sequential import Sequential
+from .stack import Stack, scanned
 
 __all__ = ["LM_POSITIONS", "TransformerLM"]
 
@@ -55,11 +60,15 @@ class TransformerLM(Layer):
 
     embed: Embedding
     positions: LearnedPositions | None
-    blocks: tuple[TransformerBlock, ...] | Stack
+    blocks: tuple[TransformerBlock | Stack | Sequential, ...] | Stack
     norm: Norm
     head: LMHead | None
     vocab: int = eqx.field(static=True, converter=python_scalar)
     d_model: int = eqx.field(static=True, converter=python_scalar)
+    embed_scale: bool = eqx.field(static=True, converter=python_scalar, default=False)
+    final_logit_softcap: float | None = eqx.field(
+        static=True, converter=python_scalar, default=None
+    )
     causal: ClassVar[bool] = True
 
     def __init__(
@@ -82,14 +91,21 @@ class TransformerLM(Layer):
         scan_layers: bool = False,
         remat: str | None = None,
         on_invalid: str = "raise",
+        norm_placement: str = "input",
+        embed_scale: bool = False,
+        final_logit_softcap: float | None = None,
+        layer_options: Sequence[Mapping[str, Any]] | None = None,
         **attention: Any,
     ):
         require_key(key)
         require_positive(vocab=vocab, d_model=d_model, depth=depth, max_len=max_len)
-        require_bool(tie_embeddings=tie_embeddings, scan_layers=scan_layers)
+        require_bool(
+            tie_embeddings=tie_embeddings, scan_layers=scan_layers, embed_scale=embed_scale
+        )
         require_choice("positions", positions, LM_POSITIONS)
         options = attention_options("TransformerLM", attention)
         options["rope_base"] = rope_base if positions == "rope" else None
+        per_layer = _layer_options(layer_options, depth, positions)
         embed_key, position_key, head_key, *block_keys = jr.split(key, 3 + depth)
         self.embed = Embedding(vocab, d_model, embed_key, on_invalid=on_invalid)
         self.positions = (
@@ -98,25 +114,40 @@ class TransformerLM(Layer):
         block: dict[str, Any] = dict(  # what every block takes
             causal=True, norm_first=True, remat=remat, activation=activation,
             layer_norm_eps=eps, norm=norm, feed_forward=feed_forward,
+            norm_placement=norm_placement,
         )  # fmt: skip
         blocks = tuple(
-            TransformerBlock(d_model, n_heads, d_ff, k, **block, **options) for k in block_keys
+            TransformerBlock(d_model, n_heads, d_ff, k, **block, **{**options, **layer})
+            for k, layer in zip(block_keys, per_layer, strict=True)
         )
-        self.blocks = Stack(blocks) if scan_layers else blocks
-        self.norm = _norm_class(norm)(d_model, eps)  # `norm` was checked by the blocks
+        self.blocks = scanned(blocks) if scan_layers else blocks
+        self.norm = make_norm(norm, d_model, eps)  # `norm` was checked by the blocks
         self.head = None if tie_embeddings else LMHead(d_model, vocab, head_key)
         self.vocab, self.d_model = vocab, d_model
+        self.embed_scale = embed_scale
+        self.final_logit_softcap = _check_softcap(final_logit_softcap)
+
+    def _embedded(self, ids: Array) -> Array:
+        """The ids' rows of the table, times `sqrt(d_model)` with `embed_scale` (Gemma's)."""
+        h = self.embed(ids)
+        if self.embed_scale:
+            h = h * jnp.asarray(math.sqrt(self.d_model), h.dtype)
+        return h
 
     def _logits(self, h: Array) -> Array:
         h = self.norm(h)
-        return self.embed.attend(h) if self.head is None else self.head(h)
+        logits = self.embed.attend(h) if self.head is None else self.head(h)
+        if self.final_logit_softcap is not None:  # Gemma 2's final soft-capping
+            cap = self.final_logit_softcap
+            logits = (jnp.tanh(logits.astype(jnp.float32) / cap) * cap).astype(logits.dtype)
+        return logits
 
     @shape_checked
     def forward(
         self, ids: Int[Array, " T"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "T vocab"]:
         """The logits `(T, vocab)` of the next token after each position of `ids (T,)`."""
-        h = self.embed(ids)
+        h = self._embedded(ids)
         if self.positions is not None:
             h = self.positions(h)
         if isinstance(self.blocks, Stack):
@@ -171,7 +202,7 @@ class TransformerLM(Layer):
     def _prefill_hidden(self, ids: Array, cache: tuple) -> tuple[Array, tuple]:
         """The last block's output `(K, d_model)` for `K` tokens, and the cache after them."""
         position_cache, block_caches = cache
-        h = self.embed(ids)
+        h = self._embedded(ids)
         if self.positions is not None:
             h, position_cache = self.positions.prefill(h, position_cache)
         if isinstance(self.blocks, Stack):
@@ -185,5 +216,40 @@ class TransformerLM(Layer):
         return h, (position_cache, block_caches)
 
 
-def _norm_class(norm: str) -> type[LayerNorm] | type[RMSNorm]:
-    return LayerNorm if norm == "layer" else RMSNorm
+def _check_softcap(cap: Any) -> float | None:
+    if cap is None:
+        return None
+    real = isinstance(cap, numbers.Real) and not isinstance(cap, bool | np.bool_)
+    if not real or not math.isfinite(cap) or cap <= 0:
+        raise ValueError(
+            f"`final_logit_softcap` must be a positive finite number or None; received {cap!r}."
+        )
+    return float(cap)
+
+
+def _layer_options(
+    layer_options: Sequence[Mapping[str, Any]] | None, depth: int, positions: str
+) -> list[dict[str, Any]]:
+    """Each block's own attention options (over the model's), checked: one mapping per block, each
+    of attention options (Gemma's sliding and global layers: `window` and `rope_base` apart)."""
+    if layer_options is None:
+        return [{} for _ in range(depth)]
+    if isinstance(layer_options, str | bytes | Mapping) or not isinstance(layer_options, Sequence):
+        raise TypeError(
+            f"`layer_options` must be a sequence of {depth} mappings (one per block); received "
+            f"{type(layer_options).__name__}."
+        )
+    if len(layer_options) != depth:
+        raise ValueError(
+            f"`layer_options` must hold one mapping per block ({depth}); received "
+            f"{len(layer_options)}."
+        )
+    out = []
+    for i, layer in enumerate(layer_options):
+        if not isinstance(layer, Mapping):
+            raise TypeError(f"`layer_options[{i}]` must be a mapping; received {layer!r}.")
+        layer = attention_options(f"TransformerLM layer_options[{i}]", layer)
+        if positions != "rope" and "rope_base" in layer:
+            raise ValueError(f"`layer_options[{i}]` sets `rope_base` on a model without rotary.")
+        out.append(dict(layer))
+    return out

@@ -23,7 +23,7 @@ from jaxtyping import Array, PRNGKeyArray
 
 from ..core import Layer, python_scalar
 
-__all__ = ["Stack", "stack_layers", "unstack_layers"]
+__all__ = ["Stack", "scanned", "stack_layers", "unstack_layers"]
 
 
 class Stack(Layer):
@@ -107,11 +107,31 @@ def _is_stackable(layer: Any) -> bool:
 
 
 def _alike(layer: Any, other: Any) -> bool:
-    """Copies of one layer: the same class and hyper-parameters (so the same array structure)."""
-    structure: Any = jax.tree.structure(eqx.filter(layer, eqx.is_array))  # compares, untyped
-    return type(layer) is type(other) and structure == jax.tree.structure(
-        eqx.filter(other, eqx.is_array)
-    )
+    """Copies of one layer: the same class and hyper-parameters (its static fields, which the
+    tree's structure holds: a window or a rotary base apart is another layer), so the same array
+    structure."""
+    structure: Any = jax.tree.structure(layer)  # compares, untyped
+    return type(layer) is type(other) and structure == jax.tree.structure(other)
+
+
+def scanned(blocks: Sequence[Layer]) -> Any:
+    """`blocks` for a scan over layers: one `Stack` when they are copies of one block; else, when
+    they repeat with a period (Gemma 2's sliding and global layers in turn, Gemma 3's five sliding
+    to one global), a `Stack` of `Sequential` groups of one period each, then the blocks left
+    over, as a tuple; a pattern that does not repeat stays unrolled (a tuple)."""
+    from .sequential import Sequential  # a Stack may hold a Sequential: imported when needed
+
+    blocks = tuple(blocks)
+    if all(_alike(block, blocks[0]) for block in blocks):
+        return Stack(blocks)
+    for period in range(2, len(blocks) // 2 + 1):
+        if all(_alike(b, blocks[i % period]) for i, b in enumerate(blocks)):
+            groups = len(blocks) // period
+            stacked = Stack(
+                [Sequential(*blocks[g * period : (g + 1) * period]) for g in range(groups)]
+            )
+            return (stacked, *blocks[groups * period :])
+    return blocks
 
 
 def _restack(layers: Sequence[Any]) -> tuple[Any, ...]:

@@ -1,0 +1,93 @@
+"""Hugging Face causal language models in and out of a `TransformerLM`, without torch or
+transformers: `import_hf` reads a model directory (`config.json` and `model.safetensors`, or the
+shards `model.safetensors.index.json` names), `export_hf` writes one that transformers loads.
+
+Each architecture family is a module with its config's reading (`arguments`) and a declared table
+of its tensor names (`table`, see `_tables`): GPT-2 (`gpt2`), the Llama lineage (`llama`: Llama
+2/3.x, Mistral, Qwen2/2.5, Qwen3, Phi-3/4-mini, OLMo 2, StarCoder2) and Gemma (`gemma`: Gemma 1, 2
+and 3's text model). Every tensor of a checkpoint is used and every weight of the model filled,
+each shape checked and every value finite; an architecture or a config option the model does not
+implement (`longrope` and `dynamic` rope scaling, attention scaled by the layer index, ...) is
+named and refused, never ignored. Errors are `HuggingFaceError`, naming the file and the tensor or
+option.
+"""
+
+import os
+import pathlib
+from types import ModuleType
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+
+from ..nn.models.language_model import TransformerLM
+from . import gemma, gpt2, llama
+from ._files import HuggingFaceError, Tensors, load_tokenizer, read_config, read_tensors
+from ._tables import Entry, Table, fill
+from .writing import export_hf
+
+__all__ = ["ARCHITECTURES", "HuggingFaceError", "export_hf", "import_hf", "load_tokenizer"]
+
+FAMILIES: dict[str, ModuleType] = {
+    name: family for family in (gpt2, llama, gemma) for name in family.ARCHITECTURES
+}
+ARCHITECTURES = tuple(FAMILIES)
+
+
+def import_hf(directory: str | os.PathLike[str]) -> tuple[TransformerLM, dict[str, Any]]:
+    """The model of a Hugging Face directory, and the arguments it was built with (JSON values:
+    `TransformerLM(**arguments, key=...)` builds its like).
+
+    The logits are those of transformers' model to float32 round-off. The weights are read one
+    tensor at a time into a model built without arrays of its own, so importing holds about one
+    copy of them.
+    """
+    root = pathlib.Path(directory)
+    config = read_config(root)
+    architecture = architecture_of(root, config)
+    arguments = FAMILIES[architecture].arguments(config, architecture)
+    skeleton = _skeleton(arguments)
+    tensors = Tensors(root, read_tensors(root))
+    model = fill(skeleton, full_table(arguments, architecture), tensors.take)
+    _check_tied_copy(model, tensors, arguments)
+    tensors.done()
+    return model, arguments
+
+
+def architecture_of(root: pathlib.Path, config: dict[str, Any]) -> str:
+    found = config.get("architectures")
+    if not isinstance(found, list) or len(found) != 1 or found[0] not in ARCHITECTURES:
+        raise HuggingFaceError(
+            f"{root / 'config.json'}: `architectures` is {found!r}; this importer reads one of "
+            f"{ARCHITECTURES}."
+        )
+    return str(found[0])
+
+
+def full_table(arguments: dict[str, Any], architecture: str) -> Table:
+    """The family's table, and the head's matrix when it is not the embedding's."""
+    table = FAMILIES[architecture].table(arguments, architecture)
+    if not arguments["tie_embeddings"]:
+        table.append(Entry("lm_head.weight", ("head.W",), "linear"))
+    return table
+
+
+def _skeleton(arguments: dict[str, Any]) -> TransformerLM:
+    """The model's structure and shapes, with no arrays (filled by the table)."""
+    try:
+        return eqx.filter_eval_shape(TransformerLM, **arguments, key=jax.random.PRNGKey(0))
+    except (ValueError, TypeError) as error:
+        raise HuggingFaceError(f"config.json describes no model TransformerLM builds: {error}") from None
+
+
+def _check_tied_copy(model: TransformerLM, tensors: Tensors, arguments: dict[str, Any]) -> None:
+    """A tied checkpoint may store a copy of the table as `lm_head.weight`, which must equal it."""
+    if not arguments["tie_embeddings"] or "lm_head.weight" not in tensors.tensors:
+        return
+    stored = tensors.take("lm_head.weight", (arguments["vocab"], arguments["d_model"]))
+    if not np.array_equal(stored, np.asarray(model.embed.table.value)):
+        raise HuggingFaceError(
+            f"{tensors.root}: `tie_word_embeddings` is true but 'lm_head.weight' differs from the "
+            "embedding table."
+        )

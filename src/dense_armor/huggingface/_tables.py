@@ -1,0 +1,94 @@
+"""The one mechanism every architecture's importer and writer share: a declared table of tensors.
+
+An `Entry` names one tensor of a Hugging Face checkpoint (`model.layers.{i}.mlp.up_proj.weight`)
+and the model's weights it holds (`blocks.{i}.feed_forward.W_up`), in torch's layout (`linear`:
+a `torch.nn.Linear` matrix `(out, in)`, which the model holds transposed; `plain`: as the model
+holds it, vectors and GPT-2's `Conv1D` matrices). A fused tensor (Phi-3's `qkv_proj`, GPT-2's
+`c_attn`) names several weights, its last axis (in the model's layout) split into theirs, in
+order. Importing takes every entry's tensor (shape from the model, values finite) and leaves none
+unused; writing back joins the same weights into the same names. The shapes come from the model
+built from the arguments, so a table lists names and nothing else.
+"""
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+
+from ..nn.models.language_model import TransformerLM
+
+__all__ = ["Entry", "Table", "fill", "gather", "per_layer"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One checkpoint tensor: its name, the model weights it holds (paths of attributes, `.value`
+    of each `Param`; `blocks.3` indexes the tuple of blocks) and its layout."""
+
+    name: str
+    paths: tuple[str, ...]
+    layout: str = "linear"  # "linear" (torch's (out, in)) or "plain"
+    optional: bool = False  # a tensor some checkpoints omit (zeros in the model then)
+
+
+Table = list[Entry]
+
+
+def per_layer(depth: int, rows: Iterable[tuple[str, str | tuple[str, ...], str]]) -> Table:
+    """`rows` of `(name template, path template(s), layout)` with `{i}` for the layer, for every
+    layer."""
+    table = []
+    for i in range(depth):
+        for name, paths, layout in rows:
+            paths = (paths,) if isinstance(paths, str) else paths
+            table.append(
+                Entry(name.format(i=i), tuple(p.format(i=i) for p in paths), layout.rstrip("?"),
+                      optional=layout.endswith("?"))
+            )  # fmt: skip
+    return table
+
+
+def _node(model: Any, path: str) -> Any:
+    node = model
+    for part in path.split("."):
+        node = node[int(part)] if part.isdigit() else getattr(node, part)
+    return node
+
+
+def _model_layout(value: np.ndarray, layout: str) -> np.ndarray:
+    return value.T if layout == "linear" else value
+
+
+def fill(model: TransformerLM, table: Sequence[Entry], take: Callable[..., Any]) -> TransformerLM:
+    """`model` (arrays, or the shapes of `eqx.filter_eval_shape`) with every entry's weights from
+    `take(name, shape, optional)` (the checkpoint's tensor in torch's layout, or `None` for an
+    optional one that is absent: zeros)."""
+    for entry in table:
+        shapes = [_node(model, p).value.shape for p in entry.paths]
+        widths = [s[-1] for s in shapes]
+        ours = (*shapes[0][:-1], sum(widths))
+        torch_shape = ours[::-1] if entry.layout == "linear" else ours
+        tensor = take(entry.name, torch_shape, entry.optional)
+        if tensor is None:  # an optional tensor the checkpoint omits: zeros
+            tensor = np.zeros(torch_shape, np.float32)
+        value = _model_layout(tensor, entry.layout)
+        parts = np.split(value, np.cumsum(widths)[:-1], axis=-1)
+        for path, part in zip(entry.paths, parts, strict=True):
+            model = eqx.tree_at(
+                lambda m, path=path: _node(m, path).value, model, jnp.asarray(part, jnp.float32)
+            )
+    return model
+
+
+def gather(model: TransformerLM, table: Sequence[Entry]) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors from `model`'s weights, by the same table (the inverse of
+    `fill`)."""
+    tensors = {}
+    for entry in table:
+        values = [np.asarray(_node(model, p).value) for p in entry.paths]
+        joined = np.concatenate(values, axis=-1) if len(values) > 1 else values[0]
+        tensors[entry.name] = np.ascontiguousarray(_model_layout(joined, entry.layout))
+    return tensors
