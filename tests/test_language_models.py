@@ -23,13 +23,19 @@ from dense_armor.huggingface import HuggingFaceError, import_hf, load_tokenizer
 from dense_armor.nn.layers.language import ids_checked
 from dense_armor.nn.models.generation import generate, stream_tokens
 from dense_armor.nn.models.language_model import TransformerLM
-from dense_armor.nn.models.stack import Stack
+from dense_armor.nn.models.stack import scanned as stacked
 from dense_armor.nn.state.streams import reset
 from dense_armor.train_step import next_token_loss
 from dense_armor.training import evaluate, fit
 
 DATA = pathlib.Path(__file__).parent / "data" / "hf"
-CASES = ["gpt2", "llama_gqa", "llama_tied", "qwen2"]
+# transformers' tiny random models (tests/torch_reference/make_hf_golden.py): the four lineages
+# first imported, then the checkpoints' structural options (rope scaling, head widths, q/k norms,
+# windows, Gemma's conventions, fused projections, LayerNorm with biases)
+CASES = [
+    "gpt2", "llama_gqa", "llama_tied", "qwen2", "llama32", "qwen2_yarn", "qwen3", "mistral",
+    "phi3", "olmo2", "gemma", "gemma2", "gemma3", "starcoder2",
+]  # fmt: skip
 CAPACITY = 48
 
 
@@ -98,7 +104,7 @@ def test_greedy_generation_through_prefill_and_step_is_transformers_token_for_to
 
 def test_scan_over_layers_gives_the_same_logits(case):
     _, model, _, golden = case
-    scanned = eqx.tree_at(lambda m: m.blocks, model, Stack(model.blocks))
+    scanned = eqx.tree_at(lambda m: m.blocks, model, stacked(model.blocks))
     np.testing.assert_allclose(
         logits_of(scanned, golden["ids"]), golden["logits"], atol=1e-5, rtol=0
     )
@@ -117,7 +123,8 @@ def test_the_arguments_build_the_same_model_shape(case):
 def test_tied_models_hold_one_table_and_untied_ones_a_head(case):
     name, model, arguments, _ = case
     assert (model.head is None) == arguments["tie_embeddings"]
-    assert arguments["tie_embeddings"] == (name in ("gpt2", "llama_tied"))
+    config = json.loads((DATA / name / "config.json").read_text())
+    assert arguments["tie_embeddings"] == config["tie_word_embeddings"]
 
 
 # A damaged directory: each is a clear `HuggingFaceError`

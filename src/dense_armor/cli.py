@@ -9,6 +9,7 @@ dense-armor inspect DIR
 dense-armor import-torch STATE.safetensors --config CONFIG.json --out CHECKPOINT_DIR
                          [--embed NAME] [--head NAME]
 dense-armor import-hf HF_MODEL_DIR --out CHECKPOINT_DIR
+dense-armor export-hf CHECKPOINT_DIR --out HF_MODEL_DIR [--architecture Qwen3ForCausalLM]
 dense-armor generate CHECKPOINT_DIR (--prompt TEXT | --ids 1,2,3) [--tokenizer tokenizer.json]
                      [--max-new-tokens 32] [--temperature 0] [--top-k K] [--top-p P]
                      [--min-p P] [--stop 2,...] [--seed 0]
@@ -183,10 +184,18 @@ def _parser() -> argparse.ArgumentParser:
     it.add_argument("--head", default="head", help="the output Linear's name (head)")
 
     hf = commands.add_parser(
-        "import-hf", help="import a Hugging Face GPT-2, Llama or Qwen2 directory into a checkpoint"
+        "import-hf", help="import a Hugging Face causal LM directory (see ARCHITECTURES)"
     )
     hf.add_argument("directory", type=pathlib.Path, help="config.json and model.safetensors")
     hf.add_argument("--out", type=pathlib.Path, required=True, help="checkpoint directory")
+    back = commands.add_parser(
+        "export-hf", help="write a language-model checkpoint as a Hugging Face directory"
+    )
+    back.add_argument("checkpoint", type=pathlib.Path, help="a checkpoint of a TransformerLM")
+    back.add_argument("--out", type=pathlib.Path, required=True, help="the directory to write")
+    back.add_argument(
+        "--architecture", help="e.g. Qwen3ForCausalLM (default: the one it was imported from)"
+    )
 
     _add_generate(commands)
     _add_serve(commands)
@@ -310,13 +319,43 @@ def _import_torch(args: argparse.Namespace) -> None:
 def _import_hf(args: argparse.Namespace) -> None:
     from .checkpoint import ModelConfig, save_checkpoint
     from .huggingface import import_hf
+    from .huggingface.writing import TOKENIZER_FILES
 
     model, arguments = import_hf(args.directory)
     written = save_checkpoint(args.out, model, ModelConfig("transformer_lm", arguments))
-    tokenizer = args.directory / "tokenizer.json"
-    if tokenizer.is_file():  # beside the checkpoint, where `generate` looks for it
-        shutil.copyfile(tokenizer, written / "tokenizer.json")
+    # The tokenizer beside the checkpoint (where `generate` looks for `tokenizer.json`), and the
+    # source config under `huggingface/`, for `export-hf` to write the model back
+    for name in TOKENIZER_FILES:
+        if (args.directory / name).is_file():
+            shutil.copyfile(args.directory / name, written / name)
+    (written / "huggingface").mkdir(exist_ok=True)
+    shutil.copyfile(args.directory / "config.json", written / "huggingface" / "config.json")
     print(f"imported {args.directory} into {written}")
+
+
+def _export_hf(args: argparse.Namespace) -> None:
+    import json
+
+    from .checkpoint import load_checkpoint
+    from .huggingface import HuggingFaceError, export_hf
+
+    checkpoint = load_checkpoint(args.checkpoint)
+    if checkpoint.config.factory != "transformer_lm":
+        raise UsageError(
+            f"{args.checkpoint} holds a {checkpoint.config.factory}, not a language model."
+        )
+    source_path = args.checkpoint / "huggingface" / "config.json"
+    source = json.loads(source_path.read_text()) if source_path.is_file() else None
+    architecture = args.architecture or ((source or {}).get("architectures") or [None])[0]
+    if architecture is None:
+        raise HuggingFaceError(
+            f"{args.checkpoint} was not imported from Hugging Face: pass --architecture."
+        )
+    written = export_hf(
+        checkpoint.model, checkpoint.config.arguments, args.out, architecture=architecture,
+        source=source, tokenizer=args.checkpoint,
+    )  # fmt: skip
+    print(f"wrote {architecture} to {written}")
 
 
 def _language_model(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -400,6 +439,7 @@ def _generate(args: argparse.Namespace) -> None:
 COMMANDS = {
     "export": _export,
     "import-hf": _import_hf,
+    "export-hf": _export_hf,
     "generate": _generate,
     "serve": _serve,
     "compile": _compile,

@@ -78,7 +78,9 @@ def _skeleton(arguments: dict[str, Any]) -> TransformerLM:
     try:
         return eqx.filter_eval_shape(TransformerLM, **arguments, key=jax.random.PRNGKey(0))
     except (ValueError, TypeError) as error:
-        raise HuggingFaceError(f"config.json describes no model TransformerLM builds: {error}") from None
+        raise HuggingFaceError(
+            f"config.json describes no model TransformerLM builds: {error}"
+        ) from None
 
 
 def _check_tied_copy(model: TransformerLM, tensors: Tensors, arguments: dict[str, Any]) -> None:
@@ -86,7 +88,7 @@ def _check_tied_copy(model: TransformerLM, tensors: Tensors, arguments: dict[str
     if not arguments["tie_embeddings"] or "lm_head.weight" not in tensors.tensors:
         return
     stored = tensors.take("lm_head.weight", (arguments["vocab"], arguments["d_model"]))
-    if not np.array_equal(stored, np.asarray(model.embed.table.value)):
+    if stored is None or not np.array_equal(stored, np.asarray(model.embed.table.value)):
         raise HuggingFaceError(
             f"{tensors.root}: `tie_word_embeddings` is true but 'lm_head.weight' differs from the "
             "embedding table."

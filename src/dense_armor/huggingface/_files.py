@@ -4,7 +4,6 @@ once with its shape and values checked, the config's options read and checked by
 tokenizer. Errors are `HuggingFaceError`, naming the file and the tensor or option."""
 
 import json
-import math
 import os
 import pathlib
 from collections.abc import Callable

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..nn.models.language_model import TransformerLM
+from ._files import HuggingFaceError
 
 __all__ = ["Entry", "Table", "fill", "gather", "per_layer"]
 
@@ -31,13 +32,13 @@ class Entry:
     name: str
     paths: tuple[str, ...]
     layout: str = "linear"  # "linear" (torch's (out, in)) or "plain"
-    optional: bool = False  # a tensor some checkpoints omit (zeros in the model then)
+    optional: bool = False  # a tensor the architecture's checkpoints omit: zeros in the model
 
 
 Table = list[Entry]
 
 
-def per_layer(depth: int, rows: Iterable[tuple[str, str | tuple[str, ...], str]]) -> Table:
+def per_layer(depth: int, rows: Iterable[tuple[str, Any, str]]) -> Table:
     """`rows` of `(name template, path template(s), layout)` with `{i}` for the layer, for every
     layer."""
     table = []
@@ -77,9 +78,11 @@ def fill(model: TransformerLM, table: Sequence[Entry], take: Callable[..., Any])
         value = _model_layout(tensor, entry.layout)
         parts = np.split(value, np.cumsum(widths)[:-1], axis=-1)
         for path, part in zip(entry.paths, parts, strict=True):
-            model = eqx.tree_at(
-                lambda m, path=path: _node(m, path).value, model, jnp.asarray(part, jnp.float32)
-            )
+
+            def where(m: Any, path: str = path) -> Any:
+                return _node(m, path).value
+
+            model = eqx.tree_at(where, model, jnp.asarray(part, jnp.float32))
     return model
 
 
@@ -89,6 +92,13 @@ def gather(model: TransformerLM, table: Sequence[Entry]) -> dict[str, np.ndarray
     tensors = {}
     for entry in table:
         values = [np.asarray(_node(model, p).value) for p in entry.paths]
+        if entry.optional and not any(v.any() for v in values):
+            continue  # zeros the architecture does not store
+        if entry.optional:
+            raise HuggingFaceError(
+                f"{entry.paths} hold values other than zeros, which {entry.name!r} would carry; "
+                "the architecture's checkpoints have no such tensor (its models keep it zero)."
+            )
         joined = np.concatenate(values, axis=-1) if len(values) > 1 else values[0]
         tensors[entry.name] = np.ascontiguousarray(_model_layout(joined, entry.layout))
     return tensors

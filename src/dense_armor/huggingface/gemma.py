@@ -76,7 +76,10 @@ def table(a: dict[str, Any], architecture: str) -> Table:
     rows: list[tuple[str, str, str]] = [
         (p + f"self_attn.{n}_proj.weight", b + f"attention.W_{n.upper()}", "linear") for n in "qkvo"
     ]
-    rows += [(p + f"mlp.{n}_proj.weight", b + f"feed_forward.W_{n}", "linear") for n in ("gate", "up", "down")]  # noqa: E501
+    rows += [
+        (p + f"mlp.{n}_proj.weight", b + f"feed_forward.W_{n}", "linear")
+        for n in ("gate", "up", "down")
+    ]
     rows.append((p + "input_layernorm.weight", b + "norm1.gain", "plain"))
     if architecture == "GemmaForCausalLM":
         rows.append((p + "post_attention_layernorm.weight", b + "norm2.gain", "plain"))
@@ -87,7 +90,10 @@ def table(a: dict[str, Any], architecture: str) -> Table:
             (p + "post_feedforward_layernorm.weight", b + "output_norms.1.gain", "plain"),
         ]
     if a.get("qk_norm"):
-        rows += [(p + f"self_attn.{n}_norm.weight", b + f"attention.{n}_norm.gain", "plain") for n in "qk"]  # noqa: E501
+        rows += [
+            (p + f"self_attn.{n}_norm.weight", b + f"attention.{n}_norm.gain", "plain")
+            for n in "qk"
+        ]
     return [
         *per_layer(1, [("model.embed_tokens.weight", "embed.table", "plain")]),
         *per_layer(a["depth"], rows),

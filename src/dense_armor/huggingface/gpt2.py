@@ -14,7 +14,9 @@ ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu"
 
 def arguments(config: dict[str, Any], architecture: str) -> dict[str, Any]:
     """`TransformerLM`'s arguments for the config (options it does not build refused by name)."""
-    refuse(config, "scale_attn_by_inverse_layer_idx", lambda v: not v, "attention scaled by 1/layer")
+    refuse(
+        config, "scale_attn_by_inverse_layer_idx", lambda v: not v, "attention scaled by 1/layer"
+    )
     refuse(config, "scale_attn_weights", bool, "attention without the 1/sqrt(d_head) scale")
     refuse(config, "reorder_and_upcast_attn", lambda v: not v, "reordered attention")
     refuse(config, "add_cross_attention", lambda v: not v, "cross-attention")

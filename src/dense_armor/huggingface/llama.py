@@ -4,6 +4,7 @@ options: biases, per-head query/key norms (Qwen3) or norms over the projections 
 after the sub-layers (OLMo 2), fused `qkv_proj` and `gate_up_proj` (Phi-3), LayerNorm and the
 two-layer MLP (StarCoder2), sliding windows by layer type."""
 
+from collections.abc import Sequence
 from typing import Any
 
 from ._files import HuggingFaceError, option, refuse
@@ -16,6 +17,8 @@ ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
     "Phi3ForCausalLM", "Olmo2ForCausalLM", "Starcoder2ForCausalLM",
 )  # fmt: skip
+# The architectures whose attention reads `sliding_window` (transformers' Llama and OLMo 2 do not)
+WINDOWED = ("MistralForCausalLM", "Phi3ForCausalLM", "Starcoder2ForCausalLM")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
 
@@ -31,12 +34,14 @@ def layer_windows(config: dict[str, Any], depth: int) -> list[int | None]:
             f"config.json: `layer_types` is {types!r}; expected {depth} of {LAYER_TYPES}."
         )
     if "sliding_attention" in types and window is None:
-        raise HuggingFaceError("config.json: sliding layers in `layer_types` but no `sliding_window`.")
+        raise HuggingFaceError(
+            "config.json: sliding layers in `layer_types` but no `sliding_window`."
+        )
     return [window if kind == "sliding_attention" else None for kind in types]
 
 
 def per_layer_options(
-    config: dict[str, Any], depth: int, windows: list[int | None], default_theta: float
+    config: dict[str, Any], depth: int, windows: Sequence[int | None], default_theta: float
 ) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
     """The attention options every layer shares, and each layer's own (or `None` when all
     layers are alike): windows and, per layer type, the rotary positions."""
@@ -59,7 +64,7 @@ def arguments(config: dict[str, Any], architecture: str) -> dict[str, Any]:
     depth = option(config, "num_hidden_layers", int, 32)
     head_dim = option(config, "head_dim", int, None) or d_model // n_heads
     qwen2, star = architecture == "Qwen2ForCausalLM", architecture == "Starcoder2ForCausalLM"
-    windows = layer_windows(config, depth)
+    windows = layer_windows(config, depth) if architecture in WINDOWED else [None] * depth
     if architecture == "Qwen2ForCausalLM" or architecture == "Qwen3ForCausalLM":
         windows = _qwen_windows(config, depth)
     shared, layers = per_layer_options(config, depth, windows, 10000.0)
@@ -75,7 +80,9 @@ def arguments(config: dict[str, Any], architecture: str) -> dict[str, Any]:
         "norm": "layer" if star else "rms",
         "feed_forward": "mlp" if star else "gated",
         "activation": ACTIVATIONS[config.get("hidden_act", "silu")],
-        "eps": float(option(config, "norm_epsilon" if star else "rms_norm_eps", (int, float), 1e-6)),
+        "eps": float(
+            option(config, "norm_epsilon" if star else "rms_norm_eps", (int, float), 1e-6)
+        ),
         "tie_embeddings": option(config, "tie_word_embeddings", bool, star),
         "n_kv_heads": option(config, "num_key_value_heads", int, None) or n_heads,
         "use_bias": qwen2 or bool(config.get("use_bias" if star else "attention_bias", False)),
@@ -109,22 +116,42 @@ def table(a: dict[str, Any], architecture: str) -> Table:
     p = "model.layers.{i}."
     rows: list[tuple[str, Any, str]] = []
     if architecture == "Phi3ForCausalLM":
-        rows.append((p + "self_attn.qkv_proj.weight", [attention + w for w in ("W_Q", "W_K", "W_V")], "linear"))  # noqa: E501
+        rows.append(
+            (
+                p + "self_attn.qkv_proj.weight",
+                [attention + w for w in ("W_Q", "W_K", "W_V")],
+                "linear",
+            )
+        )
     else:
-        rows += [(p + f"self_attn.{n}_proj.weight", attention + f"W_{n.upper()}", "linear") for n in "qkv"]  # noqa: E501
+        rows += [
+            (p + f"self_attn.{n}_proj.weight", attention + f"W_{n.upper()}", "linear")
+            for n in "qkv"
+        ]
     rows.append((p + "self_attn.o_proj.weight", attention + "W_O", "linear"))
     if a["use_bias"]:
-        rows += [(p + f"self_attn.{n}_proj.bias", attention + f"b_{n.upper()}", "plain") for n in "qkv"]  # noqa: E501
-        rows.append((p + "self_attn.o_proj.bias", attention + "b_O", "plain?"))  # Qwen2 has none
+        rows += [
+            (p + f"self_attn.{n}_proj.bias", attention + f"b_{n.upper()}", "plain") for n in "qkv"
+        ]
+        qwen2 = architecture == "Qwen2ForCausalLM"  # Qwen2's has none: zeros in the model
+        rows.append(
+            (p + "self_attn.o_proj.bias", attention + "b_O", "plain?" if qwen2 else "plain")
+        )
     if a.get("qk_norm"):
-        rows += [(p + f"self_attn.{n}_norm.weight", attention + f"{n}_norm.gain", "plain") for n in "qk"]  # noqa: E501
+        rows += [
+            (p + f"self_attn.{n}_norm.weight", attention + f"{n}_norm.gain", "plain") for n in "qk"
+        ]
     rows += _norm_rows(a, architecture)
     rows += _mlp_rows(architecture, mlp)
     return [
         *per_layer(1, [("model.embed_tokens.weight", "embed.table", "plain")]),
         *per_layer(a["depth"], rows),
         *per_layer(1, [("model.norm.weight", "norm.gain", "plain")]),
-        *(per_layer(1, [("model.norm.bias", "norm.bias", "plain")]) if a["norm"] == "layer" else []),
+        *(
+            per_layer(1, [("model.norm.bias", "norm.bias", "plain")])
+            if a["norm"] == "layer"
+            else []
+        ),
     ]
 
 
@@ -134,9 +161,10 @@ def _norm_rows(a: dict[str, Any], architecture: str) -> list[tuple[str, str, str
         names = ("post_attention_layernorm", "post_feedforward_layernorm")
     else:
         names = ("input_layernorm", "post_attention_layernorm")
-    rows = [(p + f"{n}.weight", b + f"norm{k}.gain", "plain") for k, n in zip("12", names)]
+    pairs = list(zip("12", names, strict=True))
+    rows = [(p + f"{n}.weight", b + f"norm{k}.gain", "plain") for k, n in pairs]
     if a["norm"] == "layer":
-        rows += [(p + f"{n}.bias", b + f"norm{k}.bias", "plain") for k, n in zip("12", names)]
+        rows += [(p + f"{n}.bias", b + f"norm{k}.bias", "plain") for k, n in pairs]
     return rows
 
 

@@ -21,8 +21,10 @@ def _parameters(config: dict[str, Any], layer_type: str | None) -> dict[str, Any
     """The rope mapping that applies to `layer_type`'s layers, merged from either spelling."""
     parameters = config.get("rope_parameters")
     if parameters is not None and not isinstance(parameters, dict):
-        raise HuggingFaceError(f"config.json: `rope_parameters` is {parameters!r}; expected an object.")
-    nested = bool(parameters) and any(key in LAYER_TYPES for key in parameters)
+        raise HuggingFaceError(
+            f"config.json: `rope_parameters` is {parameters!r}; expected an object."
+        )
+    nested = any(key in LAYER_TYPES for key in parameters or {})
     if nested:
         values = (parameters or {}).get(layer_type or "full_attention") or {}
         if not isinstance(values, dict):
@@ -36,7 +38,10 @@ def _parameters(config: dict[str, Any], layer_type: str | None) -> dict[str, Any
     scaling = dict(scaling)
     if "type" in scaling:  # the older key
         scaling.setdefault("rope_type", scaling.pop("type"))
-    return {**dict(parameters or {}), **scaling}  # a config's `rope_scaling` wins, as in transformers
+    return {
+        **dict(parameters or {}),
+        **scaling,
+    }  # a config's `rope_scaling` wins, as in transformers
 
 
 def rotary_options(
@@ -66,8 +71,14 @@ def rotary_options(
         values.setdefault("original_max_position_embeddings", original)
         if values["original_max_position_embeddings"] is None:
             values["original_max_position_embeddings"] = config.get("max_position_embeddings")
-    if kind == "yarn" and values.get("factor") is None and values.get("original_max_position_embeddings"):
-        values["factor"] = config["max_position_embeddings"] / values["original_max_position_embeddings"]
+    if (
+        kind == "yarn"
+        and values.get("factor") is None
+        and values.get("original_max_position_embeddings")
+    ):
+        values["factor"] = (
+            config["max_position_embeddings"] / values["original_max_position_embeddings"]
+        )
     try:
         options["rope_scaling"] = dict(check_rope_scaling({"rope_type": kind, **values}) or ())
     except ValueError as error:

@@ -36,12 +36,14 @@ class TransformerBlock(MixerBlock):
     `feed_forward="mlp"` (or `"gated"`: `GatedFeedForward`, SwiGLU with `activation="silu"`) and,
     with `norm_first=True`, `norm_placement="input"` (or `"output"`: each sub-layer's output is
     normalised before the residual addition and its input is not, OLMo 2's `x + Norm(Sub(x))`;
-    `"both"`: `x + Norm'(Sub(Norm(x)))`, Gemma 2/3's four norms per block). Every other keyword is an option of the attention
-    (`**attention`, `mixers.options.ATTENTION_OPTIONS`), passed to its `MultiHeadSelfAttention` as
-    given: `window=None` (sliding-window attention), `implementation=None` (how the scores are
-    computed) and its older spelling `memory_efficient=None`, `n_kv_heads=None` (grouped-query
-    attention), `rope_base=None` (rotary positions), `use_bias=False` (biases on the projections)
-    and `attention_dropout=0.0` (on the attention weights).
+    `"both"`: `x + Norm'(Sub(Norm(x)))`, Gemma 2/3's four norms per block). Every other keyword
+    is an option of the attention (`**attention`, `mixers.options.ATTENTION_OPTIONS`), passed to
+    its `MultiHeadSelfAttention` as given: `window=None` (sliding-window attention),
+    `implementation=None` (how the scores are computed) and its older spelling
+    `memory_efficient=None`, `n_kv_heads=None` (grouped-query attention), `rope_base=None`
+    (rotary positions), `use_bias=False` (biases on the projections), `attention_dropout=0.0` (on
+    the attention weights) and the checkpoints' options (`head_dim`, `rope_scaling`, `qk_norm`,
+    ...: see `MultiHeadSelfAttention`).
 
     `forward(x, mask=None)`, `mask` the padding mask of `Layer`.
 

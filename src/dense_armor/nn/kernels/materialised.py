@@ -102,7 +102,11 @@ def _attention(
     not finite is then made NaN whole, which is the same rule at a pass over `(T, d_v)` instead
     of two over the values and the `(T, S)` mask (half a cached step's time). `softcap`: the
     scores capped (`_masked_scores`), differentiated by JAX's own rules."""
-    attend = _attend if softcap is None else (lambda *a: _attend_parts(*a, softcap)[0])
+
+    def capped(q: Array, k: Array, v: Array, mask: Array | None) -> Array:
+        return _attend_parts(q, k, v, mask, softcap)[0]
+
+    attend = _attend if softcap is None else capped
     if mask is None or hidden_zeros:
         # every value a query may weigh is one it sees: one non-finite value makes its row NaN
         if mask is not None:

@@ -65,14 +65,14 @@ class MultiHeadCrossAttention(MultiHeadAttention):
     # Rotary positions are the self-attention's: a context's steps have no place in the sequence;
     # the options of the checkpoints' self-attentions (see `MultiHeadSelfAttention`) are not
     # taken here.
-    rope_base: None = eqx.field(static=True, default=None)
-    head_dim: int = eqx.field(static=True, converter=python_scalar, default=0)
-    rope_scaling: None = eqx.field(static=True, default=None)
-    rotary_fraction: float = eqx.field(static=True, default=1.0)
-    q_norm: None = None
-    k_norm: None = None
-    query_scale: None = eqx.field(static=True, default=None)
-    logit_softcap: None = eqx.field(static=True, default=None)
+    rope_base: None = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True, converter=python_scalar)
+    rope_scaling: None = eqx.field(static=True)
+    rotary_fraction: float = eqx.field(static=True)
+    q_norm: None
+    k_norm: None
+    query_scale: None = eqx.field(static=True)
+    logit_softcap: None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -94,7 +94,9 @@ class MultiHeadCrossAttention(MultiHeadAttention):
         self._build_projections(key, d_model, n_heads, n_kv_heads, d_context, use_bias)
         self.d_model, self.n_heads, self.d_context = d_model, n_heads, d_context
         self.n_kv_heads = n_kv_heads
-        self.rope_base = None
+        self.rope_base = self.rope_scaling = self.query_scale = self.logit_softcap = None
+        self.q_norm = self.k_norm = None
+        self.rotary_fraction = 1.0
         require_rate(attention_dropout=attention_dropout)
         self.attention_dropout = float(attention_dropout)
         self.implementation = implementation

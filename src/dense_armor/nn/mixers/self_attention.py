@@ -46,7 +46,11 @@ Cache = KVCache | FixedKVCache | RingKVCache
 def _check_rope(rope_base: float | None, d_head: int, fraction: float = 1.0) -> None:
     if rope_base is None:
         return
-    if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) or not 0 < fraction <= 1:
+    if (
+        isinstance(fraction, bool)
+        or not isinstance(fraction, numbers.Real)
+        or not 0 < fraction <= 1
+    ):
         raise ValueError(
             f"`rotary_fraction` must be a number in (0, 1] (the share of each head's features "
             f"that rotate); received `rotary_fraction={fraction!r}`."

@@ -124,7 +124,7 @@ def scanned(blocks: Sequence[Layer]) -> Any:
     blocks = tuple(blocks)
     if all(_alike(block, blocks[0]) for block in blocks):
         return Stack(blocks)
-    for period in range(2, len(blocks) // 2 + 1):
+    for period in range(2, len(blocks)):
         if all(_alike(b, blocks[i % period]) for i, b in enumerate(blocks)):
             groups = len(blocks) // period
             stacked = Stack(

@@ -1,0 +1,206 @@
+"""The checkpoints' architectures beyond GPT-2, Llama and Qwen2, and writing models back: that the
+golden data exercise each option (without it the logits are not transformers'), and that
+`export_hf` writes each architecture's directory as transformers wrote it (the same tensors, bit
+for bit, and a config that imports to the same model). transformers' own loading of the written
+directories is `tests/torch_reference/check_hf_export.py` (not a test: it needs torch)."""
+
+import glob
+import json
+import pathlib
+import shutil
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from dense_armor.cli import main as cli
+from dense_armor.huggingface import ARCHITECTURES, HuggingFaceError, export_hf, import_hf
+from dense_armor.nn.layers.language import ids_checked
+from dense_armor.nn.models.language_model import TransformerLM
+from dense_armor.nn.models.stack import scanned
+
+DATA = pathlib.Path(__file__).parent / "data" / "hf"
+CASES = sorted(p.name for p in DATA.iterdir() if p.is_dir())
+FORWARD = eqx.filter_jit(lambda m, ids: jax.vmap(m)(ids))
+
+
+def config_of(name):
+    return json.loads((DATA / name / "config.json").read_text())
+
+
+def logits_of(model, ids):
+    with ids_checked():
+        return np.asarray(FORWARD(model, jnp.asarray(ids)))
+
+
+def test_every_case_is_an_architecture_the_importer_lists():
+    assert {config_of(name)["architectures"][0] for name in CASES} == set(ARCHITECTURES)
+
+
+def without(**changes):
+    def change(config):
+        config.update(changes)
+
+    return change
+
+
+def drop_rope_scaling(config):
+    config["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": config["rope_parameters"]["rope_theta"],
+    }
+
+
+def swap_rope_bases(config):
+    rope = config["rope_parameters"]
+    full, sliding = rope["full_attention"]["rope_theta"], rope["sliding_attention"]["rope_theta"]
+    rope["full_attention"]["rope_theta"], rope["sliding_attention"]["rope_theta"] = sliding, full
+
+
+# Each option of a case, undone in its config: the logits move away from transformers' by more
+# than 0.01, so the agreement within 1e-5 (test_language_models.py) holds because the option is
+# built, not because the data leave it idle.
+MATTERS = [
+    ("llama3-scaling", "llama32", drop_rope_scaling),
+    ("yarn-scaling", "qwen2_yarn", drop_rope_scaling),
+    ("window", "mistral", without(sliding_window=None)),
+    ("partial-rotary", "phi3", lambda c: c["rope_parameters"].update(partial_rotary_factor=1.0)),
+    ("attention-softcap", "gemma2", without(attn_logit_softcapping=None)),
+    ("final-softcap", "gemma2", without(final_logit_softcapping=None)),
+    ("query-scale", "gemma2", without(query_pre_attn_scalar=16)),
+    ("sliding-layers", "gemma2", without(layer_types=["full_attention"] * 4)),
+    ("per-kind-rope", "gemma3", swap_rope_bases),
+    ("window-of-five-in-six", "gemma3", without(sliding_window=64)),
+    ("starcoder-window", "starcoder2", without(sliding_window=None)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, change", [pytest.param(*r[1:], id=r[0]) for r in MATTERS])
+def test_each_option_changes_the_logits_that_match_transformers(tmp_path, name, change):
+    target = tmp_path / name
+    shutil.copytree(DATA / name, target)
+    config = config_of(name)
+    change(config)
+    (target / "config.json").write_text(json.dumps(config))
+    golden = load_file(str(DATA / f"{name}.io.safetensors"))
+    model, _ = import_hf(target)
+    assert np.abs(logits_of(model, golden["ids"]) - golden["logits"]).max() > 1e-2
+
+
+def stored_tensors(directory):
+    tensors = {}
+    for path in glob.glob(str(directory / "*.safetensors")):
+        tensors.update(load_file(path))
+    return tensors
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_export_hf_writes_the_directory_transformers_wrote(tmp_path, name):
+    model, arguments = import_hf(DATA / name)
+    source = config_of(name)
+    written = export_hf(
+        model, arguments, tmp_path / name, architecture=source["architectures"][0], source=source
+    )
+    want, got = stored_tensors(DATA / name), stored_tensors(written)
+    assert sorted(got) == sorted(want)
+    for tensor in want:  # bit for bit, in transformers' names and layouts
+        np.testing.assert_array_equal(got[tensor], want[tensor], err_msg=tensor)
+    _, arguments_again = import_hf(written)
+    assert arguments_again == arguments
+    config = json.loads((written / "config.json").read_text())
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "vocab_size", "hidden_size"):
+        assert config.get(key) == source.get(key), key
+
+
+def test_a_scanned_model_writes_the_same_tensors_as_its_unrolled_self(tmp_path):
+    model, arguments = import_hf(DATA / "gemma3")  # five sliding layers to one global, 8 in all
+    stacked = eqx.tree_at(lambda m: m.blocks, model, scanned(model.blocks))
+    assert not isinstance(stacked.blocks[0], type(model.blocks[0]))  # a Stack of groups
+    a = export_hf(model, arguments, tmp_path / "a", architecture="Gemma3ForCausalLM")
+    b = export_hf(
+        stacked,
+        {**arguments, "scan_layers": True},
+        tmp_path / "b",
+        architecture="Gemma3ForCausalLM",
+    )
+    want, got = stored_tensors(a), stored_tensors(b)
+    assert sorted(got) == sorted(want)
+    for tensor in want:
+        np.testing.assert_array_equal(got[tensor], want[tensor], err_msg=tensor)
+
+
+def test_a_model_built_here_goes_out_as_llama_and_comes_back_the_same(tmp_path):
+    arguments = dict(
+        vocab=40,
+        d_model=16,
+        n_heads=4,
+        d_ff=24,
+        depth=2,
+        max_len=32,
+        n_kv_heads=2,
+        tie_embeddings=False,
+    )
+    model = TransformerLM(**arguments, key=jax.random.PRNGKey(4))
+    written = export_hf(model, arguments, tmp_path / "llama", architecture="LlamaForCausalLM")
+    again, read = import_hf(written)
+    for a, b in zip(model.params(), again.params(), strict=True):
+        np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value))
+    ids = np.arange(12)[None] % 40
+    np.testing.assert_array_equal(logits_of(model, ids), logits_of(again, ids))
+    assert read["rope_base"] == 10000.0 and read["n_kv_heads"] == 2
+
+
+REFUSED = [
+    ("gemma3-as-gpt2", "gemma3", "GPT2LMHeadModel", r"a GPT2LMHeadModel config cannot say this model's arguments: .*embed_scale: True != False"),  # noqa: E501
+    ("qwen3-as-llama", "qwen3", "LlamaForCausalLM", r"layers\[0\]\.qk_norm: 'head' != None"),
+    ("windowed-as-llama", "mistral", "LlamaForCausalLM", r"layers\[0\]\.window: 4 != None"),
+    ("unknown-architecture", "qwen3", "BertModel", r"`architecture` must be one of"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, architecture, words", [pytest.param(*r[1:], id=r[0]) for r in REFUSED]
+)
+def test_a_model_an_architecture_cannot_say_is_refused_and_nothing_written(
+    tmp_path, name, architecture, words
+):
+    model, arguments = import_hf(DATA / name)
+    with pytest.raises(HuggingFaceError, match=words):
+        export_hf(model, arguments, tmp_path / "out", architecture=architecture)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_qwen2_output_bias_other_than_zeros_is_refused(tmp_path):
+    model, arguments = import_hf(DATA / "qwen2")  # Qwen2 stores no output-projection bias
+    model = eqx.tree_at(lambda m: m.blocks[1].attention.b_O.value, model, jnp.ones(32))
+    with pytest.raises(HuggingFaceError, match=r"hold values other than zeros"):
+        export_hf(model, arguments, tmp_path / "out", architecture="Qwen2ForCausalLM")
+
+
+def test_the_cli_writes_an_imported_checkpoint_back_with_its_tokenizer(tmp_path, capsys):
+    source = tmp_path / "source"
+    shutil.copytree(DATA / "qwen3", source)
+    (source / "tokenizer_config.json").write_text('{"model_max_length": 64}')
+    assert cli(["import-hf", str(source), "--out", str(tmp_path / "ckpt")]) == 0
+    assert cli(["export-hf", str(tmp_path / "ckpt"), "--out", str(tmp_path / "back")]) == 0
+    assert "wrote Qwen3ForCausalLM to" in capsys.readouterr().out
+    assert (tmp_path / "back" / "tokenizer_config.json").read_text() == '{"model_max_length": 64}'
+    want, got = stored_tensors(DATA / "qwen3"), stored_tensors(tmp_path / "back")
+    assert sorted(got) == sorted(want)
+    assert (
+        cli(
+            [
+                "export-hf",
+                str(tmp_path / "ckpt"),
+                "--out",
+                str(tmp_path / "b2"),
+                "--architecture",
+                "GPT2LMHeadModel",
+            ]
+        )
+        == 2
+    )
+    assert "cannot say this model's arguments" in capsys.readouterr().err
