@@ -41,11 +41,22 @@ SAMPLES = {
     "rope_base": (500.0, "rope_base", 500.0),
     "use_bias": (True, "b_Q", "a bias"),
     "attention_dropout": (0.25, "attention_dropout", 0.25),
+    "head_dim": (6, "head_dim", 6),
+    "rope_scaling": ({"rope_type": "linear", "factor": 2.0}, "rope_scaling", (("factor", 2.0), ("rope_type", "linear"))),  # noqa: E501
+    "rotary_fraction": (0.5, "rotary_fraction", 0.5),
+    "qk_norm": ("projection", "q_norm.d_model", 8),
+    # options of the q/k norm: they reach it with `qk_norm` set beside them
+    "qk_norm_eps": ({"qk_norm": "head", "qk_norm_eps": 1e-5}, "k_norm.eps", 1e-5),
+    "qk_norm_plus_one": ({"qk_norm": "head", "qk_norm_plus_one": True}, "q_norm.plus_one", True),
+    "query_scale": (0.5, "query_scale", 0.5),
+    "logit_softcap": (20.0, "logit_softcap", 20.0),
 }
 
 
 def reached(layer, field, expected):
-    value = getattr(layer, field)
+    value = layer
+    for part in field.split("."):
+        value = getattr(value, part)
     return value is not None if expected == "a bias" else value == expected
 
 
@@ -58,11 +69,12 @@ def test_the_attention_options_are_the_self_attentions_keywords():
 
 def attentions(option, value):
     """Every attention layer that `option=value` reaches, built by each block and factory."""
-    options = {option: value, "causal": True} if option == "window" else {option: value}
+    given = value if option.startswith("qk_norm_") else {option: value}
+    options = {**given, "causal": True} if option == "window" else given
     encoder = transformer_encoder(3, 8, 2, 16, 1, 2, KEY, 8, **options)
-    decoder = transformer_decoder(3, 8, 2, 16, 1, 2, KEY, 8, **{option: value})
+    decoder = transformer_decoder(3, 8, 2, 16, 1, 2, KEY, 8, **given)
     block = TransformerBlock(8, 2, 16, KEY, **options)
-    decoder_block = TransformerDecoderBlock(8, 2, 16, KEY, **{option: value})
+    decoder_block = TransformerDecoderBlock(8, 2, 16, KEY, **given)
     found = {
         "TransformerBlock": block.attention,
         "TransformerDecoderBlock": decoder_block.self_attention,
