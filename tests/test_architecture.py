@@ -42,7 +42,11 @@ SAMPLES = {
     "use_bias": (True, "b_Q", "a bias"),
     "attention_dropout": (0.25, "attention_dropout", 0.25),
     "head_dim": (6, "head_dim", 6),
-    "rope_scaling": ({"rope_type": "linear", "factor": 2.0}, "rope_scaling", (("factor", 2.0), ("rope_type", "linear"))),  # noqa: E501
+    "rope_scaling": (
+        {"rope_type": "linear", "factor": 2.0},
+        "rope_scaling",
+        (("factor", 2.0), ("rope_type", "linear")),
+    ),
     "rotary_fraction": (0.5, "rotary_fraction", 0.5),
     "qk_norm": ("projection", "q_norm.d_model", 8),
     # options of the q/k norm: they reach it with `qk_norm` set beside them

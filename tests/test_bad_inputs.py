@@ -40,6 +40,7 @@ from dense_armor.export.iree import compile_artifact, target_flags
 from dense_armor.export.standalone import build_runner, check_iree, run_pjrt
 from dense_armor.export.standalone import main as run_py
 from dense_armor.interop import InteropError, import_torch
+from dense_armor.losses import next_token_loss_balanced
 from dense_armor.nn.layers.language import (
     Embedding,
     GatedFeedForward,
@@ -427,6 +428,10 @@ BAD = [
     ("lm-layer-options-unknown", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, layer_options=[{"windw": 4}]), TypeError, r"layer_options\[0\] got unexpected keyword arguments \['windw'\]"),
     ("lm-norm-placement-unknown", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, norm_placement="after"), ValueError, r"`norm_placement` must be one of \('input', 'output', 'both'\)"),
     ("lm-embed-scale-string", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, embed_scale="true"), ValueError, r"`embed_scale` must be True or False"),
+    ("moe-without-experts", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, feed_forward="moe"), ValueError, r"`feed_forward='moe'` needs `n_experts` and `top_k`"),
+    ("experts-with-mlp", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, n_experts=4, top_k=2), ValueError, r"`n_experts` and `top_k` are the options of `feed_forward='moe'`; received them with `feed_forward='gated'`"),
+    ("top-k-past-experts", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, feed_forward="moe", n_experts=2, top_k=3), ValueError, r"`top_k` must be at most `n_experts`; received `top_k=3`, `n_experts=2`"),
+    ("balance-coefficient-negative", lambda: next_token_loss_balanced(-0.1), ValueError, r"`coefficient` must be a finite number >= 0; received -0.1"),
     ("rope-odd-head", lambda: MultiHeadSelfAttention(6, 2, KEY, rope_base=10000), ValueError, r"`d_model / n_heads` \(or `head_dim`\) times `rotary_fraction` must be even and positive; it is 3"),
     ("scan-layers-string", lambda: transformer_encoder(3, 8, 2, 16, 1, 2, KEY, 6, scan_layers="true"), ValueError, r"`scan_layers` must be True or False"),
     ("remat-unknown", lambda: transformer_encoder(3, 8, 2, 16, 1, 2, KEY, 6, remat="all"), ValueError, r"`remat` must be one of \(None, 'block', 'attention'\).*'all'"),
@@ -668,7 +673,7 @@ BAD = [
     ("sample-empty-vocabulary", lambda: sample(jnp.zeros((2, 0)), KEY), ValueError, r"`logits` must be a floating-point array.*shape \(2, 0\)"),
     ("lm-positions-unknown", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, positions="sinusoidal"), ValueError, r"`positions` must be one of \('rope', 'learned'\); received `positions='sinusoidal'`"),
     ("lm-norm-unknown", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, norm="batch"), ValueError, r"`norm` must be one of \('layer', 'rms', 'rms_plus_one'\); received `norm='batch'`"),
-    ("lm-feed-forward-unknown", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, feed_forward="moe"), ValueError, r"`feed_forward` must be one of \('mlp', 'gated'\)"),
+    ("lm-feed-forward-unknown", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, feed_forward="sparse"), ValueError, r"`feed_forward` must be one of \('mlp', 'gated', 'moe'\)"),
     ("lm-heads-not-dividing", lambda: TransformerLM(16, 30, 4, 32, 1, KEY, 8), ValueError, r"`d_model` must be divisible by `n_heads`; received `d_model=30`, `n_heads=4`"),
     ("lm-tie-a-string", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, tie_embeddings="yes"), ValueError, r"`tie_embeddings` must be True or False; received `tie_embeddings='yes'`"),
     ("lm-misspelt-option", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, windw=3), TypeError, r"TransformerLM got unexpected keyword arguments \['windw'\]; the attention's options are \['window'"),

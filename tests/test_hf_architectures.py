@@ -18,6 +18,8 @@ from safetensors.numpy import load_file
 
 from dense_armor.cli import main as cli
 from dense_armor.huggingface import ARCHITECTURES, HuggingFaceError, export_hf, import_hf
+from dense_armor.losses import next_token_loss_balanced
+from dense_armor.nn.layers.experts import MixtureOfExperts, balance_loss
 from dense_armor.nn.layers.language import ids_checked
 from dense_armor.nn.models.language_model import TransformerLM
 from dense_armor.nn.models.stack import scanned
@@ -75,6 +77,8 @@ MATTERS = [
     ("per-kind-rope", "gemma3", swap_rope_bases),
     ("window-of-five-in-six", "gemma3", without(sliding_window=64)),
     ("starcoder-window", "starcoder2", without(sliding_window=None)),
+    ("renormalised-top-k", "qwen3_moe", without(norm_topk_prob=True)),
+    ("top-k", "mixtral", without(num_experts_per_tok=1)),
 ]  # fmt: skip
 
 
@@ -204,3 +208,89 @@ def test_the_cli_writes_an_imported_checkpoint_back_with_its_tokenizer(tmp_path,
         == 2
     )
     assert "cannot say this model's arguments" in capsys.readouterr().err
+
+
+# Mixtures of experts
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_the_load_balancing_loss_is_transformers(name):
+    model, arguments = import_hf(DATA / name)
+    golden = load_file(str(DATA / f"{name}.io.safetensors"))
+    with ids_checked():
+        _, routers = jax.vmap(model.forward_routed)(jnp.asarray(golden["ids"]))
+    loss = balance_loss(routers, arguments["n_experts"], arguments["top_k"])
+    np.testing.assert_allclose(float(loss), float(golden["aux_loss"]), rtol=1e-5)
+
+
+def experts_in_float64(layer, x):
+    """The mixture's output by hand in float64: softmax, top k, renormalised or not, SwiGLU."""
+    w = {
+        n: np.asarray(getattr(layer, n).value, np.float64)
+        for n in ("router", "W_gate", "W_up", "W_down")
+    }
+    x = np.asarray(x, np.float64)
+    logits = x @ w["router"]
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        top = np.argsort(-probs[t])[: layer.top_k]
+        weights = probs[t, top] / (probs[t, top].sum() if layer.normalize_top_k else 1.0)
+        for e, weight in zip(top, weights, strict=True):
+            gate = x[t] @ w["W_gate"][e]
+            out[t] += (
+                weight * ((gate / (1 + np.exp(-gate))) * (x[t] @ w["W_up"][e])) @ w["W_down"][e]
+            )
+    return out
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_routed_and_dense_experts_are_the_float64_mixture(normalize):
+    layer = MixtureOfExperts(
+        12, 20, jax.random.PRNGKey(2), n_experts=6, top_k=2, normalize_top_k=normalize
+    )
+    layer = jax.tree.map(
+        lambda a: a * 20 if isinstance(a, jax.Array) else a, layer
+    )  # routers apart
+    x = jax.random.normal(jax.random.PRNGKey(3), (5, 12))
+    want = experts_in_float64(layer, x)
+    np.testing.assert_allclose(np.asarray(layer(x)), want, atol=1e-4, rtol=1e-5)  # 5 x 2 > 6: dense
+    for t in range(5):  # one position, 2 < 6 experts: routed (gathered)
+        np.testing.assert_allclose(
+            np.asarray(layer(x[t : t + 1])), want[t : t + 1], atol=1e-4, rtol=1e-5
+        )
+
+
+@pytest.mark.optax
+def test_a_mixture_of_experts_model_trains_with_its_balance_term():
+    import optax
+
+    from dense_armor.training import evaluate, fit
+
+    model = TransformerLM(
+        16, 16, 2, 16, 1, jax.random.PRNGKey(0), 32, feed_forward="moe", n_experts=4, top_k=2
+    )
+    tokens = np.tile(np.arange(13) % 16, (32, 1))
+    xs, labels = tokens[:, :-1], tokens[:, 1:]
+    loss = next_token_loss_balanced(0.02)
+    before = evaluate(model, xs, labels, loss_fn=loss)
+    result = fit(
+        model,
+        optax.adam(1e-2),
+        (xs, labels),
+        steps=40,
+        batch_size=8,
+        loss_fn=loss,
+        progress=False,
+        eval_every=40,
+    )
+    after = evaluate(result.model, xs, labels, loss_fn=loss)
+    assert after["loss"] < 0.3 * before["loss"], (before, after)
+
+    # the balance term alone moves the router
+    def term(m):
+        return balance_loss(jax.vmap(m.forward_routed)(jnp.asarray(xs))[1], 4, 2)
+
+    grads = eqx.filter_grad(term)(model)
+    assert float(jnp.abs(grads.blocks[0].feed_forward.router.value).max()) > 0

@@ -34,7 +34,7 @@ DATA = pathlib.Path(__file__).parent / "data" / "hf"
 # windows, Gemma's conventions, fused projections, LayerNorm with biases)
 CASES = [
     "gpt2", "llama_gqa", "llama_tied", "qwen2", "llama32", "qwen2_yarn", "qwen3", "mistral",
-    "phi3", "olmo2", "gemma", "gemma2", "gemma3", "starcoder2",
+    "phi3", "olmo2", "gemma", "gemma2", "gemma3", "starcoder2", "mixtral", "qwen3_moe",
 ]  # fmt: skip
 CAPACITY = 48
 

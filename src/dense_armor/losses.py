@@ -27,6 +27,7 @@ __all__ = [
     "check_labels",
     "cross_entropy_loss",
     "next_token_loss",
+    "next_token_loss_balanced",
     "output_width",
 ]
 
@@ -174,6 +175,46 @@ class NextToken(CrossEntropy):
 
 
 next_token_loss = NextToken()
+
+
+class NextTokenBalanced(NextToken):
+    """`NextToken`'s loss plus `coefficient` times the load-balancing loss of a mixture-of-experts
+    language model's routers (`experts.balance_loss` over every layer and position of the batch;
+    Mixtral's `router_aux_loss_coef` is 0.02). For a model whose feed-forwards are
+    `MixtureOfExperts`; the accuracy is `NextToken`'s."""
+
+    def __init__(self, coefficient: float = 0.02) -> None:
+        real = isinstance(coefficient, int | float) and not isinstance(coefficient, bool)
+        if not real or not np.isfinite(coefficient) or coefficient < 0:
+            raise ValueError(
+                f"`coefficient` must be a finite number >= 0; received {coefficient!r}."
+            )
+        self.coefficient = float(coefficient)
+        Loss.__init__(self, self._balanced, averages_samples=True)
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.coefficient))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, NextTokenBalanced) and other.coefficient == self.coefficient
+
+    def _balanced(
+        self, model: Any, xs: jax.Array, labels: jax.Array, key: jax.Array | None = None
+    ) -> jax.Array:
+        from .nn.layers.experts import balance_loss
+
+        logits, routers = jax.vmap(model.forward_routed)(xs)
+        cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        ffn = model.blocks[0] if isinstance(model.blocks, tuple) else model.blocks.stacked
+        experts = ffn.feed_forward
+        return cross_entropy + self.coefficient * balance_loss(
+            routers, experts.n_experts, experts.top_k
+        )
+
+
+def next_token_loss_balanced(coefficient: float = 0.02) -> NextTokenBalanced:
+    """The next-token loss of a mixture-of-experts model with its load-balancing term."""
+    return NextTokenBalanced(coefficient)
 
 
 def check_ids(caller: str, name: str, ids: np.ndarray, vocab: int | None, where: str = "") -> None:

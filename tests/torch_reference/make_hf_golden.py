@@ -237,6 +237,45 @@ CASES = {
         ),
         None,
     ),
+    # Mixtral (Mixtral-8x7B's config): 8 experts, top 2 renormalised, a sliding window unset
+    "mixtral": (
+        transformers.MixtralConfig,
+        transformers.MixtralForCausalLM,
+        dict(
+            LLAMA,
+            num_key_value_heads=2,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            tie_word_embeddings=False,
+            rope_theta=1000000.0,
+            sliding_window=None,
+            router_aux_loss_coef=0.02,
+            output_router_logits=False,
+        ),
+        None,
+    ),
+    # Qwen3-MoE (Qwen3-30B-A3B's config): 16 experts here (128 there), top 4 without
+    # renormalisation (`norm_topk_prob` false, as Qwen1.5-MoE; Qwen3-30B-A3B has it true), expert
+    # width apart from the dense one, head width apart, q/k norms
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(
+            LLAMA,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=16,
+            num_experts_per_tok=4,
+            moe_intermediate_size=24,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            tie_word_embeddings=False,
+            rope_theta=1000000.0,
+            output_router_logits=False,
+        ),
+        None,
+    ),
 }
 LONG_IDS = 24  # sequences past the windows (4) and the YaRN model's 16 pretrained positions
 
@@ -271,13 +310,18 @@ def make(name: str) -> None:
             following = model(uncached).logits[:, -1].argmax(-1, keepdim=True)
             uncached = torch.cat([uncached, following], dim=1)
         assert torch.equal(generated, uncached), name
+    outputs = {
+        "ids": ids.numpy().astype(np.int32),
+        "logits": logits.numpy().astype(np.float32),
+        "prompt": prompt.numpy().astype(np.int32),
+        "generated": generated[:, prompt.shape[1] :].numpy().astype(np.int32),
+    }
+    if "experts" in name or "moe" in name or name == "mixtral":  # the load-balancing loss
+        with torch.no_grad():
+            aux = model(ids, output_router_logits=True).aux_loss
+        outputs["aux_loss"] = np.asarray(aux.numpy(), np.float32).reshape(())
     save_file(
-        {
-            "ids": ids.numpy().astype(np.int32),
-            "logits": logits.numpy().astype(np.float32),
-            "prompt": prompt.numpy().astype(np.int32),
-            "generated": generated[:, prompt.shape[1] :].numpy().astype(np.int32),
-        },
+        outputs,
         str(HERE / f"{name}.io.safetensors"),
         metadata={"transformers": transformers.__version__, "torch": torch.__version__},
     )

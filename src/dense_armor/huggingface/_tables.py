@@ -33,21 +33,26 @@ class Entry:
     paths: tuple[str, ...]
     layout: str = "linear"  # "linear" (torch's (out, in)) or "plain"
     optional: bool = False  # a tensor the architecture's checkpoints omit: zeros in the model
+    # Several tensors stacked on a new leading axis into the one weight of `paths` (a mixture's
+    # experts, `experts.{j}.w1.weight` for every j); `name` is then the first of them.
+    stacked: tuple[str, ...] = ()
 
 
 Table = list[Entry]
 
 
-def per_layer(depth: int, rows: Iterable[tuple[str, Any, str]]) -> Table:
+def per_layer(depth: int, rows: Iterable[tuple[str, Any, str]], experts: int = 0) -> Table:
     """`rows` of `(name template, path template(s), layout)` with `{i}` for the layer, for every
-    layer."""
+    layer; a name with `{j}` (an expert) names `experts` tensors stacked into its one path."""
     table = []
     for i in range(depth):
         for name, paths, layout in rows:
             paths = (paths,) if isinstance(paths, str) else paths
+            stacked = tuple(name.format(i=i, j=j) for j in range(experts)) if "{j}" in name else ()
             table.append(
-                Entry(name.format(i=i), tuple(p.format(i=i) for p in paths), layout.rstrip("?"),
-                      optional=layout.endswith("?"))
+                Entry(stacked[0] if stacked else name.format(i=i),
+                      tuple(p.format(i=i) for p in paths), layout.rstrip("?"),
+                      optional=layout.endswith("?"), stacked=stacked)
             )  # fmt: skip
     return table
 
@@ -68,6 +73,9 @@ def fill(model: TransformerLM, table: Sequence[Entry], take: Callable[..., Any])
     `take(name, shape, optional)` (the checkpoint's tensor in torch's layout, or `None` for an
     optional one that is absent: zeros)."""
     for entry in table:
+        if entry.stacked:
+            model = _fill_stacked(model, entry, take)
+            continue
         shapes = [_node(model, p).value.shape for p in entry.paths]
         widths = [s[-1] for s in shapes]
         ours = (*shapes[0][:-1], sum(widths))
@@ -86,12 +94,31 @@ def fill(model: TransformerLM, table: Sequence[Entry], take: Callable[..., Any])
     return model
 
 
+def _fill_stacked(model: Any, entry: Entry, take: Callable[..., Any]) -> Any:
+    """`entry`'s tensors stacked on a new leading axis into its one weight."""
+    (path,) = entry.paths
+    shape = _node(model, path).value.shape[1:]
+    torch_shape = shape[::-1] if entry.layout == "linear" else shape
+    value = np.stack(
+        [_model_layout(take(name, torch_shape), entry.layout) for name in entry.stacked]
+    )
+
+    def where(m: Any) -> Any:
+        return _node(m, path).value
+
+    return eqx.tree_at(where, model, jnp.asarray(value, jnp.float32))
+
+
 def gather(model: TransformerLM, table: Sequence[Entry]) -> dict[str, np.ndarray]:
     """The checkpoint's tensors from `model`'s weights, by the same table (the inverse of
     `fill`)."""
     tensors = {}
     for entry in table:
         values = [np.asarray(_node(model, p).value) for p in entry.paths]
+        if entry.stacked:
+            for name, value in zip(entry.stacked, values[0], strict=True):
+                tensors[name] = np.ascontiguousarray(_model_layout(value, entry.layout))
+            continue
         if entry.optional and not any(v.any() for v in values):
             continue  # zeros the architecture does not store
         if entry.optional:

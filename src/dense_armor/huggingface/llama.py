@@ -15,10 +15,12 @@ __all__ = ["ARCHITECTURES", "arguments", "layer_windows", "per_layer_options", "
 
 ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-    "Phi3ForCausalLM", "Olmo2ForCausalLM", "Starcoder2ForCausalLM",
+    "Phi3ForCausalLM", "Olmo2ForCausalLM", "Starcoder2ForCausalLM", "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
 )  # fmt: skip
+QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # The architectures whose attention reads `sliding_window` (transformers' Llama and OLMo 2 do not)
-WINDOWED = ("MistralForCausalLM", "Phi3ForCausalLM", "Starcoder2ForCausalLM")
+WINDOWED = ("MistralForCausalLM", "Phi3ForCausalLM", "Starcoder2ForCausalLM", "MixtralForCausalLM")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
 
@@ -65,7 +67,7 @@ def arguments(config: dict[str, Any], architecture: str) -> dict[str, Any]:
     head_dim = option(config, "head_dim", int, None) or d_model // n_heads
     qwen2, star = architecture == "Qwen2ForCausalLM", architecture == "Starcoder2ForCausalLM"
     windows = layer_windows(config, depth) if architecture in WINDOWED else [None] * depth
-    if architecture == "Qwen2ForCausalLM" or architecture == "Qwen3ForCausalLM":
+    if architecture in QWEN:
         windows = _qwen_windows(config, depth)
     shared, layers = per_layer_options(config, depth, windows, 10000.0)
     result: dict[str, Any] = {
@@ -89,13 +91,37 @@ def arguments(config: dict[str, Any], architecture: str) -> dict[str, Any]:
     }
     if head_dim != d_model // n_heads or d_model % n_heads:
         result["head_dim"] = head_dim
-    if architecture == "Qwen3ForCausalLM":
+    if architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         result.update(qk_norm="head", qk_norm_eps=result["eps"])
+    if architecture in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+        result.update(_experts(config, architecture))
     if architecture == "Olmo2ForCausalLM":
         result.update(qk_norm="projection", qk_norm_eps=result["eps"], norm_placement="output")
     if layers is not None:
         result["layer_options"] = layers
     return result
+
+
+def _experts(config: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """A mixture of experts' arguments: every layer's feed-forward sparse (Qwen3-MoE's dense
+    layers, `mlp_only_layers` or `decoder_sparse_step` other than 1, are refused)."""
+    if architecture == "MixtralForCausalLM":
+        return {
+            "feed_forward": "moe",
+            "n_experts": option(config, "num_local_experts", int, 8),
+            "top_k": option(config, "num_experts_per_tok", int, 2),
+        }
+    refuse(config, "mlp_only_layers", lambda v: not v, "dense MLP layers among the sparse ones")
+    refuse(config, "decoder_sparse_step", lambda v: v == 1, "sparse layers every few layers")
+    return {
+        "feed_forward": "moe",
+        "d_ff": option(config, "moe_intermediate_size", int, 768),
+        # transformers 5 saves `num_local_experts`; the hub's configs say `num_experts`
+        "n_experts": option(config, "num_local_experts", int, None)
+        or option(config, "num_experts", int, 128),
+        "top_k": option(config, "num_experts_per_tok", int, 8),
+        "normalize_top_k": option(config, "norm_topk_prob", bool, False),
+    }
 
 
 def _qwen_windows(config: dict[str, Any], depth: int) -> list[int | None]:
@@ -145,7 +171,7 @@ def table(a: dict[str, Any], architecture: str) -> Table:
     rows += _mlp_rows(architecture, mlp)
     return [
         *per_layer(1, [("model.embed_tokens.weight", "embed.table", "plain")]),
-        *per_layer(a["depth"], rows),
+        *per_layer(a["depth"], rows, a.get("n_experts") or 0),
         *per_layer(1, [("model.norm.weight", "norm.gain", "plain")]),
         *(
             per_layer(1, [("model.norm.bias", "norm.bias", "plain")])
@@ -170,6 +196,17 @@ def _norm_rows(a: dict[str, Any], architecture: str) -> list[tuple[str, str, str
 
 def _mlp_rows(architecture: str, mlp: str) -> list[tuple[str, Any, str]]:
     p = "model.layers.{i}.mlp."
+    if architecture == "MixtralForCausalLM":  # experts' w1 gate, w3 up, w2 down
+        p = "model.layers.{i}.block_sparse_moe."
+        names = (("w1", "W_gate"), ("w3", "W_up"), ("w2", "W_down"))
+        return [(p + "gate.weight", mlp + "router", "linear")] + [
+            (p + f"experts.{{j}}.{n}.weight", mlp + w, "linear") for n, w in names
+        ]
+    if architecture == "Qwen3MoeForCausalLM":
+        names = (("gate_proj", "W_gate"), ("up_proj", "W_up"), ("down_proj", "W_down"))
+        return [(p + "gate.weight", mlp + "router", "linear")] + [
+            (p + f"experts.{{j}}.{n}.weight", mlp + w, "linear") for n, w in names
+        ]
     if architecture == "Phi3ForCausalLM":
         return [
             (p + "gate_up_proj.weight", [mlp + "W_gate", mlp + "W_up"], "linear"),

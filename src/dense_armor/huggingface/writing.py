@@ -41,6 +41,7 @@ MODEL_TYPES = {
     "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3",
     "Olmo2ForCausalLM": "olmo2", "Starcoder2ForCausalLM": "starcoder2",
     "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
+    "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe",
 }  # fmt: skip
 ACTIVATION_NAMES = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}
 
@@ -110,6 +111,15 @@ def _family_keys(a: Mapping[str, Any], architecture: str, window: int | None) ->
             "attn_logit_softcapping": a.get("logit_softcap"),
             "final_logit_softcapping": a.get("final_logit_softcap"),
         }
+    if architecture == "MixtralForCausalLM":
+        return {"num_local_experts": a.get("n_experts"), "num_experts_per_tok": a.get("top_k")}
+    if architecture == "Qwen3MoeForCausalLM":
+        return {
+            "use_sliding_window": window is not None, "max_window_layers": a["depth"],
+            "num_experts": a.get("n_experts"), "num_experts_per_tok": a.get("top_k"),
+            "moe_intermediate_size": a["d_ff"], "norm_topk_prob": a.get("normalize_top_k", True),
+            "decoder_sparse_step": 1, "mlp_only_layers": [],
+        }  # fmt: skip
     if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         return {"use_sliding_window": window is not None, "max_window_layers": a["depth"]}
     if architecture == "Starcoder2ForCausalLM":

@@ -145,7 +145,8 @@ class TransformerDecoderBlock(Block):
         def cross(h: Array) -> tuple[Array, None]:
             return self.cross_attention.step_sequence(h, context, key=cross_key), None
 
-        return self._apply(x, (attend, cross, lambda h: (self.feed_forward(h), None)), key)
+        y, extras = self._apply(x, (attend, cross, lambda h: (self.feed_forward(h), None)), key)
+        return y, extras[0]
 
     @shape_checked
     def init_cache(

@@ -27,6 +27,7 @@ from ..core import (
     shape_checked,
 )
 from ..layers.basic import Dropout, FeedForward, LayerNorm
+from ..layers.experts import MixtureOfExperts
 from ..layers.language import GatedFeedForward, RMSNorm
 
 __all__ = ["Block", "Gate", "MixerBlock", "make_norm"]
@@ -36,13 +37,13 @@ REMAT = (None, "block", "attention")
 # A block's normalisation (`norm=`): LayerNorm (the page's; GPT-2's) or RMSNorm (Llama's); its
 # feed-forward (`feed_forward=`): the two-layer MLP or the gated one (SwiGLU with "silu").
 NORMS = ("layer", "rms", "rms_plus_one")
-FEED_FORWARDS = ("mlp", "gated")
+FEED_FORWARDS = ("mlp", "gated", "moe")
 # Where a pre-LN block's norms go (`norm_placement=`): on each sub-layer's input (the usual
 # pre-LN), on its output before the residual addition (OLMo 2's), or both (Gemma 2/3's four norms
 # per block).
 NORM_PLACEMENTS = ("input", "output", "both")
 Norm = LayerNorm | RMSNorm
-Feed = FeedForward | GatedFeedForward
+Feed = FeedForward | GatedFeedForward | MixtureOfExperts
 
 
 def _check_remat(remat: str | None) -> str | None:
@@ -97,12 +98,12 @@ class Block(Layer):
         placement: str = "input",
         output_norms: Sequence[Norm] = (),
     ) -> tuple[Array, Any]:
-        """`x` through `sublayers`, each `sub(h) -> (out, cache)`, with the block's residuals and
+        """`x` through `sublayers`, each `sub(h) -> (out, extra)`, with the block's residuals and
         norms (a pre-LN block's `placement`: see `NORM_PLACEMENTS`; `output_norms` those on the
-        outputs when `placement="both"`); returns the output and the first sub-layer's cache (the
-        mixer's)."""
+        outputs when `placement="both"`); returns the output and each sub-layer's `extra` (the
+        mixer's cache first; a mixture of experts' router logits)."""
         keys = [None] * len(sublayers) if key is None else list(jr.split(key, len(sublayers)))
-        first_cache = None
+        extras = []
         for i, (sub, norm, sub_key) in enumerate(zip(sublayers, self.norms, keys, strict=True)):
             on_input = self.norm_first and placement != "output"
             out, cache = sub(norm(x) if on_input else x)
@@ -110,11 +111,11 @@ class Block(Layer):
                 out = norm(out)
             elif placement == "both":
                 out = output_norms[i](out)
-            first_cache = cache if i == 0 else first_cache
+            extras.append(cache)
             out = self.dropout(out, key=sub_key)
             x = self.gates[i](x, out) if self.gates else x + out
             x = x if self.norm_first else norm(x)
-        return x, first_cache
+        return x, tuple(extras)
 
 
 class MixerBlock(Block):
@@ -156,8 +157,10 @@ class MixerBlock(Block):
         norm: str = "layer",
         feed_forward: str = "mlp",
         norm_placement: str = "input",
+        experts: dict[str, Any] | None = None,
     ) -> None:
-        """The fields every block has besides its mixer (called from a block's `__init__`)."""
+        """The fields every block has besides its mixer (called from a block's `__init__`);
+        `experts`, the `MixtureOfExperts` options with `feed_forward="moe"`."""
         require_choice("norm", norm, NORMS)
         require_choice("feed_forward", feed_forward, FEED_FORWARDS)
         require_choice("norm_placement", norm_placement, NORM_PLACEMENTS)
@@ -167,8 +170,13 @@ class MixerBlock(Block):
                 "`norm_first=True`."
             )
         self.norm1 = make_norm(norm, d_model, layer_norm_eps)
-        feed = FeedForward if feed_forward == "mlp" else GatedFeedForward
-        self.feed_forward = feed(d_model, d_ff, ffn_key, activation)
+        if feed_forward == "moe":
+            self.feed_forward = MixtureOfExperts(
+                d_model, d_ff, ffn_key, **(experts or {}), activation=activation
+            )
+        else:
+            feed = FeedForward if feed_forward == "mlp" else GatedFeedForward
+            self.feed_forward = feed(d_model, d_ff, ffn_key, activation)
         self.norm2 = make_norm(norm, d_model, layer_norm_eps)
         self.norm_placement = norm_placement
         both = norm_placement == "both"
@@ -190,7 +198,19 @@ class MixerBlock(Block):
     ) -> tuple[Array, Any]:
         """The block's equations around a mixer `mix(h) -> (a, cache)`, for every path."""
         sublayers = (mix, lambda h: (self.feed_forward(h), None))
-        return self._apply(x, sublayers, key, self.norm_placement, self.output_norms)
+        y, extras = self._apply(x, sublayers, key, self.norm_placement, self.output_norms)
+        return y, extras[0]
+
+    def forward_routed(self, x: Array) -> tuple[Array, Array]:
+        """`forward(x)` (no mask, no dropout) and its mixture of experts' router logits
+        `(T, n_experts)`, for the load-balancing loss."""
+        if not isinstance(self.feed_forward, MixtureOfExperts):
+            raise ValueError(
+                "forward_routed: this block's feed-forward is not a mixture of experts."
+            )
+        sublayers = (lambda h: (self.mixer(h), None), self.feed_forward.routed)
+        y, extras = self._apply(x, sublayers, None, self.norm_placement, self.output_norms)
+        return y, extras[1]
 
     @shape_checked
     def forward(

@@ -18,6 +18,23 @@ from .mixer_block import Feed, Gate, MixerBlock, Norm, _check_block
 __all__ = ["TransformerBlock"]
 
 
+def _experts(
+    feed_forward: str, n_experts: int | None, top_k: int | None, normalize: bool
+) -> dict[str, Any] | None:
+    """A mixture of experts' options: both counts with `feed_forward="moe"`, neither without."""
+    given = n_experts is not None or top_k is not None
+    if feed_forward != "moe":
+        if given:
+            raise ValueError(
+                f"`n_experts` and `top_k` are the options of `feed_forward='moe'`; received them "
+                f"with `feed_forward={feed_forward!r}`."
+            )
+        return None
+    if n_experts is None or top_k is None:
+        raise ValueError("`feed_forward='moe'` needs `n_experts` and `top_k` (the experts chosen).")
+    return {"n_experts": n_experts, "top_k": top_k, "normalize_top_k": normalize}
+
+
 class TransformerBlock(MixerBlock):
     """The post-LayerNorm Transformer block (Vaswani et al. 2017, page 3 and Eq.(2), page 5).
 
@@ -36,7 +53,9 @@ class TransformerBlock(MixerBlock):
     `feed_forward="mlp"` (or `"gated"`: `GatedFeedForward`, SwiGLU with `activation="silu"`) and,
     with `norm_first=True`, `norm_placement="input"` (or `"output"`: each sub-layer's output is
     normalised before the residual addition and its input is not, OLMo 2's `x + Norm(Sub(x))`;
-    `"both"`: `x + Norm'(Sub(Norm(x)))`, Gemma 2/3's four norms per block). Every other keyword
+    `"both"`: `x + Norm'(Sub(Norm(x)))`, Gemma 2/3's four norms per block); `feed_forward="moe"`
+    with `n_experts`, `top_k` and `normalize_top_k=True` is a `MixtureOfExperts` of SwiGLU experts
+    `d_ff` wide (Mixtral's, Qwen3-MoE's). Every other keyword
     is an option of the attention (`**attention`, `mixers.options.ATTENTION_OPTIONS`), passed to
     its `MultiHeadSelfAttention` as given: `window=None` (sliding-window attention),
     `implementation=None` (how the scores are computed) and its older spelling
@@ -81,6 +100,9 @@ class TransformerBlock(MixerBlock):
         norm: str = "layer",
         feed_forward: str = "mlp",
         norm_placement: str = "input",
+        n_experts: int | None = None,
+        top_k: int | None = None,
+        normalize_top_k: bool = True,
         **attention: Any,
     ):
         _check_block(key, d_model, d_ff, gate, norm_first)
@@ -91,6 +113,7 @@ class TransformerBlock(MixerBlock):
         self._build_around_mixer(
             d_model, d_ff, key, fkey, dropout, gate, norm_first, remat, activation,
             layer_norm_eps, norm, feed_forward, norm_placement,
+            _experts(feed_forward, n_experts, top_k, normalize_top_k),
         )  # fmt: skip
 
     @property

@@ -95,6 +95,9 @@ class TransformerLM(Layer):
         embed_scale: bool = False,
         final_logit_softcap: float | None = None,
         layer_options: Sequence[Mapping[str, Any]] | None = None,
+        n_experts: int | None = None,
+        top_k: int | None = None,
+        normalize_top_k: bool = True,
         **attention: Any,
     ):
         require_key(key)
@@ -114,7 +117,8 @@ class TransformerLM(Layer):
         block: dict[str, Any] = dict(  # what every block takes
             causal=True, norm_first=True, remat=remat, activation=activation,
             layer_norm_eps=eps, norm=norm, feed_forward=feed_forward,
-            norm_placement=norm_placement,
+            norm_placement=norm_placement, n_experts=n_experts, top_k=top_k,
+            normalize_top_k=normalize_top_k,
         )  # fmt: skip
         blocks = tuple(
             TransformerBlock(d_model, n_heads, d_ff, k, **block, **{**options, **layer})
@@ -157,6 +161,27 @@ class TransformerLM(Layer):
             for block, block_key in zip(self.blocks, keys, strict=True):
                 h = block(h, key=block_key)
         return self._logits(h)
+
+    def forward_routed(self, ids: Int[Array, " T"]) -> tuple[Array, Array]:
+        """`forward(ids)` of a mixture-of-experts model, and every layer's router logits
+        `(depth, T, n_experts)` (for `experts.balance_loss`)."""
+        h = self._embedded(ids)
+        if self.positions is not None:
+            h = self.positions(h)
+        routers = []
+        for item in self.blocks if isinstance(self.blocks, tuple) else (self.blocks,):
+            if isinstance(item, Stack) and isinstance(item.stacked, TransformerBlock):
+                h, logits = item._scan(lambda h, xs: xs[0].forward_routed(h), h, None)
+            elif isinstance(item, TransformerBlock):
+                h, logits = item.forward_routed(h)
+                logits = logits[None]
+            else:
+                raise ValueError(
+                    "forward_routed: a model scanned over groups of different layers has no "
+                    "router logits to give; build it with `scan_layers=False`."
+                )
+            routers.append(logits)
+        return self._logits(h), jnp.concatenate(routers)
 
     def init_cache(self, capacity: int | None = None, *, on_overflow: str = "raise") -> Any:
         """`(positions' cache, the blocks' caches)`: a growing cache, or fixed with `capacity`."""
