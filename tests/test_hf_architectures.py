@@ -294,3 +294,55 @@ def test_a_mixture_of_experts_model_trains_with_its_balance_term():
 
     grads = eqx.filter_grad(term)(model)
     assert float(jnp.abs(grads.blocks[0].feed_forward.router.value).max()) > 0
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_moe"])
+def test_the_server_gives_transformers_tokens_beside_other_requests(name):
+    from dense_armor.nn.models.generation import generate
+    from dense_armor.serving import Server
+
+    model, _ = import_hf(DATA / name)
+    golden = load_file(str(DATA / f"{name}.io.safetensors"))
+    want = golden["generated"][0]
+    others = [golden["ids"][0, :9].tolist(), golden["ids"][1, :2].tolist()]
+    prompts = [golden["prompt"][0].tolist(), *others]
+    new = [len(want), 7, 11]
+    server = Server(model, slots=2, capacity=48, chunk=4)  # three requests, two slots
+    done = {c.number: c for c in server.serve(zip(prompts, new, strict=True))}
+    np.testing.assert_array_equal(done[0].tokens, want)  # transformers' greedy tokens
+    solo = np.asarray(generate(model, others, max(new[1:])).tokens)
+    for n in (1, 2):
+        np.testing.assert_array_equal(done[n].tokens, solo[n - 1, : new[n]], err_msg=str(n))
+
+
+def write_bfloat16(tensors, path):
+    """A safetensors file of bfloat16 tensors written by hand (the format: 8 bytes of header
+    length, the JSON header, the data): each float32 cut to its high 16 bits."""
+    header, chunks, offset = {}, [], 0
+    for name, array in tensors.items():
+        data = (
+            (np.ascontiguousarray(array, np.float32).view(np.uint32) >> 16).astype("<u2").tobytes()
+        )
+        header[name] = {
+            "dtype": "BF16",
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + len(data)],
+        }
+        chunks.append(data)
+        offset += len(data)
+    encoded = json.dumps(header).encode()
+    path.write_bytes(len(encoded).to_bytes(8, "little") + encoded + b"".join(chunks))
+
+
+def test_a_bfloat16_checkpoint_imports_to_its_exact_values(tmp_path):
+    target = tmp_path / "qwen3"
+    shutil.copytree(DATA / "qwen3", target)
+    tensors = load_file(str(target / "model.safetensors"))
+    write_bfloat16(tensors, target / "model.safetensors")
+    model, _ = import_hf(target)
+    cut = lambda a: ((a.view(np.uint32) >> 16) << 16).view(np.float32)  # noqa: E731
+    np.testing.assert_array_equal(
+        np.asarray(model.embed.table.value), cut(tensors["model.embed_tokens.weight"])
+    )
+    w = tensors["model.layers.1.self_attn.q_proj.weight"]
+    np.testing.assert_array_equal(np.asarray(model.blocks[1].attention.W_Q.value), cut(w).T)

@@ -330,3 +330,46 @@ def test_the_export_pages_c_listing_is_an_excerpt_of_the_runner():
     assert len(blocks) >= 6
     for block in blocks:
         assert "\n" + block.strip("\n") + "\n" in "\n" + source + "\n", block
+
+
+# The checkpoints' architectures, exported: each of these covers mechanisms the others do not
+# (Gemma 3: sliding and global layers with their own ring and fixed caches and rotary bases, q/k
+# norms scaled by 1 + w, four norms per block, the scaled embedding; Gemma 2: soft-capped scores
+# and logits, a query scale; Qwen3-MoE: a mixture of experts, routed in the step and dense in the
+# prefill, a head width apart; Phi-3: partial rotary after fused projections), decoded greedily
+# from the artifact alone in the JAX loader, in IREE and from C.
+ARCHITECTURE_ARTIFACTS = ["gemma3", "gemma2", "qwen3_moe", "phi3"]
+
+
+@pytest.mark.parametrize("name", ARCHITECTURE_ARTIFACTS)
+def test_an_architectures_artifact_decodes_transformers_tokens_in_jax_iree_and_c(
+    runner, tmp_path, name
+):
+    from safetensors.numpy import load_file
+
+    from dense_armor.export import load
+    from dense_armor.export.iree import compile_artifact
+    from dense_armor.export.standalone import check_iree
+
+    binary, _ = runner
+    model, arguments = import_hf(DATA / name)
+    golden = load_file(str(DATA / f"{name}.io.safetensors"))
+    prompt, want = golden["prompt"], golden["generated"][0].tolist()
+    out = tmp_path / "art"
+    config = ModelConfig("transformer_lm", arguments)
+    export_model(model, config, out, capacity=40, platforms=["cpu"], static_shapes=[(1, 5)])
+    artifact = load(out)  # the JAX loader: transformers' tokens, chosen in the graph
+    token, cache, _ = artifact.sample_prefill(prompt, artifact.init_cache(1))
+    tokens = [int(token[0])]
+    for _ in range(len(want) - 1):
+        token, cache, _ = artifact.sample_step(token, cache)
+        tokens.append(int(token[0]))
+    assert tokens == want
+    done, errors = _run(binary, out)  # from C, through XLA's PJRT plugin
+    assert done.returncode == 0, done.stdout + done.stderr
+    differ = [v for k, v in errors.items() if "tokens that differ" in k]
+    assert differ and max(differ) == 0.0 and max(errors.values()) < 1e-4, done.stdout
+    compile_artifact(out, ["llvm-cpu"], jobs=2)  # IREE
+    errors = check_iree(out)
+    differ = [v for k, v in errors.items() if "tokens that differ" in k]
+    assert differ and max(differ) == 0.0 and max(errors.values()) < 1e-4, errors

@@ -10,7 +10,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from safetensors import SafetensorError, safe_open
 
 __all__ = ["HuggingFaceError", "Tensors", "load_tokenizer", "option", "read_config", "refuse"]
 
@@ -68,9 +67,9 @@ def read_tensors(root: pathlib.Path) -> dict[str, tuple[Any, pathlib.Path]]:
         if not path.is_file():
             raise HuggingFaceError(f"{path} is missing.")
         try:
-            handle = safe_open(str(path), framework="numpy")
-            names = list(handle.keys())
-        except (SafetensorError, OSError, ValueError) as error:
+            handle = SafetensorsFile(path)
+            names = list(handle.entries)
+        except (OSError, ValueError, KeyError, TypeError) as error:
             raise HuggingFaceError(f"{path} is not a readable safetensors file: {error}") from None
         for name in names:
             if name in tensors:
@@ -86,6 +85,59 @@ def read_tensors(root: pathlib.Path) -> dict[str, tuple[Any, pathlib.Path]]:
     return tensors
 
 
+DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "BOOL": np.bool_,
+}  # fmt: skip
+
+
+class SafetensorsFile:
+    """A safetensors file read one tensor at a time with plain reads (no memory map, whose pages
+    would count once more in the importer's memory): the header checked whole when opened (its
+    offsets inside the file, which they must fill), bfloat16 widened to float32 exactly."""
+
+    def __init__(self, path: pathlib.Path):
+        self.path = path
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            if not 0 < length <= size - 8:
+                raise ValueError(f"a header of {length} bytes in a file of {size}")
+            header = json.loads(handle.read(length))
+        header.pop("__metadata__", None)
+        self.start, self.entries = 8 + length, header
+        ends = [self._check(name, entry) for name, entry in header.items()]
+        if self.start + max(ends, default=0) != size:
+            raise ValueError(
+                f"the tensors end at byte {self.start + max(ends, default=0)} of {size}"
+            )
+
+    def _check(self, name: str, entry: dict[str, Any]) -> int:
+        begin, end = entry["data_offsets"]
+        count = int(np.prod(entry["shape"], dtype=np.int64))
+        if (
+            entry["dtype"] not in DTYPES
+            or end - begin != count * np.dtype(DTYPES[entry["dtype"]]).itemsize
+        ):
+            raise ValueError(
+                f"tensor {name!r}: {entry['dtype']} {entry['shape']} in {end - begin} bytes"
+            )
+        return int(end)
+
+    def get_tensor(self, name: str) -> np.ndarray:
+        entry = self.entries[name]
+        dtype, shape = DTYPES[entry["dtype"]], tuple(entry["shape"])
+        count = int(np.prod(shape, dtype=np.int64))
+        begin = self.start + entry["data_offsets"][0]
+        array = np.fromfile(
+            self.path, dtype=np.dtype(dtype).newbyteorder("<"), count=count, offset=begin
+        )
+        if entry["dtype"] == "BF16":  # the high half of a float32: exact
+            array = (array.astype(np.uint32) << 16).view(np.float32)
+        return array.reshape(shape)
+
+
 class Tensors:
     """The checkpoint's tensors, taken one by one (shape and finiteness checked); `done` refuses
     any left unused."""
@@ -98,7 +150,7 @@ class Tensors:
         handle, path = self.tensors[name]
         try:
             return handle.get_tensor(name)
-        except (SafetensorError, OSError, ValueError, TypeError) as error:
+        except (OSError, ValueError, TypeError) as error:
             raise HuggingFaceError(f"{path}: tensor {name!r} is not readable: {error}") from None
 
     def take(self, name: str, shape: tuple[int, ...], optional: bool = False) -> np.ndarray | None:

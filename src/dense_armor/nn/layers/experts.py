@@ -5,10 +5,11 @@ chosen ones when `normalize_top_k` (Mixtral always; Qwen3-MoE as `norm_topk_prob
 
 Two computations give the same result: a dense one, every expert on every position and the
 outputs combined by weights that are zero off the chosen experts (a one-hot sum, no scatter); and
-a routed one, each choice's expert's matrices sliced out in turn (at the indices `lax.top_k`
-gives, clipped: in range by construction), which reads `top_k / n_experts` of the weights. The
+a routed one, each choice's expert's matrices sliced out in turn (at the indices `largest` gives,
+clipped: in range by construction), which reads `top_k / n_experts` of the weights. The
 routed one runs when a call makes fewer choices than there are experts (`T * top_k <
-n_experts`: a decoding step), the dense one otherwise (a prompt). Measured on the 2-core AMD EPYC
+n_experts`: a decoding step), the dense one otherwise (a prompt, and a prompt of symbolic length
+in an export). Measured on the 2-core AMD EPYC
 (d_model 1024, experts 384 wide, 8 of 64, XLA CPU): one position 2.4 ms routed against 7.9 ms
 dense; 4 positions 6.9 against 10.8; 16 positions 37.3 against 15.3.
 
@@ -31,6 +32,21 @@ from ..core import Param, Pointwise, python_scalar, require_bool, require_key, r
 from .basic import ACTIVATIONS, check_activation
 
 __all__ = ["MixtureOfExperts", "balance_loss"]
+
+
+def largest(probs: Array, k: int) -> tuple[Array, Array]:
+    """The `k` largest of `probs (..., n)` and their indices, largest first (ties: the lower
+    index), by `k` rounds of max and argmax: reductions and comparisons only. (`lax.top_k` lowers
+    to a StableHLO composite that the PJRT plugins of 2026 cannot read back, so an exported step
+    would not run from C.)"""
+    positions = jnp.arange(probs.shape[-1]).reshape((1,) * (probs.ndim - 1) + (-1,))
+    values, indices = [], []
+    for _ in range(k):
+        index = jnp.argmax(probs, axis=-1)
+        values.append(jnp.max(probs, axis=-1))
+        indices.append(index)
+        probs = jnp.where(positions == index[..., None], -jnp.inf, probs)
+    return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1).astype(jnp.int32)
 
 
 def _normal(key: PRNGKeyArray, shape: tuple[int, ...]) -> Param:
@@ -101,10 +117,11 @@ class MixtureOfExperts(Pointwise):
         logits = jnp.einsum(
             "td,de->te", flat, self.router.value.astype(x.dtype), preferred_element_type=jnp.float32
         )
-        chosen, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), self.top_k)
+        chosen, experts = largest(jax.nn.softmax(logits, axis=-1), self.top_k)
         if self.normalize_top_k:
             chosen = chosen / chosen.sum(axis=-1, keepdims=True)
-        if flat.shape[0] * self.top_k < self.n_experts:  # few positions: gather their experts
+        steps = flat.shape[0]  # symbolic in an exported prefill: dense there
+        if isinstance(steps, int) and steps * self.top_k < self.n_experts:  # a few positions
             out = self._routed(flat, chosen, experts)
         else:
             out = self._dense(flat, chosen, experts)
@@ -148,6 +165,6 @@ def balance_loss(router_logits: Array, n_experts: int, top_k: int) -> Array:
     """The load-balancing loss of the router logits `(..., n_experts)` of every layer and
     position (see the module's docstring)."""
     probs = jax.nn.softmax(router_logits.reshape(-1, n_experts).astype(jnp.float32), axis=-1)
-    _, experts = jax.lax.top_k(probs, top_k)
+    _, experts = largest(probs, top_k)
     share = jax.nn.one_hot(experts, n_experts).mean(axis=0)  # (top_k, n_experts)
     return (share * probs.mean(axis=0)[None]).sum() * n_experts
