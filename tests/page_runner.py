@@ -9,8 +9,8 @@ so a later listing reads the files an earlier one of its page wrote; only the in
 modules it imported are shared (pages with the same environment share one interpreter: an
 interpreter and its imports of jax and dense_armor cost about 3 s, a dozen pages a minute of the
 suite). What each listing prints is captured apart. After a listing that raises, the rest of its
-page are not run. RESULTS_JSON receives, per listing, `{"name", "status", "stdout", "error"}`
-with status "ok", "failed" or "not run".
+page are not run. RESULTS_JSON receives, per listing, `{"name", "status", "stdout", "error", "seconds"}`
+with status "ok", "failed" or "not run" (and the seconds it ran, for the suite's timings).
 
 Imports nothing from the project, so the page sees the interpreter a reader would start (only
 the suite's garbage-collector setting, tests/environment.py, which changes no output).
@@ -21,6 +21,7 @@ import io
 import json
 import os
 import sys
+import time
 import traceback
 
 
@@ -32,12 +33,14 @@ def run(listings: list[dict[str, str]]) -> list[dict[str, str | None]]:
         name, page = listing["name"], listing.get("page")
         if page in failed:
             results.append(
-                {"name": name, "status": "not run", "stdout": "", "error": f"{failed[page]} failed"}
+                {"name": name, "status": "not run", "stdout": "", "error": f"{failed[page]} failed",
+                 "seconds": 0.0}
             )
             continue
         os.chdir(os.path.join(start, listing.get("cwd", ".")))  # relative to where it started
         captured = io.StringIO()
         error = None
+        began = time.perf_counter()
         try:
             code = compile(listing["code"], f"<{name}>", "exec")
             with contextlib.redirect_stdout(captured):
@@ -51,6 +54,7 @@ def run(listings: list[dict[str, str]]) -> list[dict[str, str | None]]:
                 "status": "ok" if error is None else "failed",
                 "stdout": captured.getvalue(),
                 "error": error,
+                "seconds": round(time.perf_counter() - began, 2),
             }
         )
     return results

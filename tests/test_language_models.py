@@ -65,11 +65,17 @@ def test_the_logits_are_transformers_within_1e_5(case):
     )
 
 
-def greedy_stream(model, prompt, new_tokens):
-    """`prefill` the prompt, then `step` each argmax: the generated ids."""
+def greedy_stream(model, prompt, new_tokens, prefill=True):
+    """`prefill` the prompt (or `step` through it, `prefill=False`: one compilation whatever the
+    prompt's length), then `step` each argmax: the generated ids."""
     cache = model.init_cache(CAPACITY, on_overflow="nan")  # one capacity: one compilation
     with ids_checked():
-        logits, cache = PREFILL(model, jnp.asarray(prompt), cache)
+        if prefill:
+            logits, cache = PREFILL(model, jnp.asarray(prompt), cache)
+        else:
+            for token in prompt:
+                last, cache = STEP(model, jnp.asarray(token, jnp.int32), cache)
+            logits = last[None]
         token, out = jnp.argmax(logits[-1]).astype(jnp.int32), []
         for _ in range(new_tokens):
             out.append(int(token))
@@ -226,7 +232,9 @@ def test_a_batch_of_prompts_of_different_lengths_gives_each_its_solo_generation(
     batch = generate(model, prompts, 6)
     for i, prompt in enumerate(prompts):  # each prompt alone, streamed step by step in Python
         np.testing.assert_array_equal(
-            np.asarray(batch.tokens[i]), greedy_stream(model, prompt, 6), err_msg=str(i)
+            np.asarray(batch.tokens[i]),
+            greedy_stream(model, prompt, 6, prefill=False),
+            err_msg=str(i),
         )
     np.testing.assert_array_equal(np.asarray(batch.lengths), [6, 6, 6, 6])
 
