@@ -10,7 +10,8 @@ modules it imported are shared (pages with the same environment share one interp
 interpreter and its imports of jax and dense_armor cost about 3 s, a dozen pages a minute of the
 suite). What each listing prints is captured apart. After a listing that raises, the rest of its
 page are not run. RESULTS_JSON receives, per listing, `{"name", "status", "stdout", "error", "seconds"}`
-with status "ok", "failed" or "not run" (and the seconds it ran, for the suite's timings).
+with status "ok", "failed" or "not run" (and the seconds it ran, for the suite's
+timings).
 
 Imports nothing from the project, so the page sees the interpreter a reader would start (only
 the suite's garbage-collector setting, tests/environment.py, which changes no output).
@@ -33,8 +34,13 @@ def run(listings: list[dict[str, str]]) -> list[dict[str, str | None]]:
         name, page = listing["name"], listing.get("page")
         if page in failed:
             results.append(
-                {"name": name, "status": "not run", "stdout": "", "error": f"{failed[page]} failed",
-                 "seconds": 0.0}
+                {
+                    "name": name,
+                    "status": "not run",
+                    "stdout": "",
+                    "error": f"{failed[page]} failed",
+                    "seconds": 0.0,
+                }
             )
             continue
         os.chdir(os.path.join(start, listing.get("cwd", ".")))  # relative to where it started
