@@ -9,9 +9,9 @@ so a later listing reads the files an earlier one of its page wrote; only the in
 modules it imported are shared (pages with the same environment share one interpreter: an
 interpreter and its imports of jax and dense_armor cost about 3 s, a dozen pages a minute of the
 suite). What each listing prints is captured apart. After a listing that raises, the rest of its
-page are not run. RESULTS_JSON receives, per listing, `{"name", "status", "stdout", "error", "seconds"}`
-with status "ok", "failed" or "not run" (and the seconds it ran, for the suite's
-timings).
+page are not run. RESULTS_JSON receives, per listing,
+`{"name", "status", "stdout", "error", "seconds"}` with status "ok", "failed" or "not run" (and
+the seconds it ran, for the suite's timings).
 
 Imports nothing from the project, so the page sees the interpreter a reader would start (only
 the suite's garbage-collector setting, tests/environment.py, which changes no output).
