@@ -162,6 +162,7 @@ REFUSED = [
     ("qwen3-as-llama", "qwen3", "LlamaForCausalLM", r"layers\[0\]\.qk_norm: 'head' != None"),
     ("windowed-as-llama", "mistral", "LlamaForCausalLM", r"layers\[0\]\.window: 4 != None"),
     ("unknown-architecture", "qwen3", "BertModel", r"`architecture` must be one of"),
+    ("architecture-not-a-string", "qwen3", ["Qwen3ForCausalLM"], r"`architecture` must be one of"),
 ]  # fmt: skip
 
 

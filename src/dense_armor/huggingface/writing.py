@@ -204,7 +204,7 @@ def export_hf(
     `TOKENIZER_FILES` it has). Returns the directory."""
     from . import FAMILIES, full_table
 
-    if architecture not in FAMILIES:
+    if not isinstance(architecture, str) or architecture not in FAMILIES:
         raise HuggingFaceError(
             f"`architecture` must be one of {tuple(FAMILIES)}; received {architecture!r}."
         )
