@@ -28,6 +28,8 @@ from ..core import (
 from ..layers.language import Embedding, LMHead
 from ..layers.positions import LearnedPositions
 from ..mixers.options import attention_options
+from ..state.cache import PositionCache
+from ..state.counter import Counter
 from ..state.streams import batch_streams
 from .sequential import Sequential
 from .stack import Stack, scanned
@@ -184,9 +186,12 @@ class TransformerLM(Layer):
         return self._logits(h), jnp.concatenate(routers)
 
     def init_cache(self, capacity: int | None = None, *, on_overflow: str = "raise") -> Any:
-        """`(positions' cache, the blocks' caches)`: a growing cache, or fixed with `capacity`."""
+        """`(positions' cache, the blocks' caches)`: a growing cache, or fixed with `capacity`.
+        Without a positional table the positions' cache is a plain step counter (no limit): the
+        index of the next token, which a model whose layers all keep windows in rings would
+        otherwise hold nowhere (what an exported `sample_step` reads to fold its key)."""
         position_cache = (
-            None
+            PositionCache(Counter.start(on_overflow))
             if self.positions is None
             else self.positions.init_cache(capacity, on_overflow=on_overflow)
         )
@@ -230,6 +235,8 @@ class TransformerLM(Layer):
         h = self._embedded(ids)
         if self.positions is not None:
             h, position_cache = self.positions.prefill(h, position_cache)
+        else:
+            position_cache = PositionCache(position_cache.counter.advance(ids.shape[0])[2])
         if isinstance(self.blocks, Stack):
             h, block_caches = self.blocks.prefill(h, block_caches)
         else:
