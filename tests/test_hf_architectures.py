@@ -70,6 +70,9 @@ MATTERS = [
     ("yarn-scaling", "qwen2_yarn", drop_rope_scaling),
     ("window", "mistral", without(sliding_window=None)),
     ("partial-rotary", "phi3", lambda c: c["rope_parameters"].update(partial_rotary_factor=1.0)),
+    ("longrope-short-factors", "phi4_mini",
+     lambda c: c["rope_parameters"].update(short_factor=[1.0, 1.0, 1.0])),
+    ("longrope-attention-factor", "phi4_mini", without(max_position_embeddings=48)),
     ("attention-softcap", "gemma2", without(attn_logit_softcapping=None)),
     ("final-softcap", "gemma2", without(final_logit_softcapping=None)),
     ("query-scale", "gemma2", without(query_pre_attn_scalar=16)),
@@ -117,6 +120,11 @@ def test_export_hf_writes_the_directory_transformers_wrote(tmp_path, name):
     config = json.loads((written / "config.json").read_text())
     for key in ("bos_token_id", "eos_token_id", "pad_token_id", "vocab_size", "hidden_size"):
         assert config.get(key) == source.get(key), key
+    # keys a config class defaults when absent, written (Phi-3's pretrained length: 4096)
+    longrope = (source.get("rope_parameters") or {}).get("rope_type") == "longrope"
+    for key in ("sliding_window", "head_dim", *["original_max_position_embeddings"] * longrope):
+        if source.get(key) is not None:
+            assert config.get(key) == source[key], key
 
 
 def test_a_scanned_model_writes_the_same_tensors_as_its_unrolled_self(tmp_path):
@@ -390,3 +398,30 @@ def test_a_bfloat16_checkpoint_imports_to_its_exact_values(tmp_path):
     )
     w = tensors["model.layers.1.self_attn.q_proj.weight"]
     np.testing.assert_array_equal(np.asarray(model.blocks[1].attention.W_Q.value), cut(w).T)
+
+
+def test_a_longrope_model_streams_to_its_pretrained_length_and_no_further(tmp_path):
+    """Phi-4-mini's LongRoPE is built within its pretrained length (48 positions here): a stream
+    fills it, the step past it is a NaN row with the overflow flag set (or raises), and neither
+    a longer forward nor an artifact whose cache passes it is made."""
+    from dense_armor.checkpoint import ModelConfig
+    from dense_armor.export import ArtifactError, export_model
+
+    model, arguments = import_hf(DATA / "phi4_mini")
+    assert model.position_limit == config_of("phi4_mini")["original_max_position_embeddings"]
+    ids = jnp.asarray(np.arange(49) % model.vocab, jnp.int32)
+    cache = model.init_cache(64, on_overflow="nan")
+    with ids_checked():
+        logits, cache = eqx.filter_jit(model.prefill)(ids[:48], cache)
+        np.testing.assert_allclose(logits, logits_of(model, ids[None, :48])[0], atol=1e-5)
+        after, cache = eqx.filter_jit(model.prefill)(ids[48:], cache)
+    assert np.isfinite(logits).all() and np.isnan(after).all()
+    assert bool(cache[0].counter.overflow)
+    with pytest.raises(ValueError, match="49 positions pass this model's LongRoPE"):
+        model(ids)
+    from dense_armor.nn.models.generation import generate
+
+    with pytest.raises(ValueError, match=r"reach position 48; the model's positions end at 48"):
+        generate(model, [[3] * 40], 9)
+    with pytest.raises(ArtifactError, match="capacity"):
+        export_model(model, ModelConfig("transformer_lm", arguments), tmp_path / "a", capacity=49)

@@ -34,7 +34,8 @@ DATA = pathlib.Path(__file__).parent / "data" / "hf"
 # windows, Gemma's conventions, fused projections, LayerNorm with biases)
 CASES = [
     "gpt2", "llama_gqa", "llama_tied", "qwen2", "llama32", "qwen2_yarn", "qwen3", "mistral",
-    "phi3", "olmo2", "gemma", "gemma2", "gemma3", "starcoder2", "mixtral", "qwen3_moe",
+    "phi3", "phi4_mini", "olmo2", "gemma", "gemma2", "gemma3", "starcoder2", "mixtral",
+    "qwen3_moe",
 ]  # fmt: skip
 CAPACITY = 48
 
@@ -176,7 +177,8 @@ def nan_in(name):
 
 BROKEN = [
     ("unknown-architecture", "gpt2", edit_config(architectures=["BertModel"]), r"`architectures` is \['BertModel'\]; this importer reads one of"),
-    ("rope-longrope", "qwen2", edit_config(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4, "long_factor": [1.0] * 4}), r"'longrope' \(LongRoPE's short/long factors switched by each call's length\) is not built"),
+    ("rope-longrope-wrong-length", "phi4_mini", edit_config(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75, "short_factor": [1.0] * 4, "long_factor": [1.0] * 3, "original_max_position_embeddings": 48}), r"`rope_scaling\['short_factor'\]` has 4 entries; the layer rotates 3 pairs"),
+    ("rope-longrope-no-long-factors", "phi4_mini", edit_config(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4}), r"missing \['long_factor'\]"),
     ("old-rope-dynamic", "qwen2", edit_config(rope_scaling={"type": "dynamic", "factor": 2.0}), r"'dynamic' \(NTK scaling recomputed from each call's length\) is not built"),
     ("rope-llama3-incomplete", "llama32", edit_config(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "high_freq_factor": 4.0}), r"missing \['low_freq_factor'\]"),
     ("rope-unknown-option", "qwen2", edit_config(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 2]}), r"rope options \['mrope_section'\] beside the default rope type are not implemented"),
@@ -307,7 +309,7 @@ BAD_GENERATE = [
     ("max-new-tokens-zero", lambda m: generate(m, [[1]], 0), r"`max_new_tokens` must be a positive integer; received `max_new_tokens=0`"),
     ("max-new-tokens-negative", lambda m: generate(m, [[1]], -2), r"`max_new_tokens` must be a positive integer"),
     ("prompt-longer-than-the-capacity", lambda m: generate(m, [list(range(3, 13))], 4, capacity=8), r"the longest prompt \(10 tokens\) and `max_new_tokens=4` need 14 cache slots; `capacity=8`"),
-    ("past-the-learned-positions", lambda m: generate(m, [[3] * 60], 8), r"reach position 67; the model's learned positions end at max_len=64"),
+    ("past-the-learned-positions", lambda m: generate(m, [[3] * 60], 8), r"reach position 67; the model's positions end at 64 \(its learned positions' max_len"),
     ("top-p-zero", lambda m: generate(m, [[1]], 3, jax.random.PRNGKey(0), temperature=1.0, top_p=0.0), r"`top_p` must be a number in \(0, 1\]"),
     ("top-p-above-one", lambda m: generate(m, [[1]], 3, jax.random.PRNGKey(0), temperature=1.0, top_p=1.2), r"`top_p` must be a number in \(0, 1\]"),
     ("temperature-negative", lambda m: generate(m, [[1]], 3, temperature=-0.5), r"`temperature` must be a finite number >= 0"),

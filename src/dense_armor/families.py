@@ -14,7 +14,7 @@ from typing import Any
 
 from .nn.models.decoder import transformer_decoder
 from .nn.models.encoder import transformer_encoder
-from .nn.models.language_model import TransformerLM
+from .nn.models.language_model import TransformerLM, longrope_limit
 
 __all__ = ["FAMILIES", "Family", "family"]
 
@@ -42,8 +42,8 @@ class Family:
     And what the export stage reads of a config's arguments, asked here rather than by name:
     `input_spec` (the dtype and shape of one step's input), `max_length` (the longest sequence
     it takes) and `positions_end` (the step at which its positions stop, so a stream cannot go
-    past it: the longest sequence for a positional table, `None` for rotary positions, none, or a
-    window's unbounded ones).
+    past it: the longest sequence for a positional table, LongRoPE's pretrained length, `None` for
+    other rotary positions, none, or a window's unbounded ones).
     """
 
     name: str
@@ -67,15 +67,24 @@ class Family:
         return int(arguments["vocab"]) if self.token_ids else None
 
     def max_length(self, arguments: Arguments) -> int:
-        return int(arguments["max_len"])
+        """`max_len`, or LongRoPE's pretrained length where that is shorter."""
+        limit = self.position_limit(arguments)
+        return int(arguments["max_len"]) if limit is None else min(int(arguments["max_len"]), limit)
+
+    def position_limit(self, arguments: Arguments) -> int | None:
+        """Where rotary positions end: LongRoPE's pretrained length (`TransformerLM`'s
+        `position_limit`), else None."""
+        layers = arguments.get("layer_options") or [{}]
+        return longrope_limit(arguments, [dict(layer) for layer in layers])
 
     def positions_end(self, arguments: Arguments) -> int | None:
         positions = arguments.get("positions", self.default_positions)
         if positions == "learned":  # a table of max_len rows, window or not
             return self.max_length(arguments)
-        # rotary positions, or none, or a window's sinusoids (computed for any step): no end
+        # rotary positions (unless LongRoPE's, which end at its pretrained length), or none, or
+        # a window's sinusoids (computed for any step): no end
         if positions in ("rope", "none") or arguments.get("window") is not None:
-            return None
+            return self.position_limit(arguments)
         return self.max_length(arguments)
 
 

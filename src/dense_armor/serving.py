@@ -122,13 +122,13 @@ class Server:
                 f"Server: `model` must be a TransformerLM; received {type(model).__name__}."
             )
         require_int(1, caller="Server", slots=slots, chunk=chunk)
-        end = None if model.positions is None else model.positions.max_len
+        end = model.positions_end
         capacity = (end or 256) if capacity is None else capacity
         require_int(1, caller="Server", capacity=capacity)
         if end is not None and capacity > end:
             raise ValueError(
-                f"Server: `capacity={capacity}` passes the model's learned positions, which end "
-                f"at max_len={end}."
+                f"Server: `capacity={capacity}` passes the model's positions, which end at {end} "
+                "(its learned positions' max_len, or LongRoPE's pretrained length)."
             )
         check_sampling(temperature, top_k, top_p, min_p)
         if temperature != 0:

@@ -149,6 +149,32 @@ CASES = {
         ),
         None,
     ),
+    # Phi-4-mini's LongRoPE (within its pretrained length, 48 positions here, of 64: the short
+    # factors and the attention factor of 64 / 48), its partial rotary and tied head
+    "phi4_mini": (
+        transformers.Phi3Config,
+        transformers.Phi3ForCausalLM,
+        dict(
+            LLAMA,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rms_norm_eps=1e-5,
+            hidden_act="silu",
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attention_dropout=0.0,
+            original_max_position_embeddings=48,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0, 1.25, 2.5],
+                "long_factor": [1.5, 3.0, 7.0],
+                "original_max_position_embeddings": 48,
+            },
+        ),
+        None,
+    ),
     # OLMo 2 (OLMo-2-1B's config): RMSNorm over the whole query and key projections, norms after
     # each sub-layer and none before, rotary base 500000, an untied head
     "olmo2": (

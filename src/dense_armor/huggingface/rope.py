@@ -2,8 +2,8 @@
 `rotary_fraction`), from either spelling of the hub's configs: transformers 5's `rope_parameters`
 (one mapping, or one per layer type: Gemma 3's `sliding_attention` and `full_attention`) or the
 earlier `rope_theta`, `rope_scaling` (`type` or `rope_type`), `partial_rotary_factor` and Gemma
-3's `rope_local_base_freq`. A kind the attention does not build (`dynamic`, `longrope`, or one
-unknown) is refused by name."""
+3's `rope_local_base_freq`. A kind the attention does not build (`dynamic`, or one unknown) is
+refused by name."""
 
 import math
 from typing import Any
@@ -72,7 +72,7 @@ def rotary_options(
         if values["original_max_position_embeddings"] is None:
             values["original_max_position_embeddings"] = config.get("max_position_embeddings")
     if (
-        kind == "yarn"
+        kind in ("yarn", "longrope")
         and values.get("factor") is None
         and values.get("original_max_position_embeddings")
     ):

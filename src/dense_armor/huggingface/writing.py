@@ -96,6 +96,8 @@ def hf_config(arguments: Mapping[str, Any], architecture: str) -> dict[str, Any]
         config["sliding_window"] = window  # read by the others (a window on Llama: refused)
     if architecture != "MistralForCausalLM" and architecture != "Phi3ForCausalLM":
         config["layer_types"] = types
+    if rope.get("rope_type") == "longrope":  # Phi-3's config reads its own key, default 4096
+        config["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
     config.update(_family_keys(a, architecture, window))
     return config
 

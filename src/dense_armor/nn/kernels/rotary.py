@@ -13,7 +13,15 @@ the frequencies for contexts longer than the pretrained one: `linear` (every fre
 by `factor`), `llama3` (Llama 3.1-3.3: low frequencies divided by `factor`, high ones kept, a
 smooth ramp between, by wavelength against `original_max_position_embeddings`) and `yarn` (Peng
 et al. 2023: a ramp between interpolated and extrapolated frequencies over the dimensions, and
-cos and sin multiplied by an attention factor, `0.1 ln(factor) + 1` unless the config gives it).
+cos and sin multiplied by an attention factor, `0.1 ln(factor) + 1` unless the config gives it)
+and `longrope` (Phi-3.5/Phi-4-mini: each frequency divided by its own entry of `short_factor`, cos
+and sin multiplied by `sqrt(1 + ln(factor) / ln(original))`), within its pretrained length only.
+transformers switches a call to the `long_factor` list when the call reaches past
+`original_max_position_embeddings`, so the hidden states of a prompt depend on how it was cut
+into calls (a stream that crosses that length is neither the forward over it nor the same stream
+cut elsewhere): a model with LongRoPE here ends its positions at that length (`position_limit`:
+its streams count their steps and overflow there, a longer forward is refused), where it is
+exactly transformers'.
 """
 
 import dataclasses
@@ -35,18 +43,22 @@ ROPE_SCALINGS: dict[str, tuple[str, ...]] = {
         "factor", "original_max_position_embeddings", "attention_factor", "beta_fast",
         "beta_slow", "mscale", "mscale_all_dim", "truncate",
     ),
+    "longrope": (
+        "short_factor", "long_factor", "factor", "original_max_position_embeddings",
+        "attention_factor",
+    ),
 }  # fmt: skip
+_LISTS = ("short_factor", "long_factor")
 _REQUIRED = {
     "linear": ("factor",),
     "llama3": ROPE_SCALINGS["llama3"],
     "yarn": ("factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor", "factor", "original_max_position_embeddings"),
 }
-# Kinds that transformers has and this module refuses by name: `dynamic` changes the frequencies
-# with the length of each call (a stream's earlier keys would disagree with its later ones), and
-# `longrope` switches between two factor lists at a length, in the same way.
+# A kind that transformers has and this module refuses by name: `dynamic` recomputes its NTK base
+# from each call's length (a continuum of frequencies, not two fixed tables).
 REFUSED_SCALINGS = {
     "dynamic": "NTK scaling recomputed from each call's length",
-    "longrope": "LongRoPE's short/long factors switched by each call's length",
 }
 
 
@@ -78,7 +90,12 @@ def check_rope_scaling(scaling: Any) -> tuple[tuple[str, Any], ...] | None:
             f"`rope_scaling` of type {kind!r} takes {list(ROPE_SCALINGS[kind])} (required: "
             f"{list(_REQUIRED[kind])}); received unknown {unknown}, missing {missing}."
         )
+    for name in _LISTS:
+        if name in items:
+            items[name] = _factor_list(name, items[name])
     for name, value in items.items():
+        if name in _LISTS:
+            continue
         number = isinstance(value, int | float) and not isinstance(value, bool)
         if name == "truncate" and not isinstance(value, bool):
             raise ValueError(f"`rope_scaling['truncate']` must be a bool; received {value!r}.")
@@ -87,6 +104,21 @@ def check_rope_scaling(scaling: Any) -> tuple[tuple[str, Any], ...] | None:
         if name != "truncate" and number and value <= 0:
             raise ValueError(f"`rope_scaling[{name!r}]` must be positive; received {value!r}.")
     return tuple(sorted({"rope_type": kind, **items}.items()))
+
+
+def _factor_list(name: str, value: Any) -> tuple[float, ...]:
+    """LongRoPE's `short_factor` or `long_factor`: a non-empty list of positive numbers."""
+    good = isinstance(value, list | tuple) and len(value) > 0
+    numbers = good and all(
+        isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+        for v in value
+    )
+    if not numbers:
+        raise ValueError(
+            f"`rope_scaling[{name!r}]` must be a list of positive numbers, one per rotated pair "
+            f"of features; received {value!r}."
+        )
+    return tuple(float(v) for v in value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,9 +136,13 @@ class Rotary:
         """The rotated features: `int(d_head * fraction)`, as transformers truncates it."""
         return int(self.d_head * self.fraction)
 
+    @property
+    def kind(self) -> str | None:
+        return None if self.scaling is None else dict(self.scaling)["rope_type"]
+
     def frequencies(self) -> tuple[np.ndarray | None, float]:
         """The inverse frequencies `(dims / 2,)` (float32; `None` for the unscaled ones, computed
-        in the graph as before) and the factor on cos and sin."""
+        in the graph as before) and the factor on cos and sin (`longrope`: the short factors')."""
         if self.scaling is None:
             return None, 1.0
         s = dict(self.scaling)
@@ -119,10 +155,38 @@ class Rotary:
             return (inv / np.float32(s["factor"])).astype(np.float32), 1.0
         if kind == "llama3":
             return _llama3(inv, s), 1.0
+        if kind == "longrope":
+            return _longrope(powers, s)
         return _yarn(powers, dim, self.base, s)
+
+    @property
+    def position_limit(self) -> int | None:
+        """The positions this rotation is exact for (LongRoPE's pretrained length), or None."""
+        if self.kind != "longrope":
+            return None
+        return int(dict(self.scaling or ())["original_max_position_embeddings"])
 
     def __call__(self, x: Array, positions: Array) -> Array:
         return rotate(x, positions, self.base, rotary=self)
+
+
+def _longrope(powers: np.ndarray, s: dict[str, Any]) -> tuple[np.ndarray, float]:
+    """LongRoPE's frequencies within the pretrained length and its attention factor
+    (transformers' `_compute_longrope_parameters` without `seq_len`): `1 / (short_i * base **
+    (2i / dims))`, and `sqrt(1 + ln(factor) / ln(original))`."""
+    for name in ("short_factor", "long_factor"):
+        if len(s[name]) != powers.size:
+            raise ValueError(
+                f"`rope_scaling[{name!r}]` has {len(s[name])} entries; the layer rotates "
+                f"{powers.size} pairs of features."
+            )
+    factors = np.asarray(s["short_factor"], np.float32)
+    inv = (1.0 / (factors * powers)).astype(np.float32)
+    attention = s.get("attention_factor")
+    if attention is None:
+        factor, original = s["factor"], s["original_max_position_embeddings"]
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return inv, float(attention)
 
 
 def _llama3(inv: np.ndarray, s: dict[str, Any]) -> np.ndarray:

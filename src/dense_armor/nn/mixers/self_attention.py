@@ -24,7 +24,7 @@ from ..core import (
 )
 from ..kernels import blocked as blocked
 from ..kernels.choice import choose_kernel, resolve_implementation
-from ..kernels.rotary import check_rope_scaling
+from ..kernels.rotary import Rotary, check_rope_scaling
 from ..layers.language import RMSNorm
 from ..state.cache import FixedKVCache, KVCache, RingKVCache
 from ..state.counter import Counter, validate_overflow_mode
@@ -67,6 +67,24 @@ def _check_rope(rope_base: float | None, d_head: int, fraction: float = 1.0) -> 
             f"times `rotary_fraction` must be even and positive; it is "
             f"{int(d_head * fraction)}."
         )
+
+
+def _check_longrope(
+    scaling: tuple | None, rope_base: float | None, d_head: int, fraction: float, window: Any
+) -> None:
+    """LongRoPE's factor lists, one entry per rotated pair, and no window (a window's positions
+    never end, LongRoPE's end at the pretrained length)."""
+    if scaling is None or dict(scaling)["rope_type"] != "longrope":
+        return
+    if rope_base is None:
+        raise ValueError("`rope_scaling` scales rotary positions: give `rope_base` too.")
+    if window is not None:
+        raise ValueError(
+            "`rope_scaling` of type 'longrope' with a `window` is not built: a window streams "
+            "without end, and LongRoPE's positions end at its pretrained length."
+        )
+    rotary = Rotary(float(rope_base), d_head, float(fraction), scaling)
+    rotary.frequencies()  # each list's length
 
 
 QK_NORMS = (None, "head", "projection")
@@ -211,6 +229,7 @@ class MultiHeadSelfAttention(MultiHeadAttention):
         self.rotary_fraction = float(rotary_fraction)
         require_bool(causal=causal)
         _check_window(window, causal)
+        _check_longrope(self.rope_scaling, rope_base, d_head, rotary_fraction, window)
         implementation = resolve_implementation(memory_efficient, implementation)
         self.query_scale = _check_number("query_scale", query_scale)
         self.logit_softcap = _check_number("logit_softcap", logit_softcap)

@@ -132,12 +132,12 @@ def _check_generation(
             f"generate: the longest prompt ({longest} tokens) and `max_new_tokens="
             f"{max_new_tokens}` need {needed} cache slots; `capacity={capacity}`."
         )
-    end = None if model.positions is None else model.positions.max_len
+    end = model.positions_end
     if end is not None and needed > end:
         raise ValueError(
             f"generate: the longest prompt ({longest} tokens) and `max_new_tokens="
-            f"{max_new_tokens}` reach position {needed - 1}; the model's learned positions end "
-            f"at max_len={end}."
+            f"{max_new_tokens}` reach position {needed - 1}; the model's positions end at {end} "
+            "(its learned positions' max_len, or LongRoPE's pretrained length)."
         )
     return int(capacity)
 

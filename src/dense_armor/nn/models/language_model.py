@@ -25,6 +25,7 @@ from ..core import (
     require_positive,
     shape_checked,
 )
+from ..kernels.rotary import check_rope_scaling
 from ..layers.language import Embedding, LMHead
 from ..layers.positions import LearnedPositions
 from ..mixers.options import attention_options
@@ -71,6 +72,7 @@ class TransformerLM(Layer):
     final_logit_softcap: float | None = eqx.field(
         static=True, converter=python_scalar, default=None
     )
+    position_limit: int | None = eqx.field(static=True, converter=python_scalar, default=None)
     causal: ClassVar[bool] = True
 
     def __init__(
@@ -132,6 +134,21 @@ class TransformerLM(Layer):
         self.vocab, self.d_model = vocab, d_model
         self.embed_scale = embed_scale
         self.final_logit_softcap = _check_softcap(final_logit_softcap)
+        self.position_limit = longrope_limit(options, per_layer)
+
+    @property
+    def positions_end(self) -> int | None:
+        """Where the model's positions end: the learned table's `max_len`, LongRoPE's pretrained
+        length (`position_limit`), or None (rotary positions go on)."""
+        return self.position_limit if self.positions is None else self.positions.max_len
+
+    def _check_length(self, ids: Array, caller: str) -> None:
+        limit = self.position_limit
+        if limit is not None and isinstance(ids.shape[0], int) and ids.shape[0] > limit:
+            raise ValueError(
+                f"TransformerLM.{caller}: {ids.shape[0]} positions pass this model's LongRoPE "
+                f"pretrained length ({limit}), past which it is not built (`position_limit`)."
+            )
 
     def _embedded(self, ids: Array) -> Array:
         """The ids' rows of the table, times `sqrt(d_model)` with `embed_scale` (Gemma's)."""
@@ -153,6 +170,7 @@ class TransformerLM(Layer):
         self, ids: Int[Array, " T"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "T vocab"]:
         """The logits `(T, vocab)` of the next token after each position of `ids (T,)`."""
+        self._check_length(ids, "forward")
         h = self._embedded(ids)
         if self.positions is not None:
             h = self.positions(h)
@@ -167,6 +185,7 @@ class TransformerLM(Layer):
     def forward_routed(self, ids: Int[Array, " T"]) -> tuple[Array, Array]:
         """`forward(ids)` of a mixture-of-experts model, and every layer's router logits
         `(depth, T, n_experts)` (for `experts.balance_loss`)."""
+        self._check_length(ids, "forward_routed")
         h = self._embedded(ids)
         if self.positions is not None:
             h = self.positions(h)
@@ -187,11 +206,12 @@ class TransformerLM(Layer):
 
     def init_cache(self, capacity: int | None = None, *, on_overflow: str = "raise") -> Any:
         """`(positions' cache, the blocks' caches)`: a growing cache, or fixed with `capacity`.
-        Without a positional table the positions' cache is a plain step counter (no limit): the
-        index of the next token, which a model whose layers all keep windows in rings would
-        otherwise hold nowhere (what an exported `sample_step` reads to fold its key)."""
+        Without a positional table the positions' cache is a plain step counter: the index of
+        the next token, which a model whose layers all keep windows in rings would otherwise hold
+        nowhere (what an exported `sample_step` reads to fold its key); its limit is
+        `position_limit` (a step past it fails as `on_overflow` says), else none."""
         position_cache = (
-            PositionCache(Counter.start(on_overflow))
+            PositionCache(Counter.start(on_overflow, self.position_limit))
             if self.positions is None
             else self.positions.init_cache(capacity, on_overflow=on_overflow)
         )
@@ -236,7 +256,9 @@ class TransformerLM(Layer):
         if self.positions is not None:
             h, position_cache = self.positions.prefill(h, position_cache)
         else:
-            position_cache = PositionCache(position_cache.counter.advance(ids.shape[0])[2])
+            _, fits, counter = position_cache.counter.advance(ids.shape[0])
+            message = f"TransformerLM: a step past its position_limit={self.position_limit}"
+            h, position_cache = counter.guard(h, fits, message), PositionCache(counter)
         if isinstance(self.blocks, Stack):
             h, block_caches = self.blocks.prefill(h, block_caches)
         else:
@@ -257,6 +279,20 @@ def _check_softcap(cap: Any) -> float | None:
             f"`final_logit_softcap` must be a positive finite number or None; received {cap!r}."
         )
     return float(cap)
+
+
+def longrope_limit(
+    options: Mapping[str, Any], per_layer: Sequence[Mapping[str, Any]]
+) -> int | None:
+    """The smallest pretrained length of the blocks' LongRoPE scalings (`Rotary.position_limit`),
+    or None: where the model's positions end."""
+    limits = [
+        int(dict(scaling)["original_max_position_embeddings"])
+        for layer in per_layer
+        if (scaling := check_rope_scaling({**options, **layer}.get("rope_scaling")))
+        and dict(scaling)["rope_type"] == "longrope"
+    ]
+    return min(limits, default=None)
 
 
 def _layer_options(
