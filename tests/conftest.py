@@ -3,6 +3,7 @@ JAX compilation cache shared by every process of the suite, XLA's quickest compi
 suite's own functions, and a garbage collector that runs less often (tests/environment.py)."""
 
 import gc
+import os
 
 from environment import (
     collect_garbage_less_often,
@@ -26,6 +27,7 @@ enable_compilation_cache()
 # xdist otherwise sorts files by their number of tests), so when the longest go first the last
 # files to run are short ones and neither worker waits on the other at the end.
 LONGEST_FIRST = [  # worker-seconds of each file with empty caches (2026-12-03)
+    "test_architecture_artifacts.py",  # 440 (17 exports, each in JAX, IREE and C)
     "test_docs.py",  # 325
     "test_runner.py",  # 230
     "test_language_models.py",  # 190
@@ -66,6 +68,16 @@ def _fresh_heap_per_file():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+def pytest_configure(config):
+    """`DENSE_ARMOR_TEST_PROFILE=DIRECTORY`: each worker's seconds per file and, of them, JAX's
+    tracing, lowering and compiling (tests/profile_suite.py)."""
+    directory = os.environ.get("DENSE_ARMOR_TEST_PROFILE")
+    if directory:
+        from profile_suite import Profile
+
+        config.pluginmanager.register(Profile(directory), "dense_armor_profile")
 
 
 def pytest_collection_finish(session):

@@ -642,6 +642,8 @@ BAD = [
     ("save-with-another-models-config", lambda tmp, _: save_checkpoint(tmp / "c", MODEL, ModelConfig("transformer_encoder", {**CONFIG.arguments, "d_model": 12})), CheckpointError, r"the config disagrees with the model \(likely in `d_model=12`: the model has 8 where the config builds 12\)"),
     ("save-with-a-deeper-config", lambda tmp, _: save_checkpoint(tmp / "c", MODEL, ModelConfig("transformer_encoder", {**CONFIG.arguments, "depth": 2})), CheckpointError, r"the config disagrees with the model: .*missing \['.layers\[3\]"),
     ("compile-jobs-zero", lambda tmp, _: compile_artifact(exported(tmp), ["llvm-cpu"], jobs=0), ArtifactError, r"compile_artifact \(or None\): `jobs` must be a positive integer; received `jobs=0`"),
+    ("compile-unknown-function", lambda tmp, _: compile_artifact(exported(tmp), ["llvm-cpu"], functions=["forward", "decode"]), ArtifactError, r"the artifact has no function \['decode'\]; its functions: \['forward', 'init_cache', 'prefill', 'reset', 'step'\]"),
+    ("compile-functions-a-string", lambda tmp, _: compile_artifact(exported(tmp), ["llvm-cpu"], functions="forward"), ArtifactError, r"`functions` must be a non-empty list of the artifact's functions"),
     ("compile-cache-a-file", lambda tmp, _: compile_artifact(exported(tmp), ["llvm-cpu"], cache=tmp / "art" / "manifest.json"), ArtifactError, r"the compile cache .*manifest.json is a file, not a directory"),
     ("check-golden-steps-zero", lambda tmp, _: check_golden(load(exported(tmp)), steps=0), ArtifactError, r"`steps` must be a positive integer .* or None for all; received 0"),
     ("check-iree-steps-a-string", lambda tmp, _: check_iree(exported(tmp), steps="3"), ArtifactError, r"`steps` must be a positive integer.*received '3'"),

@@ -141,6 +141,12 @@ def test_cli_compile_and_refusals(tmp_path, compiled, capsys):
     assert "checked with iree-run-module" in printed and "iree step B=1" in printed
     assert cli(["inspect", str(tmp_path / "art")]) == 0
     assert "IREE modules: 5 (.vmfb) for llvm-cpu" in capsys.readouterr().out
+    # only what a deployment runs: the other modules of the target replaced, checked alone
+    assert cli(["compile", str(tmp_path / "art"), "--functions", "init_cache,step"]) == 0
+    printed = capsys.readouterr().out
+    assert "iree step B=1" in printed and "iree forward" not in printed
+    assert cli(["inspect", str(tmp_path / "art")]) == 0
+    assert "IREE modules: 2 (.vmfb) for llvm-cpu" in capsys.readouterr().out
     with pytest.raises(ArtifactError, match="unknown IREE target 'metal'"):
         compile_artifact(tmp_path / "art", ["metal"])
     with pytest.raises(ArtifactError, match="non-empty list"):

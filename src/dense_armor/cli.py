@@ -4,6 +4,7 @@ dense-armor export CHECKPOINT_DIR --out DIR [--static B,T[,S] ...] [--capacity N
                    [--platforms cpu,cuda,tpu] [--force] [--temperature T] [--top-k K]
                    [--top-p P] [--min-p P]
 dense-armor compile DIR [--target llvm-cpu[,cuda,vulkan-spirv]] [--cpu host] [--cuda-arch sm_80]
+                    [--functions init_cache,sample_prefill,sample_step]
 dense-armor runner DIR [--plugin PLUGIN.so] [--steps N] [--repeat R] [--tolerance T] [--cc CC]
 dense-armor inspect DIR
 dense-armor import-torch STATE.safetensors --config CONFIG.json --out CHECKPOINT_DIR
@@ -153,6 +154,10 @@ def _parser() -> argparse.ArgumentParser:
     co.add_argument("--target", type=_platforms, default=["llvm-cpu"], metavar="T[,T...]")
     co.add_argument("--cpu", default="host", help="llvm-cpu: the CPU to tune for (host, generic)")
     co.add_argument("--cuda-arch", default="sm_80", help="cuda: the GPU architecture")
+    co.add_argument(
+        "--functions", type=_platforms, default=None, metavar="F[,F...]",
+        help="only these exported functions' modules (default all)",
+    )  # fmt: skip
 
     ru = commands.add_parser(
         "runner", help="build an artifact's C runner and check it from C through a PJRT plugin"
@@ -279,7 +284,15 @@ def _compile(args: argparse.Namespace) -> None:
     from .export.iree import compile_artifact
     from .export.standalone import check_iree
 
-    print(compile_artifact(args.directory, args.target, cpu=args.cpu, cuda_arch=args.cuda_arch))
+    print(
+        compile_artifact(
+            args.directory,
+            args.target,
+            cpu=args.cpu,
+            cuda_arch=args.cuda_arch,
+            functions=args.functions,
+        )
+    )
     if "llvm-cpu" in args.target:
         print("checked with iree-run-module against the golden outputs:")
         for name, error in check_iree(args.directory).items():

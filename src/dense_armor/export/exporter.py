@@ -150,9 +150,11 @@ def export_model(
     causal_model = (
         model if causal_config == config else fill_tree(skeleton(causal_config), tree_arrays(model))
     )
-    with exporting():  # cuDNN's attention lowers as XLA's: jax.export refuses its custom call
+    # cuDNN's attention lowers as XLA's (jax.export refuses its custom call); every product
+    # traced (and so written into the modules) at `matmul_precision`
+    with exporting(), jax.default_matmul_precision(matmul_precision):
         lowering = Lowering(model, causal_model, config, capacity, sampling)
-        functions = lowering.functions()
+        functions = lowering.functions(platforms)
     summary: dict[str, Any] = {}
 
     def fill(tmp: pathlib.Path) -> None:

@@ -88,10 +88,15 @@ def compile_artifact(
     cuda_arch: str = "sm_80",
     jobs: int | None = None,
     cache: str | os.PathLike[str] | None = None,
+    functions: Sequence[str] | None = None,
 ) -> CompileSummary:
     """Compile every static module of the artifact at `directory` for each of `targets` (any of
     `TARGETS`), `jobs` at a time (default: one per CPU). Compiling again replaces the modules of
     the targets asked for and keeps the others.
+
+    `functions`: only the static modules of these exported functions (default all): what a
+    deployment runs, such as a language model's decoding (`init_cache`, `sample_prefill`,
+    `sample_step`), in less than half the time of all seven.
 
     `cache`: a directory of compiled modules to reuse (default: `$DENSE_ARMOR_IREE_CACHE`, if
     set; else none). An entry is keyed by the module's bytes, the target's flags, the compiler's
@@ -107,7 +112,8 @@ def compile_artifact(
     manifest = read_manifest(target)
     verify_files(target, manifest)
     tools = _compiler()
-    modules = sorted({entry["bytecode"] for entry in manifest["static"]})
+    chosen = _chosen_functions(manifest, functions)
+    modules = sorted({e["bytecode"] for e in manifest["static"] if e["function"] in chosen})
     if not modules:
         raise ArtifactError(
             f"{target} has no static modules to compile: export it with static shapes "
@@ -143,6 +149,22 @@ def compile_artifact(
         c["file"]: (target / c["file"]).stat().st_size for c in written if c["target"] in flags
     }
     return CompileSummary(target, files, time.perf_counter() - started)
+
+
+def _chosen_functions(manifest: dict[str, Any], functions: Sequence[str] | None) -> set[str]:
+    """The exported functions to compile: `functions`, each one the artifact's, or all."""
+    known = sorted(manifest["functions"])
+    if functions is None:
+        return set(known)
+    if isinstance(functions, str) or not isinstance(functions, Sequence) or not functions:
+        raise ArtifactError(
+            f"`functions` must be a non-empty list of the artifact's functions {known}; "
+            f"received {functions!r}."
+        )
+    unknown = [f for f in functions if f not in known]
+    if unknown:
+        raise ArtifactError(f"the artifact has no function {unknown}; its functions: {known}.")
+    return set(functions)
 
 
 def _compile_cache(cache: str | os.PathLike[str] | None) -> pathlib.Path | None:

@@ -74,6 +74,10 @@ class Function:
     inputs: list[Spec]
     outputs: list[Spec]
     bounds: dict[str, int] = dataclasses.field(default_factory=dict)
+    # its portable `jax.export` (symbolic shapes, every platform), and whether its debug
+    # locations were stripped: traced once, its outputs read from it
+    portable: Any = None
+    stripped: bool = False
 
     @property
     def plain(self) -> list[Spec]:
@@ -326,8 +330,9 @@ class Lowering:
     ) -> tuple[jax.Array, list[jax.Array], jax.Array]:
         return self.sample_prefill(weights, x_t[:, None], key, cache)
 
-    def functions(self) -> dict[str, Function]:
-        """Every exported function, its outputs read from the model on symbolic shapes."""
+    def functions(self, platforms: Sequence[str]) -> dict[str, Function]:
+        """Every exported function, exported for `platforms` on symbolic shapes (its portable
+        artifact), its outputs read from that export."""
         # name: (function, inputs, outputs before the cache, whether the cache and overflow
         # follow them, bounds)
         plans: dict[str, tuple[Callable[..., Any], list[Spec], list[str], bool, dict[str, int]]]
@@ -358,10 +363,11 @@ class Lowering:
         weight_avals = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in self.weights]
         for name, (fn, inputs, leading, streaming, bounds) in plans.items():
             function = Function(fn, inputs, [], bounds)
-            sizes = function.symbolic_sizes()
-            shapes = jax.tree_util.tree_leaves(
-                jax.eval_shape(fn, *function.arguments(weight_avals, sizes))
+            traced = export.export(function.jitted(), platforms=tuple(platforms))(
+                *function.arguments(weight_avals, function.symbolic_sizes())
             )
+            function.portable, function.stripped = strip_locations(traced)
+            shapes = traced.out_avals
             names, roles = list(leading), ["output"] * len(leading)
             if streaming:
                 names += [s["name"] for s in self.cache]

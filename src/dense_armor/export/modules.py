@@ -24,17 +24,12 @@ def write_portable(
 ) -> tuple[dict[str, Any], bool]:
     """Each function's portable `jax.export` artifact (symbolic shapes, every platform); whether
     every one's debug locations were stripped."""
-    weights = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in lowering.weights]
-    exported, stripped = {}, []
+    exported = {}
     for name, function in functions.items():
-        exported[name], done = strip_locations(
-            export.export(function.jitted(), platforms=tuple(platforms))(
-                *function.arguments(weights, function.symbolic_sizes())
-            )
-        )
-        stripped.append(done)
+        assert tuple(function.portable.platforms) == tuple(platforms), name
+        exported[name] = function.portable
         (tmp / f"{name}.jax_exported").write_bytes(exported[name].serialize())
-    return exported, all(stripped)
+    return exported, all(f.stripped for f in functions.values())
 
 
 def write_static(
