@@ -22,33 +22,34 @@ enable_compilation_cache()
 
 
 # The test files that take longest, longest first (seconds of one worker with empty compilation
-# caches, measured on the 2-core AMD EPYC, 2026-12-03): the suite's workers take whole files
-# (`--dist=loadfile`) in collection order (with `--no-loadscope-reorder`, as the noxfile runs it;
-# xdist otherwise sorts files by their number of tests), so when the longest go first the last
-# files to run are short ones and neither worker waits on the other at the end.
-LONGEST_FIRST = [  # worker-seconds of each file with empty caches (2026-12-03)
-    "test_architecture_artifacts.py",  # 440 (17 exports, each in JAX, IREE and C)
-    "test_docs.py",  # 325
-    "test_runner.py",  # 230
-    "test_language_models.py",  # 190
-    "test_iree.py",  # 193
-    "test_index_safety.py",  # 134
-    "test_examples.py",  # 103
-    "test_export.py",  # 97
-    "test_prefill.py",  # 95
-    "test_distributed.py",  # 84
-    "test_attention.py",  # 83
-    "test_recurrent.py",  # 79
-    "test_scan.py",  # 74
-    "test_bad_inputs.py",  # 68
+# caches, measured on the 2-core AMD EPYC with tests/profile_suite.py, 2026-12-03): the suite's
+# workers take whole files (`--dist=loadfile`) in collection order (with
+# `--no-loadscope-reorder`, as the noxfile runs it; xdist otherwise sorts files by their number
+# of tests), so when the longest go first the last files to run are short ones and neither worker
+# waits on the other at the end.
+LONGEST_FIRST = [  # worker-seconds of each file with empty caches (2026-12-03, evening)
+    "test_architecture_artifacts.py",  # 506 (17 exports, each in JAX, IREE and C)
+    "test_docs.py",  # 361
+    "test_language_models.py",  # 252
+    "test_hf_architectures.py",  # 184
+    "test_index_safety.py",  # 132
+    "test_examples.py",  # 122
+    "test_prefill.py",  # 120
+    "test_export.py",  # 104
+    "test_iree.py",  # 92
+    "test_recurrent.py",  # 86
+    "test_distributed.py",  # 85
+    "test_attention.py",  # 78
+    "test_runner.py",  # 76
+    "test_bad_inputs.py",  # 72
     "test_sequences.py",  # 65
-    "test_blocked.py",  # 59
-    "test_training.py",  # 51
-    "test_hf_architectures.py",  # 47
-    "test_gqa.py",  # 47
-    "test_sharded_checkpoint.py",  # 36
-    "test_rotary.py",  # 30
-    "test_streaming.py",  # 29
+    "test_scan.py",  # 58
+    "test_gqa.py",  # 51
+    "test_blocked.py",  # 50
+    "test_sharded_checkpoint.py",  # 47
+    "test_rotary.py",  # 41
+    "test_training.py",  # 39
+    "test_streaming.py",  # 33
 ]
 
 

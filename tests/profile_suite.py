@@ -14,6 +14,8 @@ import pathlib
 import sys
 import time
 
+import pytest
+
 EVENTS = {
     "/jax/core/compile/jaxpr_trace_duration": "trace",
     "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
@@ -40,13 +42,12 @@ class Profile:
             if kind == "compile":
                 self.totals[self.file]["compiles"] += 1
 
+    @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
         self.file = item.path.name
         began = time.perf_counter()
         yield
         self.totals[self.file]["seconds"] += time.perf_counter() - began
-
-    pytest_runtest_protocol.hookwrapper = True  # type: ignore[attr-defined]
 
     def pytest_sessionfinish(self, session):
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")

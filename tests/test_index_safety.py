@@ -404,7 +404,7 @@ def test_every_index_an_exported_function_computes_is_audited():
     for (config, model), rules in zip(models, [None] * (len(models) - 1) + [sampling], strict=True):
         lowering = Lowering(model, model, config, CAPACITY, rules)
         weights = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in lowering.weights]
-        for function in lowering.functions().values():
+        for function, _, _ in lowering.plans().values():
             at = {d: sizes[d] for d in function.symbols}
             jaxpr = jax.make_jaxpr(function.fn)(*function.arguments(weights, at))
             _sites(jaxpr.jaxpr, found)

@@ -330,9 +330,9 @@ class Lowering:
     ) -> tuple[jax.Array, list[jax.Array], jax.Array]:
         return self.sample_prefill(weights, x_t[:, None], key, cache)
 
-    def functions(self, platforms: Sequence[str]) -> dict[str, Function]:
-        """Every exported function, exported for `platforms` on symbolic shapes (its portable
-        artifact), its outputs read from that export."""
+    def plans(self) -> dict[str, tuple[Function, list[str], bool]]:
+        """Every function to export, not yet exported (no outputs): each with the names of its
+        outputs before the cache, and whether the cache and overflow follow them."""
         # name: (function, inputs, outputs before the cache, whether the cache and overflow
         # follow them, bounds)
         plans: dict[str, tuple[Callable[..., Any], list[Spec], list[str], bool, dict[str, int]]]
@@ -359,10 +359,17 @@ class Lowering:
                 True,
                 {},
             )
+        return {
+            name: (Function(fn, inputs, [], bounds), leading, streaming)
+            for name, (fn, inputs, leading, streaming, bounds) in plans.items()
+        }
+
+    def functions(self, platforms: Sequence[str]) -> dict[str, Function]:
+        """Every exported function, exported for `platforms` on symbolic shapes (its portable
+        artifact), its outputs read from that export."""
         functions = {}
         weight_avals = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in self.weights]
-        for name, (fn, inputs, leading, streaming, bounds) in plans.items():
-            function = Function(fn, inputs, [], bounds)
+        for name, (function, leading, streaming) in self.plans().items():
             traced = export.export(function.jitted(), platforms=tuple(platforms))(
                 *function.arguments(weight_avals, function.symbolic_sizes())
             )
