@@ -34,6 +34,10 @@ GPT2 = dict(
     initializer_range=0.2, bos_token_id=1, eos_token_id=2,
 )  # fmt: skip
 ORIGINAL = ("gpt2", "llama_gqa", "llama_tied", "qwen2")  # made with ids (2, 8)
+PHI3 = dict(  # Phi-3/4-mini's options beside Llama's
+    LLAMA, num_key_value_heads=2, tie_word_embeddings=True, rms_norm_eps=1e-5, hidden_act="silu",
+    resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+)  # fmt: skip
 CASES = {
     # GPT-2: learned positions, pre-LN LayerNorm with biases, the tanh GELU, fused c_attn in
     # Conv1D layout, a tied head
@@ -135,18 +139,7 @@ CASES = {
     "phi3": (
         transformers.Phi3Config,
         transformers.Phi3ForCausalLM,
-        dict(
-            LLAMA,
-            num_key_value_heads=2,
-            tie_word_embeddings=True,
-            rms_norm_eps=1e-5,
-            partial_rotary_factor=0.75,
-            rope_theta=10000.0,
-            hidden_act="silu",
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attention_dropout=0.0,
-        ),
+        dict(PHI3, partial_rotary_factor=0.75, rope_theta=10000.0),
         None,
     ),
     # Phi-4-mini's LongRoPE (within its pretrained length, 48 positions here, of 64: the short
@@ -155,14 +148,7 @@ CASES = {
         transformers.Phi3Config,
         transformers.Phi3ForCausalLM,
         dict(
-            LLAMA,
-            num_key_value_heads=2,
-            tie_word_embeddings=True,
-            rms_norm_eps=1e-5,
-            hidden_act="silu",
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attention_dropout=0.0,
+            PHI3,
             original_max_position_embeddings=48,
             rope_parameters={
                 "rope_type": "longrope",
