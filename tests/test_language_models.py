@@ -268,6 +268,10 @@ def test_generation_compiles_without_a_callback_so_jaxs_disk_cache_keeps_it():
     assert "while" in loop and "callback" not in loop
     cache = model.init_cache(8, on_overflow="nan")
     assert "callback" in str(jax.make_jaxpr(lambda: model.prefill(jnp.array([1, 2]), cache)[0])())
+    with ids_checked():  # a growing cache in "raise" mode, no position limit: nothing to raise
+        growing = model.init_cache()
+        step = str(jax.make_jaxpr(lambda: model.prefill(jnp.array([1, 2]), growing)[0])())
+    assert "callback" not in step
 
 
 @pytest.mark.optax

@@ -257,8 +257,10 @@ class TransformerLM(Layer):
             h, position_cache = self.positions.prefill(h, position_cache)
         else:
             _, fits, counter = position_cache.counter.advance(ids.shape[0])
-            message = f"TransformerLM: a step past its position_limit={self.position_limit}"
-            h, position_cache = counter.guard(h, fits, message), PositionCache(counter)
+            if self.position_limit is not None:  # else nothing to guard (and no callback)
+                message = f"TransformerLM: a step past its position_limit={self.position_limit}"
+                h = counter.guard(h, fits, message)
+            position_cache = PositionCache(counter)
         if isinstance(self.blocks, Stack):
             h, block_caches = self.blocks.prefill(h, block_caches)
         else:
