@@ -9,14 +9,19 @@ which JAX's persistent compilation cache never keeps, so each of those functions
 in every run. The default mode, and what raising does, are tested in tests/test_streaming.py and
 tests/test_bad_inputs.py."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 
 def stream(layer, xs, cache, step=None):
-    """`(ys, cache)`: `step` (default `layer.step`) applied to each row of `xs` in turn."""
-    step = step or layer.step
+    """`(ys, cache)`: `step` (default `layer.step` under `eqx.filter_jit`) applied to each row of
+    `xs` in turn. Jitted, a step compiles once per cache shape; run eagerly, each of its dozens of
+    operations compiled at every new shape (a growing cache's every length): measured on the
+    longest of them (test_prefill's growing encoder), 18-21 s eagerly against 10 s jitted with
+    empty compilation caches, 7.0 s against 6.4 s with warm ones."""
+    step = step or eqx.filter_jit(layer.step)
     ys = []
     for x_t in xs:
         y_t, cache = step(x_t, cache)
