@@ -158,7 +158,7 @@ def export_model(
     summary: dict[str, Any] = {}
 
     def fill(tmp: pathlib.Path) -> None:
-        exported, stripped = write_portable(tmp, functions, lowering, platforms)
+        exported, stripped = write_portable(tmp, functions, platforms)
         static_entries, static_stripped = write_static(tmp, functions, lowering, platforms, shapes)
         save_file(
             dict(zip(lowering.names, map(np.asarray, lowering.weights), strict=True)),

@@ -20,7 +20,7 @@ __all__ = ["write_portable", "write_runner", "write_static"]
 
 
 def write_portable(
-    tmp: pathlib.Path, functions: dict[str, Function], lowering: Lowering, platforms: Sequence[str]
+    tmp: pathlib.Path, functions: dict[str, Function], platforms: Sequence[str]
 ) -> tuple[dict[str, Any], bool]:
     """Each function's portable `jax.export` artifact (symbolic shapes, every platform); whether
     every one's debug locations were stripped."""

@@ -136,10 +136,6 @@ class Rotary:
         """The rotated features: `int(d_head * fraction)`, as transformers truncates it."""
         return int(self.d_head * self.fraction)
 
-    @property
-    def kind(self) -> str | None:
-        return None if self.scaling is None else dict(self.scaling)["rope_type"]
-
     def frequencies(self) -> tuple[np.ndarray | None, float]:
         """The inverse frequencies `(dims / 2,)` (float32; `None` for the unscaled ones, computed
         in the graph as before) and the factor on cos and sin (`longrope`: the short factors')."""
@@ -158,13 +154,6 @@ class Rotary:
         if kind == "longrope":
             return _longrope(powers, s)
         return _yarn(powers, dim, self.base, s)
-
-    @property
-    def position_limit(self) -> int | None:
-        """The positions this rotation is exact for (LongRoPE's pretrained length), or None."""
-        if self.kind != "longrope":
-            return None
-        return int(dict(self.scaling or ())["original_max_position_embeddings"])
 
     def __call__(self, x: Array, positions: Array) -> Array:
         return rotate(x, positions, self.base, rotary=self)
