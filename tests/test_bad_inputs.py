@@ -39,8 +39,10 @@ from dense_armor.export import ArtifactError, check_golden, export_model, load
 from dense_armor.export.iree import compile_artifact, target_flags
 from dense_armor.export.standalone import build_runner, check_iree, run_pjrt
 from dense_armor.export.standalone import main as run_py
+from dense_armor.huggingface import HuggingFaceError, import_hf
 from dense_armor.interop import InteropError, import_torch
 from dense_armor.losses import next_token_loss_balanced
+from dense_armor.nn import precision
 from dense_armor.nn.layers.language import (
     Embedding,
     GatedFeedForward,
@@ -79,6 +81,7 @@ from dense_armor.utility.neural import (
 from environment import child_env
 
 KEY = jax.random.PRNGKey(0)
+HF = pathlib.Path(__file__).parent / "data" / "hf"
 ARGUMENTS = {"n_in": 3, "d_model": 8, "n_heads": 2, "d_ff": 16, "depth": 1, "n_out": 2}
 CONFIG = ModelConfig("transformer_encoder", {**ARGUMENTS, "max_len": 6, "causal": True})
 MODEL = CONFIG.build(KEY)
@@ -432,6 +435,21 @@ BAD = [
     ("lm-layer-options-count", lambda: TransformerLM(16, 16, 2, 32, 2, KEY, 8, layer_options=[{}]), ValueError, r"`layer_options` must hold one mapping per block \(2\); received 1"),
     ("lm-layer-options-unknown", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, layer_options=[{"windw": 4}]), TypeError, r"layer_options\[0\] got unexpected keyword arguments \['windw'\]"),
     ("lm-norm-placement-unknown", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, norm_placement="after"), ValueError, r"`norm_placement` must be one of \('input', 'output', 'both'\)"),
+    ("lm-param-dtype-int8", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, param_dtype="int8"), ValueError, r"`param_dtype` must be one of \('float32', 'bfloat16', 'float16'\); received `param_dtype='int8'`"),
+    ("lm-compute-dtype-float64", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, compute_dtype="float64"), ValueError, r"`compute_dtype` must be one of \('float32', 'bfloat16', 'float16'\)"),
+    ("lm-quantize-int4", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, quantize="int4"), ValueError, r"`quantize` must be one of \('int8',\); received `quantize='int4'`"),
+    ("lm-quantize-embeddings-string", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, quantize="int8", quantize_embeddings="yes"), ValueError, r"`quantize_embeddings` must be True or False"),
+    ("lm-quantize-embeddings-alone", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, quantize_embeddings=True), ValueError, r"`quantize_embeddings=True` quantizes the tables along with the projections: pass `quantize=\"int8\"` too"),
+    ("lm-kv-dtype-int4", lambda: TINY_LM.init_cache(4, kv_dtype="int4"), ValueError, r"`kv_dtype` must be one of \('float32', 'bfloat16', 'float16', 'int8'\); received `kv_dtype='int4'`"),
+    ("lm-kv-int8-growing-cache", lambda: TINY_LM.init_cache(kv_dtype="int8"), ValueError, r"kv_dtype='int8' needs a fixed-shape cache: pass a `capacity`"),
+    ("generate-kv-dtype-bool", lambda: generate(TINY_LM, [[1]], 2, kv_dtype=True), ValueError, r"generate: `kv_dtype` must be one of \('float32', 'bfloat16', 'float16', 'int8'\) or None; received True"),
+    ("server-kv-dtype-float64", lambda: Server(TINY_LM, kv_dtype="float64"), ValueError, r"Server: `kv_dtype` must be one of .* received 'float64'"),
+    ("export-kv-dtype-int4", lambda tmp, _: export_model(TINY_LM, LM_CONFIG, tmp / "art", kv_dtype="int4"), ArtifactError, r"export_model: `kv_dtype` must be one of \('float32', 'bfloat16', 'float16', 'int8'\) or None; received 'int4'"),
+    ("export-kv-dtype-encoder", lambda tmp, _: export_model(MODEL, CONFIG, tmp / "art", kv_dtype="int8"), ArtifactError, r"export_model: `kv_dtype` is for a language model's cache; a transformer_encoder keeps float32"),
+    ("cast-to-int8", lambda: precision.cast(TINY_LM, "int8"), ValueError, r"`dtype` must be one of \('float32', 'bfloat16', 'float16'\); received `dtype='int8'`"),
+    ("quantize-embeddings-string", lambda: precision.quantize(TINY_LM, embeddings="no"), ValueError, r"`embeddings` must be True or False"),
+    ("import-hf-dtype-int8", lambda: import_hf(HF / "llama_gqa", dtype="int8"), HuggingFaceError, r"config.json describes no model TransformerLM builds: `param_dtype` must be one of"),
+    ("import-hf-quantize-int4", lambda: import_hf(HF / "llama_gqa", quantize="int4"), HuggingFaceError, r"config.json describes no model TransformerLM builds: `quantize` must be one of \('int8',\)"),
     ("lm-embed-scale-string", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, embed_scale="true"), ValueError, r"`embed_scale` must be True or False"),
     ("moe-without-experts", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, feed_forward="moe"), ValueError, r"`feed_forward='moe'` needs `n_experts` and `top_k`"),
     ("experts-with-mlp", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, n_experts=4, top_k=2), ValueError, r"`n_experts` and `top_k` are the options of `feed_forward='moe'`; received them with `feed_forward='gated'`"),

@@ -370,10 +370,15 @@ def test_the_overflow_contract_check_finds_what_breaks_it():
 AUDITED = {
     ("scatter", "_write_rows"): "slots clipped into [0, N); a repeated slot gets one row",
     ("gather", "_write_rows"): "the chunk's rows and the buffer's own rows, at clipped indices",
-    ("gather", "Embedding.forward"): "ids clipped into [0, vocab) before the take",
+    ("gather", "Param.rows"): "ids clipped into [0, vocab) by Embedding.forward before the take",
+    ("gather", "QuantizedParam.rows"): "ids clipped into [0, vocab) by Embedding.forward",
     ("gather", "LearnedPositions.rows"): "positions clipped into [0, max_len)",
 }
 INDEXING = ("gather", "scatter", "dynamic_slice", "dynamic_update_slice")
+QUANTIZED = {
+    "vocab": 32, "d_model": 512, "n_heads": 4, "d_ff": 512, "depth": 1, "max_len": 16,
+    "positions": "learned", "quantize_embeddings": True,
+}  # fmt: skip
 
 
 def _sites(jaxpr, found, outer=""):
@@ -400,9 +405,14 @@ def test_every_index_an_exported_function_computes_is_audited():
     models = [_config_and_model(name) for name in FAMILIES]
     gpt2, arguments = import_hf(DATA / "gpt2")  # learned positions, a tied head
     models.append((ModelConfig("transformer_lm", arguments), gpt2))
+    # int8 weights read in blocks of rows (d_model 512: two), int8 tables, an int8 cache
+    quantized = ModelConfig("transformer_lm", {**QUANTIZED, "quantize": "int8"})
+    models.append((quantized, quantized.build()))
     sampling = {"temperature": 0.8, "top_k": 5, "top_p": 0.9, "min_p": 0.05}
-    for (config, model), rules in zip(models, [None] * (len(models) - 1) + [sampling], strict=True):
-        lowering = Lowering(model, model, config, CAPACITY, rules)
+    rules = [None] * (len(models) - 2) + [sampling, None]
+    for (config, model), rule in zip(models, rules, strict=True):
+        kv = "int8" if config.arguments.get("quantize") else None
+        lowering = Lowering(model, model, config, CAPACITY, rule, kv_dtype=kv)
         weights = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in lowering.weights]
         for function, _, _ in lowering.plans().values():
             at = {d: sizes[d] for d in function.symbols}

@@ -2,31 +2,35 @@
 
 dense-armor export CHECKPOINT_DIR --out DIR [--static B,T[,S] ...] [--capacity N]
                    [--platforms cpu,cuda,tpu] [--force] [--temperature T] [--top-k K]
-                   [--top-p P] [--min-p P]
+                   [--top-p P] [--min-p P] [--kv-dtype int8]
 dense-armor compile DIR [--target llvm-cpu[,cuda,vulkan-spirv]] [--cpu host] [--cuda-arch sm_80]
                     [--functions init_cache,sample_prefill,sample_step]
 dense-armor runner DIR [--plugin PLUGIN.so] [--steps N] [--repeat R] [--tolerance T] [--cc CC]
 dense-armor inspect DIR
 dense-armor import-torch STATE.safetensors --config CONFIG.json --out CHECKPOINT_DIR
                          [--embed NAME] [--head NAME]
-dense-armor import-hf HF_MODEL_DIR --out CHECKPOINT_DIR
+dense-armor import-hf HF_MODEL_DIR --out CHECKPOINT_DIR [--dtype bfloat16] [--quantize int8]
+                      [--quantize-embeddings]
 dense-armor export-hf CHECKPOINT_DIR --out HF_MODEL_DIR [--architecture Qwen3ForCausalLM]
 dense-armor generate CHECKPOINT_DIR (--prompt TEXT | --ids 1,2,3) [--tokenizer tokenizer.json]
                      [--max-new-tokens 32] [--temperature 0] [--top-k K] [--top-p P]
-                     [--min-p P] [--stop 2,...] [--seed 0]
+                     [--min-p P] [--stop 2,...] [--seed 0] [--kv-dtype int8]
 dense-armor serve CHECKPOINT_DIR [--input FILE] [--slots 8] [--capacity N] [--chunk 16]
                   [--tokenizer tokenizer.json] [--max-new-tokens 32] [--temperature 0]
                   [--top-k K] [--top-p P] [--min-p P] [--stop 2,...] [--seed 0]
+                  [--kv-dtype int8]
 """
 
 import argparse
 import datetime
 import json
 import pathlib
-import shutil
 import sys
 from collections.abc import Sequence
 from typing import Any
+
+from .cli_language import COMMANDS as LANGUAGE_COMMANDS
+from .cli_language import UsageError, add_commands, add_kv_dtype
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -37,17 +41,6 @@ def _shape(text: str) -> tuple[int, ...]:
     if len(sizes) not in (2, 3):
         raise argparse.ArgumentTypeError(f"expected B,T (or B,T,S for a decoder); got {text!r}")
     return sizes
-
-
-def _ids(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected token ids like 1,2,3; got {text!r}") from None
-
-
-class UsageError(Exception):
-    """A command's settings that its library call refused (`ValueError`), reported in one line."""
 
 
 def _platforms(text: str) -> list[str]:
@@ -146,6 +139,7 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--top-k", type=int)
     ex.add_argument("--top-p", type=float)
     ex.add_argument("--min-p", type=float)
+    add_kv_dtype(ex)
 
     co = commands.add_parser(
         "compile", help="compile an artifact's static modules with IREE and check them"
@@ -188,70 +182,12 @@ def _parser() -> argparse.ArgumentParser:
     it.add_argument("--embed", default="embed", help="the input Linear's name (embed)")
     it.add_argument("--head", default="head", help="the output Linear's name (head)")
 
-    hf = commands.add_parser(
-        "import-hf", help="import a Hugging Face causal LM directory (see ARCHITECTURES)"
-    )
-    hf.add_argument("directory", type=pathlib.Path, help="config.json and model.safetensors")
-    hf.add_argument("--out", type=pathlib.Path, required=True, help="checkpoint directory")
-    back = commands.add_parser(
-        "export-hf", help="write a language-model checkpoint as a Hugging Face directory"
-    )
-    back.add_argument("checkpoint", type=pathlib.Path, help="a checkpoint of a TransformerLM")
-    back.add_argument("--out", type=pathlib.Path, required=True, help="the directory to write")
-    back.add_argument(
-        "--architecture", help="e.g. Qwen3ForCausalLM (default: the one it was imported from)"
-    )
-
-    _add_generate(commands)
-    _add_serve(commands)
+    add_commands(commands)  # import-hf, export-hf, generate, serve
 
     ins = commands.add_parser("inspect", help="print an artifact's manifest and verify its files")
     ins.add_argument("directory", type=pathlib.Path)
 
     return parser
-
-
-def _add_generate(commands: Any) -> None:
-    """The `generate` command's arguments."""
-    ge = commands.add_parser("generate", help="generate from a language model checkpoint")
-    ge.add_argument("checkpoint", type=pathlib.Path, help="a transformer_lm checkpoint")
-    prompt = ge.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="the prompt's text (needs a tokenizer)")
-    prompt.add_argument("--ids", type=_ids, help="the prompt's token ids, comma separated")
-    _add_sampling(ge)
-
-
-def _add_sampling(parser: Any) -> None:
-    """The sampling settings `generate` and `serve` share."""
-    parser.add_argument(
-        "--tokenizer", type=pathlib.Path, help="a tokenizer.json (default: the checkpoint's)"
-    )
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
-    parser.add_argument("--top-k", type=int)
-    parser.add_argument("--top-p", type=float)
-    parser.add_argument("--min-p", type=float)
-    parser.add_argument("--stop", type=_ids, default=[], help="stop tokens, comma separated")
-    parser.add_argument("--seed", type=int, default=0, help="the sampling key's seed")
-
-
-def _add_serve(commands: Any) -> None:
-    """The `serve` command's arguments."""
-    se = commands.add_parser(
-        "serve",
-        help="serve prompts (one per line, or JSON lines) from a language model checkpoint with "
-        "continuous batching; one JSON line per answer, as each finishes",
-    )
-    se.add_argument("checkpoint", type=pathlib.Path, help="a transformer_lm checkpoint")
-    se.add_argument(
-        "--input", type=pathlib.Path, help="the requests (default: standard input): a line of "
-        'text, or a JSON object {"prompt": TEXT} or {"ids": [...]}, with "max_new_tokens" '
-        'and "id" if wanted',
-    )  # fmt: skip
-    se.add_argument("--slots", type=int, default=8, help="streams decoded together")
-    se.add_argument("--capacity", type=int, help="cache slots per stream")
-    se.add_argument("--chunk", type=int, default=16, help="prompt tokens per prefill call")
-    _add_sampling(se)
 
 
 def _export(args: argparse.Namespace) -> None:
@@ -266,6 +202,7 @@ def _export(args: argparse.Namespace) -> None:
         force=args.force,
         matmul_precision=args.matmul_precision,
         sampling=_export_sampling(args),
+        kv_dtype=args.kv_dtype,
     )
     print(summary)
 
@@ -329,132 +266,9 @@ def _import_torch(args: argparse.Namespace) -> None:
     print(f"imported {args.state} into {save_checkpoint(args.out, model, config)}")
 
 
-def _import_hf(args: argparse.Namespace) -> None:
-    from .checkpoint import ModelConfig, save_checkpoint
-    from .huggingface import import_hf
-    from .huggingface.writing import TOKENIZER_FILES
-
-    model, arguments = import_hf(args.directory)
-    written = save_checkpoint(args.out, model, ModelConfig("transformer_lm", arguments))
-    # The tokenizer beside the checkpoint (where `generate` looks for `tokenizer.json`), and the
-    # source config under `huggingface/`, for `export-hf` to write the model back
-    for name in TOKENIZER_FILES:
-        if (args.directory / name).is_file():
-            shutil.copyfile(args.directory / name, written / name)
-    (written / "huggingface").mkdir(exist_ok=True)
-    shutil.copyfile(args.directory / "config.json", written / "huggingface" / "config.json")
-    print(f"imported {args.directory} into {written}")
-
-
-def _export_hf(args: argparse.Namespace) -> None:
-    import json
-
-    from .checkpoint import load_checkpoint
-    from .huggingface import HuggingFaceError, export_hf
-
-    checkpoint = load_checkpoint(args.checkpoint)
-    if checkpoint.config.factory != "transformer_lm":
-        raise UsageError(
-            f"{args.checkpoint} holds a {checkpoint.config.factory}, not a language model."
-        )
-    source_path = args.checkpoint / "huggingface" / "config.json"
-    source = json.loads(source_path.read_text()) if source_path.is_file() else None
-    architecture = args.architecture or ((source or {}).get("architectures") or [None])[0]
-    if architecture is None:
-        raise HuggingFaceError(
-            f"{args.checkpoint} was not imported from Hugging Face: pass --architecture."
-        )
-    written = export_hf(
-        checkpoint.model, checkpoint.config.arguments, args.out, architecture=architecture,
-        source=source, tokenizer=args.checkpoint,
-    )  # fmt: skip
-    print(f"wrote {architecture} to {written}")
-
-
-def _language_model(args: argparse.Namespace) -> tuple[Any, Any]:
-    """The checkpoint's language model and its tokenizer (`--tokenizer`, else the checkpoint's
-    `tokenizer.json` if it has one, else None)."""
-    from .checkpoint import CheckpointError, load_checkpoint
-    from .huggingface import load_tokenizer
-
-    checkpoint = load_checkpoint(args.checkpoint)
-    if checkpoint.config.factory != "transformer_lm":
-        raise CheckpointError(
-            f"{args.checkpoint} holds a {checkpoint.config.factory!r} model; {args.command} "
-            "needs a 'transformer_lm' one."
-        )
-    path = args.tokenizer or args.checkpoint / "tokenizer.json"
-    tokenizer = load_tokenizer(path) if args.tokenizer or path.is_file() else None
-    return checkpoint.model, tokenizer
-
-
-def _serve(args: argparse.Namespace) -> None:
-    import jax
-
-    from .serving import Server, read_requests
-
-    model, tokenizer = _language_model(args)
-    where = str(args.input) if args.input else "standard input"
-    lines = args.input.read_text().splitlines() if args.input else sys.stdin.read().splitlines()
-    try:
-        requests = read_requests(lines, tokenizer, args.max_new_tokens, where)
-        server = Server(
-            model, args.slots, args.capacity, jax.random.PRNGKey(args.seed),
-            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-            min_p=args.min_p, stop_tokens=args.stop, chunk=args.chunk,
-        )  # fmt: skip
-        for i, request in enumerate(requests):
-            try:
-                server.submit(request["ids"], request["max_new"], id=request["id"])
-            except ValueError as error:
-                raise UsageError(f"request {i + 1} ({request['id']!r}): {error}") from None
-        for done in server.run():
-            answer = {"id": done.id, "ids": done.tokens.tolist(), "reason": done.reason}
-            if tokenizer is not None:
-                answer["text"] = tokenizer.decode(done.tokens.tolist())
-            answer["time_to_first_token"] = round(done.time_to_first_token, 6)
-            answer["latency"] = round(done.latency, 6)
-            print(json.dumps(answer), flush=True)
-    except (ValueError, TypeError) as error:
-        raise UsageError(str(error)) from None
-
-
-def _generate(args: argparse.Namespace) -> None:
-    import jax
-
-    from .nn.models.generation import stream_tokens
-
-    model, tokenizer = _language_model(args)
-    path = args.tokenizer or args.checkpoint / "tokenizer.json"
-    if args.prompt is None:
-        ids = args.ids
-    elif tokenizer is None:
-        raise UsageError(f"--prompt needs a tokenizer: pass --tokenizer (none in {path.parent}).")
-    else:
-        ids = tokenizer.encode(args.prompt).ids
-    settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    try:
-        tokens = stream_tokens(
-            model, ids, args.max_new_tokens, jax.random.PRNGKey(args.seed),
-            min_p=args.min_p, stop_tokens=args.stop, **settings,
-        )  # fmt: skip
-        shown, new = "", []
-        for token in tokens:  # text as it comes: the decoded whole, less what is shown
-            new.append(token)
-            text = tokenizer.decode(new) if tokenizer is not None else " ".join(map(str, new))
-            print(text[len(shown) :], end="", flush=True)
-            shown = text
-    except ValueError as error:
-        raise UsageError(str(error)) from None
-    print()
-
-
 COMMANDS = {
+    **LANGUAGE_COMMANDS,
     "export": _export,
-    "import-hf": _import_hf,
-    "export-hf": _export_hf,
-    "generate": _generate,
-    "serve": _serve,
     "compile": _compile,
     "runner": _runner,
     "import-torch": _import_torch,

@@ -31,7 +31,7 @@ import numpy as np
 
 from .nn.core import require_int, require_key
 from .nn.layers.language import ids_checked
-from .nn.models.generation import _prompts, check_stop_tokens
+from .nn.models.generation import _prompts, check_kv_dtype, check_stop_tokens
 from .nn.models.language_model import TransformerLM
 from .nn.sampling import check_sampling, draw_tokens
 from .nn.state.streams import reset
@@ -94,9 +94,11 @@ class Server:
     **Arguments:** `model` (a `TransformerLM`), `slots` (streams decoded together, default 8),
     `capacity` (cache slots per stream: a request's prompt and new tokens must fit; default the
     learned positions' `max_len`, else 256), `key` (needed unless `temperature=0`), the sampling
-    rules of `generate` (`temperature`, `top_k`, `top_p`, `min_p`), `stop_tokens`, and `chunk`
+    rules of `generate` (`temperature`, `top_k`, `top_p`, `min_p`), `stop_tokens`, `chunk`
     (the prefill's chunk of prompt tokens, default 16: a prompt's whole chunks go through one
-    compiled `prefill` each, the rest through the ticks).
+    compiled `prefill` each, the rest through the ticks) and `kv_dtype` (the caches' keys and
+    values in another dtype, `"int8"` for a quarter of float32's memory: see
+    `TransformerLM.init_cache`).
 
     `submit(prompt, max_new_tokens)` queues a request; `run()` serves the queue, yielding each
     `Completion` as it finishes; `serve(requests)` does both for `(prompt, max_new_tokens)`
@@ -116,6 +118,7 @@ class Server:
         min_p: float | None = None,
         stop_tokens: Sequence[int] = (),
         chunk: int = 16,
+        kv_dtype: str | None = None,
     ) -> None:
         if not isinstance(model, TransformerLM):
             raise TypeError(
@@ -131,8 +134,10 @@ class Server:
                 "(its learned positions' max_len, or LongRoPE's pretrained length)."
             )
         check_sampling(temperature, top_k, top_p, min_p)
+        check_kv_dtype("Server", kv_dtype)
         if temperature != 0:
             require_key(key)
+        self.kv_dtype = kv_dtype
         self.model, self.slots, self.capacity, self.chunk = (
             model,
             int(slots),
@@ -188,8 +193,9 @@ class Server:
             )
         model, slots = self.model, self.slots
         if self._caches is None:
-            self._fresh = model.init_cache(self.capacity, on_overflow="nan")
-            self._caches = model.init_streams(slots, self.capacity, on_overflow="nan")
+            settings = dict(on_overflow="nan", kv_dtype=self.kv_dtype)
+            self._fresh = model.init_cache(self.capacity, **settings)
+            self._caches = model.init_streams(slots, self.capacity, **settings)
         active: list[_Slot | None] = [None] * slots
         tokens = np.zeros(slots, np.int32)
         positions = np.zeros(slots, np.int32)

@@ -59,6 +59,7 @@ from ..checkpoint import (
     tree_arrays,
 )
 from ..families import FAMILIES
+from ..nn import precision
 from ..nn.core import require_bool, require_int
 from ..nn.kernels.choice import exporting
 from ..nn.sampling import check_sampling
@@ -116,6 +117,7 @@ def export_model(
     seed: int = 0,
     matmul_precision: str = "highest",
     sampling: dict[str, Any] | None = None,
+    kv_dtype: str | None = None,
 ) -> ExportSummary:
     """Export `model` (built from `config`) to the directory `out`.
 
@@ -136,6 +138,11 @@ def export_model(
     - `sampling`: a language model's decoding rules in `sample_prefill` and `sample_step`, any of
       `temperature`, `top_k`, `top_p`, `min_p` as in `generate` (default greedy); fixed in the
       graph and recorded in the manifest.
+    - `kv_dtype`: a language model's cache keys and values in another dtype (`"int8"`: int8
+      rows with a float32 scale per head and position; `"bfloat16"`, `"float16"`); the cache's
+      layout in the manifest says each array's dtype. The weights are exported as the model
+      holds them (bfloat16, int8 with their scales: `TransformerLM`'s `param_dtype` and
+      `quantize`), the dequantization in the graph.
 
     Nothing is left half-written: the directory is assembled beside `out` and renamed into place.
     """
@@ -145,6 +152,7 @@ def export_model(
         config, target, capacity, platforms, static_shapes, force, seed, matmul_precision
     )
     sampling = _check_sampling(config, sampling)
+    _check_kv_dtype(config, kv_dtype)
     check_fits(config, tree_arrays(model))  # the config and the weights must agree
     causal_config = config.causal()
     causal_model = (
@@ -153,7 +161,7 @@ def export_model(
     # cuDNN's attention lowers as XLA's (jax.export refuses its custom call); every product
     # traced (and so written into the modules) at `matmul_precision`
     with exporting(), jax.default_matmul_precision(matmul_precision):
-        lowering = Lowering(model, causal_model, config, capacity, sampling)
+        lowering = Lowering(model, causal_model, config, capacity, sampling, kv_dtype)
         functions = lowering.functions(platforms)
     summary: dict[str, Any] = {}
 
@@ -241,6 +249,22 @@ def _check_export(
         for s in ([(1, max_len), (8, max_len)] if static_shapes is None else static_shapes)
     ]
     return int(capacity), shapes
+
+
+def _check_kv_dtype(config: ModelConfig, kv_dtype: Any) -> None:
+    """`export_model`'s `kv_dtype`: one of `precision.KV_DTYPES`, for a language model."""
+    if kv_dtype is None:
+        return
+    if not FAMILIES[config.factory].token_ids:
+        raise ArtifactError(
+            f"export_model: `kv_dtype` is for a language model's cache; a {config.factory} "
+            "keeps float32 keys and values."
+        )
+    if not isinstance(kv_dtype, str) or kv_dtype not in precision.KV_DTYPES:
+        raise ArtifactError(
+            f"export_model: `kv_dtype` must be one of {precision.KV_DTYPES} or None; received "
+            f"{kv_dtype!r}."
+        )
 
 
 def _check_sampling(config: ModelConfig, sampling: Any) -> dict[str, Any] | None:
@@ -339,6 +363,7 @@ def _manifest(
         "weights": {"file": "weights.safetensors", "names": lowering.names},
         "functions": described,
         **_token_ids(lowering),
+        "precision": _precision(lowering),
         "streaming": {
             "model": causal_config.to_json(),
             "note": "init_cache, step, prefill and reset belong to the model's causal form; its "
@@ -368,6 +393,28 @@ def _token_ids(lowering: Lowering) -> dict[str, Any]:
     return {
         "token_ids": {"dtype": "int32", "vocab": lowering.vocab, "invalid": INVALID_IDS},
         "sampling": {**lowering.sampling, "rule": SAMPLING_RULE},
+    }
+
+
+def _precision(lowering: Lowering) -> dict[str, Any]:
+    """The manifest's `precision`: the weights' dtypes (a count of arrays of each), and the
+    cache's keys and values."""
+    dtypes: dict[str, int] = {}
+    for w in lowering.weights:
+        dtypes[str(np.dtype(w.dtype))] = dtypes.get(str(np.dtype(w.dtype)), 0) + 1
+    arguments = lowering.arguments
+    compute = arguments.get("compute_dtype") or arguments.get("param_dtype") or "float32"
+    half = compute != "float32" or lowering.kv_dtype not in (None, "float32")
+    return {
+        "weights": dict(sorted(dtypes.items())),
+        "compute_dtype": compute,
+        "kv_dtype": lowering.kv_dtype or "float32",
+        # the checkers' default: half precision (or an int8 cache, whose rows round to the
+        # nearest of 255 levels) is compared with its own round-off
+        "tolerance": 5e-2 if half else 1e-4,
+        "note": "int8 weights are exported with their float32 scales (the `.scale` arrays beside "
+        "each `.value`), multiplied in the graph; an int8 cache keeps a float32 scale per head "
+        "and position for its keys and for its values",
     }
 
 

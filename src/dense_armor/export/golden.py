@@ -33,7 +33,7 @@ _step = eqx.filter_jit(lambda m, x, c: m.step(x, c))
 def _run(lowering: Lowering, xs: np.ndarray, context: Sequence[np.ndarray]) -> np.ndarray:
     """One stream, from its empty cache, one `step` at a time: `xs (L, ...) -> (L, ...)`."""
     model = lowering.causal_model
-    cache = lowering.family.start(model, lowering.capacity, tuple(context), "nan")
+    cache = lowering.start(model, tuple(context))
     ys = []
     for x in xs:
         y, cache = _step(model, x, cache)
@@ -115,10 +115,7 @@ class _Golden:
             return [arrays[k][i] for k in keys if k != "stream.streams"]
 
         model = lowering.causal_model
-        starts = [
-            lowering.family.start(model, lowering.capacity, tuple(row(init, i)), "nan")
-            for i in range(b)
-        ]
+        starts = [lowering.start(model, tuple(row(init, i))) for i in range(b)]
         leaves = [np.stack(a) for a in zip(*map(jax.tree_util.tree_leaves, starts), strict=True)]
         cache_keys = [f"init_cache.{i}" for i in range(len(leaves))]
         arrays.update(zip(cache_keys, leaves, strict=True))
@@ -168,7 +165,7 @@ def _decoded(lowering: Lowering, prompt: np.ndarray, key: jax.Array, row: int, n
     """One stream's `n` new tokens after `prompt`, in Python: the model's own `prefill` and
     `step` from its empty cache, each token drawn by `draw_tokens` as stream `row` of a batch."""
     model = lowering.causal_model
-    cache = lowering.family.start(model, lowering.capacity, (), "nan")
+    cache = lowering.start(model, ())
     logits, cache = _prefill(model, jnp.asarray(prompt), cache)
     tokens: list[int] = []
     position = len(prompt)

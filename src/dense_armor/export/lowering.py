@@ -36,6 +36,7 @@ from jax import export
 from ..checkpoint import ModelConfig
 from ..distributed import gather_to_host
 from ..families import FAMILIES
+from ..nn import precision
 from ..nn.sampling import draw_tokens
 from ..nn.state.counter import Counter
 from ..nn.state.streams import reset as reset_streams
@@ -180,10 +181,12 @@ class Lowering:
         config: ModelConfig,
         capacity: int,
         sampling: dict[str, Any] | None = None,
+        kv_dtype: str | None = None,
     ):
         self.family = FAMILIES[config.factory]
+        self.kv_dtype = kv_dtype
         self.sampling = {**GREEDY, **(sampling or {})}
-        arguments = config.arguments
+        arguments = self.arguments = config.arguments
         self.max_len = self.family.max_length(arguments)
         self.vocab = self.family.vocabulary(arguments)
         self.width = self.family.context_width(arguments)
@@ -219,7 +222,7 @@ class Lowering:
             jax.ShapeDtypeStruct(concrete(s["shape"][1:], {"S": s_dim}), s["dtype"])
             for s in self.context
         ]
-        cache_shape = jax.eval_shape(lambda *c: self._start(self.causal_model, c), *one_context)
+        cache_shape = jax.eval_shape(lambda *c: self.start(self.causal_model, c), *one_context)
         self.cache_treedef = jax.tree_util.tree_structure(cache_shape)
         self.cache_layout = describe_cache(cache_shape)
         self.cache = [
@@ -264,13 +267,15 @@ class Lowering:
         )
         return eqx.combine(jax.tree_util.tree_unflatten(treedef, weights), static)
 
-    def _start(self, model: Any, context: Sequence[Any]) -> Any:
-        """One stream's empty cache; an exported stream marks overflow, it never calls back."""
-        return self.family.start(model, self.capacity, context, "nan")
+    def start(self, model: Any, context: Sequence[Any]) -> Any:
+        """One stream's empty cache (its keys and values in `kv_dtype`); an exported stream marks
+        overflow, it never calls back."""
+        cache = self.family.start(model, self.capacity, context, "nan")
+        return precision.cache_in(cache, self.kv_dtype)
 
     def _fresh(self, model: Any, streams: jax.Array, context: Sequence[jax.Array]) -> Any:
         """The empty caches of `B` streams (`streams (B,)` carries `B`), batch first."""
-        return jax.vmap(lambda _, *c: self._start(model, c))(streams, *context)
+        return jax.vmap(lambda _, *c: self.start(model, c))(streams, *context)
 
     def _cache_tree(self, cache: list[jax.Array]) -> Any:
         return jax.tree_util.tree_unflatten(self.cache_treedef, cache)

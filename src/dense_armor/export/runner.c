@@ -755,7 +755,8 @@ static void check_signature(const char *directory, const char *text, const Spec 
 /* Comparison                                                                                   */
 
 /* The largest absolute difference between `got` (`type`, the bytes of a device output) and the
-   golden array; NaN on both sides is equal (a stream past its capacity), on one side infinite. */
+   golden array; NaN on both sides is equal (a stream past its capacity), on one side infinite.
+   An int8 output (a quantized cache's rows) counts in units of its range, a level being 1/127. */
 static double largest_error(const unsigned char *got, size_t got_size, const DType *type,
                             const Array *want, size_t offset, size_t count) {
   if (got_size != count * type->size) return INFINITY;
@@ -763,6 +764,7 @@ static double largest_error(const unsigned char *got, size_t got_size, const DTy
   for (size_t i = 0; i < count; i++) {
     double a = element(type, got, i), b = element(want->dtype, want->data, offset + i);
     double d = isnan(a) && isnan(b) ? 0 : fabs(a - b);
+    if (type->pjrt == PJRT_Buffer_Type_S8) d /= 127.0;
     if (isnan(d)) d = INFINITY;
     if (d > worst) worst = d;
   }
@@ -1231,10 +1233,10 @@ int main(int argc, char **argv) {
   if (!run.printed) fail("%s has no golden cases for its %s modules.", run.directory, run.platform);
 
   if (tolerance < 0) { /* run.py's defaults: half precision is compared with its round-off */
-    Json *model = json_get(m, "model"), *arguments = json_get(model, "arguments");
-    Json *compute = json_get(arguments, "compute_dtype"), *precision = json_get(m, "matmul_precision");
-    int half = compute && compute->type == J_STRING && strcmp(compute->string, "float32");
-    tolerance = half ? 5e-2 : 1e-4;
+    Json *given = json_get(json_get(m, "precision"), "tolerance");
+    Json *precision = json_get(m, "matmul_precision");
+    if (!given || given->type != J_NUMBER) fail("the manifest has no precision.tolerance.");
+    tolerance = given->number;
     if (precision && precision->type == J_STRING && !strcmp(precision->string, "default") &&
         strcmp(run.platform, "cpu") && tolerance < 2e-2)
       tolerance = 2e-2; /* products at the accelerator's own precision (TF32) */

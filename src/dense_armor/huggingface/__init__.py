@@ -21,6 +21,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
+from ..nn import precision
 from ..nn.models.language_model import TransformerLM
 from . import gemma, gpt2, llama
 from ._files import HuggingFaceError, Tensors, load_tokenizer, read_config, read_tensors
@@ -35,23 +36,41 @@ FAMILIES: dict[str, ModuleType] = {
 ARCHITECTURES = tuple(FAMILIES)
 
 
-def import_hf(directory: str | os.PathLike[str]) -> tuple[TransformerLM, dict[str, Any]]:
+def import_hf(
+    directory: str | os.PathLike[str],
+    *,
+    dtype: str = "float32",
+    quantize: str | None = None,
+    quantize_embeddings: bool = False,
+) -> tuple[TransformerLM, dict[str, Any]]:
     """The model of a Hugging Face directory, and the arguments it was built with (JSON values:
     `TransformerLM(**arguments, key=...)` builds its like).
 
-    The logits are those of transformers' model to float32 round-off. The weights are read one
-    tensor at a time into a model built without arrays of its own, so importing holds about one
-    copy of them.
+    `dtype`: the weights' dtype (`"float32"`, `"bfloat16"`, `"float16"`; a bfloat16 checkpoint
+    read as bfloat16 is kept as stored, never widened in between); `quantize="int8"` (and
+    `quantize_embeddings`): the projections as int8, one matrix at a time as it is read (see
+    `dense_armor.nn.precision`). Both are recorded in the arguments.
+
+    In float32 the logits are those of transformers' model to float32 round-off. The weights are
+    read one tensor at a time into a model built without arrays of its own, so importing holds
+    about one copy of them (in `dtype`).
     """
     root = pathlib.Path(directory)
     config = read_config(root)
     architecture = architecture_of(root, config)
     arguments = FAMILIES[architecture].arguments(config, architecture)
+    if dtype != "float32":
+        arguments["param_dtype"] = dtype
     skeleton = _skeleton(arguments)
-    tensors = Tensors(root, read_tensors(root))
+    tensors = Tensors(root, read_tensors(root), skeleton.embed.table.value.dtype)
     model = fill(skeleton, full_table(arguments, architecture), tensors.take)
     _check_tied_copy(model, tensors, arguments)
     tensors.done()
+    if quantize is not None or quantize_embeddings:
+        wanted = {"quantize": quantize, "quantize_embeddings": quantize_embeddings}
+        _skeleton({**arguments, **wanted})  # the options checked, by the model's own rules
+        model = precision.cast(precision.quantize(model, quantize_embeddings), dtype)
+        arguments.update(wanted)
     return model, arguments
 
 

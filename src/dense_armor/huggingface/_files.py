@@ -9,6 +9,7 @@ import pathlib
 from collections.abc import Callable
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["HuggingFaceError", "Tensors", "load_tokenizer", "option", "read_config", "refuse"]
@@ -95,7 +96,8 @@ DTYPES = {
 class SafetensorsFile:
     """A safetensors file read one tensor at a time with plain reads (no memory map, whose pages
     would count once more in the importer's memory): the header checked whole when opened (its
-    offsets inside the file, which they must fill), bfloat16 widened to float32 exactly."""
+    offsets inside the file, which they must fill), bfloat16 as NumPy's view of JAX's type (the
+    bytes read, no copy)."""
 
     def __init__(self, path: pathlib.Path):
         self.path = path
@@ -133,8 +135,8 @@ class SafetensorsFile:
         array = np.fromfile(
             self.path, dtype=np.dtype(dtype).newbyteorder("<"), count=count, offset=begin
         )
-        if entry["dtype"] == "BF16":  # the high half of a float32: exact
-            array = (array.astype(np.uint32) << 16).view(np.float32)
+        if entry["dtype"] == "BF16":
+            array = array.view(jnp.bfloat16)
         return array.reshape(shape)
 
 
@@ -142,8 +144,14 @@ class Tensors:
     """The checkpoint's tensors, taken one by one (shape and finiteness checked); `done` refuses
     any left unused."""
 
-    def __init__(self, root: pathlib.Path, tensors: dict[str, tuple[Any, pathlib.Path]]):
+    def __init__(
+        self,
+        root: pathlib.Path,
+        tensors: dict[str, tuple[Any, pathlib.Path]],
+        dtype: Any = np.float32,
+    ):
         self.root, self.tensors, self.used = root, tensors, set[str]()
+        self.dtype = np.dtype(dtype)  # what `take` gives: the model's parameter dtype
 
     def read(self, name: str) -> np.ndarray:
         """The tensor `name` as stored (read from its file now)."""
@@ -154,7 +162,8 @@ class Tensors:
             raise HuggingFaceError(f"{path}: tensor {name!r} is not readable: {error}") from None
 
     def take(self, name: str, shape: tuple[int, ...], optional: bool = False) -> np.ndarray | None:
-        """The tensor `name` in float32, checked (`None` if `optional` and absent)."""
+        """The tensor `name` in the model's dtype (float32 unless told: bfloat16 kept as read,
+        widened exactly to float32), checked (`None` if `optional` and absent)."""
         if optional and name not in self.tensors:
             return None
         if name not in self.tensors:
@@ -166,7 +175,7 @@ class Tensors:
             )
         if not np.issubdtype(array.dtype, np.floating) and array.dtype.kind != "V":
             raise HuggingFaceError(f"{path}: tensor {name!r} is {array.dtype}, not floating point.")
-        array = array.astype(np.float32, copy=False)
+        array = array.astype(self.dtype, copy=False)
         if not np.isfinite(array).all():
             raise HuggingFaceError(f"{path}: tensor {name!r} holds non-finite values.")
         self.used.add(name)

@@ -18,6 +18,7 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 
+from ..nn.core import QuantizedParam
 from ..nn.models.language_model import TransformerLM
 from ._files import HuggingFaceError
 
@@ -77,12 +78,13 @@ def fill(model: TransformerLM, table: Sequence[Entry], take: Callable[..., Any])
             model = _fill_stacked(model, entry, take)
             continue
         shapes = [_node(model, p).value.shape for p in entry.paths]
+        dtype = _node(model, entry.paths[0]).value.dtype  # the model's parameter dtype
         widths = [s[-1] for s in shapes]
         ours = (*shapes[0][:-1], sum(widths))
         torch_shape = ours[::-1] if entry.layout == "linear" else ours
         tensor = take(entry.name, torch_shape, entry.optional)
         if tensor is None:  # an optional tensor the checkpoint omits: zeros
-            tensor = np.zeros(torch_shape, np.float32)
+            tensor = np.zeros(torch_shape, dtype)
         value = _model_layout(tensor, entry.layout)
         parts = np.split(value, np.cumsum(widths)[:-1], axis=-1)
         for path, part in zip(entry.paths, parts, strict=True):
@@ -90,7 +92,7 @@ def fill(model: TransformerLM, table: Sequence[Entry], take: Callable[..., Any])
             def where(m: Any, path: str = path) -> Any:
                 return _node(m, path).value
 
-            model = eqx.tree_at(where, model, jnp.asarray(part, jnp.float32))
+            model = eqx.tree_at(where, model, jnp.asarray(part, dtype))
     return model
 
 
@@ -106,7 +108,14 @@ def _fill_stacked(model: Any, entry: Entry, take: Callable[..., Any]) -> Any:
     def where(m: Any) -> Any:
         return _node(m, path).value
 
-    return eqx.tree_at(where, model, jnp.asarray(value, jnp.float32))
+    return eqx.tree_at(where, model, jnp.asarray(value, _node(model, path).value.dtype))
+
+
+def _stored(param: Any) -> np.ndarray:
+    """A weight as a checkpoint stores it: as held, an int8 one dequantized to float32."""
+    if isinstance(param, QuantizedParam):
+        return np.asarray(param.array(jnp.float32))
+    return np.asarray(param.value)
 
 
 def gather(model: TransformerLM, table: Sequence[Entry]) -> dict[str, np.ndarray]:
@@ -114,7 +123,7 @@ def gather(model: TransformerLM, table: Sequence[Entry]) -> dict[str, np.ndarray
     `fill`)."""
     tensors = {}
     for entry in table:
-        values = [np.asarray(_node(model, p).value) for p in entry.paths]
+        values = [_stored(_node(model, p)) for p in entry.paths]
         if entry.stacked:
             for name, value in zip(entry.stacked, values[0], strict=True):
                 tensors[name] = np.ascontiguousarray(_model_layout(value, entry.layout))

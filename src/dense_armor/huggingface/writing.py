@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import equinox as eqx
+import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
@@ -190,6 +191,10 @@ def _differences(a: Any, b: Any, where: str = "") -> list[str]:
     return [] if a == b else [f"{where.lstrip('.')}: {a!r} != {b!r}"]
 
 
+# a model's precision, which the weights' dtype says (a Hugging Face config only its `dtype`)
+PRECISION = ("param_dtype", "compute_dtype", "quantize", "quantize_embeddings")
+
+
 def export_hf(
     model: TransformerLM,
     arguments: Mapping[str, Any],
@@ -202,8 +207,10 @@ def export_hf(
     """Write `model` (built from `arguments`) as a Hugging Face directory of `architecture`
     (one of `ARCHITECTURES`), atomically: `config.json` (with `source`'s token ids and other
     keys the arguments do not say, when given: the imported directory's config), the weights in
-    float32 as `model.safetensors`, and the tokenizer files of the directory `tokenizer` (those of
-    `TOKENIZER_FILES` it has). Returns the directory."""
+    the model's `param_dtype` (float32 by default; int8 weights dequantized into it, as a
+    Hugging Face checkpoint holds no int8 of ours) as `model.safetensors`, and the tokenizer
+    files of the directory `tokenizer` (those of `TOKENIZER_FILES` it has). Returns the
+    directory."""
     from . import FAMILIES, full_table
 
     if not isinstance(architecture, str) or architecture not in FAMILIES:
@@ -214,12 +221,11 @@ def export_hf(
         raise HuggingFaceError(
             f"export_hf writes a TransformerLM; received {type(model).__name__}."
         )
-    arguments = dict(arguments)
+    dtype = str(arguments.get("param_dtype") or "float32")
+    arguments = {k: v for k, v in arguments.items() if k not in PRECISION}
     config = {k: source[k] for k in KEPT if source and k in source}
     config.update(hf_config(arguments, architecture))
-    config.update(
-        architectures=[architecture], model_type=MODEL_TYPES[architecture], dtype="float32"
-    )
+    config.update(architectures=[architecture], model_type=MODEL_TYPES[architecture], dtype=dtype)
     try:
         read_back = FAMILIES[architecture].arguments(json.loads(json.dumps(config)), architecture)
     except HuggingFaceError as error:
@@ -232,6 +238,7 @@ def export_hf(
             f"a {architecture} config cannot say this model's arguments: {differences[:4]}."
         )
     tensors = gather(_unrolled(model), full_table(read_back, architecture))
+    tensors = {name: t.astype(jnp.dtype(dtype), copy=False) for name, t in tensors.items()}
 
     def fill(tmp: pathlib.Path) -> None:
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

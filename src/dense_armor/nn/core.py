@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
+from . import products
 from .shapes import ShapeError, check_steps, shape_checked, type_checked
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "Layer",
     "Param",
     "Pointwise",
+    "QuantizedParam",
     "check_steps",
     "is_integer",
     "ShapeError",
@@ -68,10 +70,53 @@ class Param:
     def __hash__(self) -> int:
         return hash(("value", self.value))
 
-    def project(self, x: Array) -> Array:
-        """`x @ value` over the last axis of `x`, in the dtype of `x` (a bfloat16 computation
-        reads float32 weights as bfloat16)."""
-        return jnp.einsum("...d,de->...e", x, self.value.astype(x.dtype))
+    def project(self, x: Array, out_dtype: Any = None) -> Array:
+        """`x @ value` over the last axis of `x`, in `out_dtype` (default: the dtype of `x`).
+
+        The product's operands are in the narrower of the two dtypes (a bfloat16 computation
+        reads float32 weights as bfloat16; float32 activations meet bfloat16 weights as
+        bfloat16), accumulated in float32 (`products.project`)."""
+        return products.project(x, self.value, out_dtype)
+
+    def project_rows(self, x: Array, out_dtype: Any = None) -> Array:
+        """`x @ value.T`: a table of rows `(n, d)` read as a projection (a tied head)."""
+        return products.project(x, self.value, out_dtype, transposed=True)
+
+    def rows(self, indices: Array) -> Array:
+        """Rows `indices` of a table (clipped into range: callers mask what lies outside)."""
+        return jnp.take(self.value, indices, axis=0, mode="clip")
+
+    def array(self, dtype: Any) -> Array:
+        """The weights as an array of `dtype` (what an einsum of its own reads)."""
+        return self.value.astype(dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class QuantizedParam(Param):
+    """Weights stored as int8 `value` with float32 `scale`s: the weights are `value * scale`,
+    `scale` broadcast against `value` (one per output channel: `(..., 1, n_out)` for a matrix
+    read as `x @ W`, `(vocab, 1)` for an embedding table). Built by `precision.quantize`; not
+    trained (`value` is an integer array, which `eqx.is_inexact_array` leaves out).
+
+    `project(x)` runs the product without a float copy of the matrix (`products.project_int8`);
+    `array(dtype)` gives the scaled weights for the few einsums that read a whole array (the
+    experts' stacks, a quantized tied head)."""
+
+    scale: Array
+
+    def project(self, x: Array, out_dtype: Any = None) -> Array:
+        return products.project_int8(x, self.value, self.scale, out_dtype)
+
+    def project_rows(self, x: Array, out_dtype: Any = None) -> Array:
+        return products.project_int8(x, self.value, self.scale, out_dtype, transposed=True)
+
+    def rows(self, indices: Array) -> Array:
+        picked = jnp.take(self.value, indices, axis=0, mode="clip").astype(self.scale.dtype)
+        return picked * jnp.take(self.scale, indices, axis=0, mode="clip")
+
+    def array(self, dtype: Any) -> Array:
+        return self.value.astype(dtype) * self.scale.astype(dtype)
 
 
 def python_scalar(value: Any) -> Any:

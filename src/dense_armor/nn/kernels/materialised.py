@@ -216,3 +216,39 @@ def _attend_backward(residuals: tuple, g: Array) -> tuple[Array, Array, Array, N
 
 
 _attend.defvjp(_attend_forward, _attend_backward)
+
+
+def scaled_cache_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Array | None,
+    key_scales: Array,
+    value_scales: Array,
+    softcap: float | None = None,
+) -> Array:
+    """Attention over an int8 cache: keys `k` and values `v` `(..., S, d)` hold the int8 rows
+    (in the compute dtype, rotated or not), `key_scales` and `value_scales` `(..., S)` their
+    scales. The key scales multiply the scores and the value scales the attention weights, so no
+    float copy of the cache is scaled; the softmax is normalised after the product with the
+    values, in float32, as `_attention` does. A query that sees no key gets zeros; one that sees a
+    non-finite scale gets NaN (inference only: not differentiated through the cache)."""
+    q = q * jnp.asarray(1.0 / math.sqrt(q.shape[-1]), q.dtype)
+    scores = jnp.einsum("...td,...sd->...ts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * key_scales[..., None, :].astype(jnp.float32)
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
+    seen = None if mask is None else _broadcast_mask(mask, q, k)
+    if seen is not None:
+        scores = jnp.where(seen, scores, -jnp.inf)
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    peak = jnp.where(jnp.isneginf(peak), 0.0, peak)  # a row that sees nothing: exp(-inf) = 0
+    p = jnp.exp(scores - peak)
+    total = p.sum(axis=-1, keepdims=True)
+    weighted = p * value_scales[..., None, :].astype(jnp.float32)
+    if seen is not None:  # a hidden row's scale (an old ring row's NaN) weighs nothing
+        weighted = jnp.where(seen, weighted, 0.0)
+    out = jnp.einsum(
+        "...ts,...sd->...td", weighted.astype(v.dtype), v, preferred_element_type=jnp.float32
+    )
+    return jnp.where(total == 0, 0.0, out / jnp.where(total == 0, 1.0, total)).astype(q.dtype)

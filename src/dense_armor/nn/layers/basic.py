@@ -72,7 +72,7 @@ class Dense(Pointwise):
     def forward(
         self, x: Float[Array, "*T n_in"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "*T n_out"]:
-        y = x @ self.W.value.astype(x.dtype)
+        y = self.W.project(x)
         return y + jnp.broadcast_to(self.b.value.astype(x.dtype), y.shape)
 
 

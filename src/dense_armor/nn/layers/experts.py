@@ -138,7 +138,7 @@ class MixtureOfExperts(Pointwise):
     def _dense(self, x: Array, chosen: Array, experts: Array) -> Array:
         """Every expert on every position, combined by weights zero off the chosen experts."""
         weights = (jax.nn.one_hot(experts, self.n_experts) * chosen[..., None]).sum(axis=1)
-        w = [a.value.astype(x.dtype) for a in (self.W_gate, self.W_up, self.W_down)]
+        w = [a.array(x.dtype) for a in (self.W_gate, self.W_up, self.W_down)]
         outs = self._expert(x, w, ("td,edf->tef", "tef,efd->ted"))
         return jnp.einsum("te,ted->td", weights.astype(outs.dtype), outs)
 
@@ -152,7 +152,9 @@ class MixtureOfExperts(Pointwise):
         def one(carry: None, item: tuple[Array, Array]) -> tuple[None, Array]:
             expert, row = item
             w = [
-                jax.lax.dynamic_index_in_dim(a.value, expert, keepdims=False).astype(x.dtype)
+                jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, expert, 0, False), a).array(
+                    x.dtype
+                )
                 for a in (self.W_gate, self.W_up, self.W_down)
             ]
             return None, self._expert(row, w, ("d,df->f", "f,fd->d"))

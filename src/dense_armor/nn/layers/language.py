@@ -120,7 +120,7 @@ class Embedding(Pointwise):
         self, ids: Int[Array, "*T"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "*T d_model"]:
         valid = self.in_range(ids)
-        rows = jnp.take(self.table.value, jnp.clip(ids, 0, self.vocab - 1), axis=0, mode="clip")
+        rows = self.table.rows(jnp.clip(ids, 0, self.vocab - 1))
         if not isinstance(ids, jax.core.Tracer) and self.on_invalid == "raise":
             bad = np.argwhere(~np.asarray(valid))
             if bad.size:
@@ -138,8 +138,8 @@ class Embedding(Pointwise):
 
     @shape_checked
     def attend(self, h: Float[Array, "*T d_model"]) -> Float[Array, "*T vocab"]:
-        """Logits `h @ table.T` over the vocabulary, in the dtype of `h`."""
-        return jnp.einsum("...d,vd->...v", h, self.table.value.astype(h.dtype))
+        """Logits `h @ table.T` over the vocabulary, in float32 whatever the dtype of `h`."""
+        return self.table.project_rows(h, jnp.float32)
 
 
 class LMHead(Pointwise):
@@ -164,7 +164,7 @@ class LMHead(Pointwise):
     def forward(
         self, h: Float[Array, "*T d_model"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "*T vocab"]:
-        return self.W.project(h)
+        return self.W.project(h, jnp.float32)
 
 
 class RMSNorm(Pointwise):

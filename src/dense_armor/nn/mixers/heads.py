@@ -19,7 +19,7 @@ from jaxtyping import Array, PRNGKeyArray
 from ..core import CannotStream, Layer, Param, require_bool, require_positive, sees
 from ..kernels.blocked import blocked_attention
 from ..kernels.choice import _dot_product_attention, choose_kernel, older_spelling
-from ..kernels.materialised import _attention, attention_weights
+from ..kernels.materialised import _attention, attention_weights, scaled_cache_attention
 from ..kernels.rotary import Rotary
 from ..layers.language import RMSNorm
 
@@ -237,14 +237,19 @@ class MultiHeadAttention(Layer):
         mask: Array | None,
         positions: tuple[Array, Array] | None = None,
         hidden_zeros: bool = False,
+        scales: tuple[Array, Array] | None = None,
     ) -> Array:
         """The queries of `x (T, d_model)` against `keys` and `values` already in heads
         `(n_kv_heads, S, d_head)` (a cache's), under `mask (T, S)`, with the materialised scores
-        or `jax.nn.dot_product_attention` (`hidden_zeros`: see `materialised._attention`)."""
+        or `jax.nn.dot_product_attention` (`hidden_zeros`: see `materialised._attention`). An
+        int8 cache's `scales` (keys', values', `(n_kv_heads, S)` each) go to
+        `scaled_cache_attention`."""
         # Cached keys and values may be stored wider than the compute dtype (float32 for bfloat16).
         keys, values = keys.astype(x.dtype), values.astype(x.dtype)
         q, keys = self._query_heads(x, keys, positions)
         kernel = choose_kernel(self.implementation, None, None)  # lengths: not blocked here
+        if scales is not None:
+            return self._output(self._scaled(q, keys, values, mask, scales))
         if kernel in ("xla", "cudnn"):  # jax.nn takes fewer key/value heads itself
             out = _dot_product_attention(q, keys, values, mask, kernel)
         elif keys.shape[0] == q.shape[0]:  # a key/value head per query head: no group axis, whose
@@ -261,6 +266,19 @@ class MultiHeadAttention(Layer):
             out = _attention(folded, keys, values, mask, hidden_zeros, self.logit_softcap)
             out = out.reshape(q.shape)
         return self._output(out)
+
+    def _scaled(
+        self, q: Array, keys: Array, values: Array, mask: Array | None, scales: tuple
+    ) -> Array:
+        """`q (n_heads, T, d)` over an int8 cache's rows, each key/value head's group of query
+        heads folded into its query rows (as for grouped-query attention below)."""
+        n_kv, group, length = keys.shape[0], q.shape[0] // keys.shape[0], q.shape[1]
+        folded = q.reshape(n_kv, group * length, q.shape[2])
+        if mask is not None:
+            scores = (n_kv, group, length, keys.shape[1])
+            mask = jnp.broadcast_to(mask, scores).reshape(n_kv, group * length, keys.shape[1])
+        out = scaled_cache_attention(folded, keys, values, mask, *scales, self.logit_softcap)
+        return out.reshape(q.shape)
 
     def attend_sequence(
         self,

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..core import require_int, require_key
 from ..layers.language import ids_checked
+from ..precision import KV_DTYPES
 from ..sampling import check_sampling, draw_tokens
 from .language_model import TransformerLM
 
@@ -80,6 +81,7 @@ def generate(
     min_p: float | None = None,
     stop_tokens: Sequence[int] = (),
     capacity: int | None = None,
+    kv_dtype: str | None = None,
 ) -> Generation:
     """Generate up to `max_new_tokens` tokens after each prompt, in one compiled function.
 
@@ -87,7 +89,9 @@ def generate(
     integer array), `max_new_tokens`, `key` (needed unless `temperature=0`, greedy, the
     default); the sampling rules `temperature`, `top_k`, `top_p`, `min_p` (see
     `dense_armor.nn.sampling`); `stop_tokens`: a row stops after generating one of them;
-    `capacity`: the cache's slots per row (default: the longest prompt plus `max_new_tokens`).
+    `capacity`: the cache's slots per row (default: the longest prompt plus `max_new_tokens`);
+    `kv_dtype`: the cache's keys and values in another dtype (`"int8"`, `"bfloat16"`, ...: see
+    `TransformerLM.init_cache`).
 
     Row `b` draws its token at position `p` with `fold_in(fold_in(key, b), p)`, so the same key
     gives the same tokens. Each row is its own stream: greedy generation of a prompt in a batch
@@ -99,7 +103,9 @@ def generate(
         stop_tokens, capacity,
     )  # fmt: skip
     stops = tuple(int(t) for t in stop_tokens)
-    run = _compiled(int(max_new_tokens), float(temperature), top_k, top_p, min_p, stops, capacity)
+    check_kv_dtype("generate", kv_dtype)
+    settings = (int(max_new_tokens), float(temperature), top_k, top_p, min_p, stops, capacity)
+    run = _compiled(*settings, kv_dtype)
     key = jax.random.PRNGKey(0) if key is None else key
     common = int(lengths.min())  # static: one compilation per common length
     with ids_checked():  # the prompts were checked above: no callback, so the compilation keeps
@@ -142,6 +148,14 @@ def _check_generation(
     return int(capacity)
 
 
+def check_kv_dtype(caller: str, kv_dtype: Any) -> None:
+    """`kv_dtype` one of `precision.KV_DTYPES` or None, or a `ValueError` naming `caller`."""
+    if kv_dtype is not None and (not isinstance(kv_dtype, str) or kv_dtype not in KV_DTYPES):
+        raise ValueError(
+            f"{caller}: `kv_dtype` must be one of {KV_DTYPES} or None; received {kv_dtype!r}."
+        )
+
+
 def check_stop_tokens(caller: str, model: TransformerLM, stop_tokens: Any) -> tuple[int, ...]:
     """`stop_tokens` as a tuple of ids of the model's vocabulary, or a `ValueError`."""
     if isinstance(stop_tokens, str) or not isinstance(stop_tokens, Sequence | np.ndarray):
@@ -179,6 +193,7 @@ def stream_tokens(
     top_p: float | None = None,
     min_p: float | None = None,
     stop_tokens: Sequence[int] = (),
+    kv_dtype: str | None = None,
 ) -> Iterator[int]:
     """The new tokens of one prompt, each as soon as it is chosen (for a person reading them):
     one compiled `prefill`, then one compiled `step` per token. The same tokens as
@@ -189,9 +204,10 @@ def stream_tokens(
         model, padded.shape[1], max_new_tokens, key, temperature, top_k, top_p, min_p,
         stop_tokens, None,
     )  # fmt: skip
+    check_kv_dtype("stream_tokens", kv_dtype)
     choose = _chooser(float(temperature), top_k, top_p, min_p)
     key = jax.random.PRNGKey(0) if key is None else key
-    cache = model.init_cache(capacity, on_overflow="nan")
+    cache = model.init_cache(capacity, on_overflow="nan", kv_dtype=kv_dtype)
     with ids_checked():
         logits, cache = _prefill(model, jnp.asarray(padded[0]), cache)
     position = padded.shape[1]
@@ -233,6 +249,7 @@ def _compiled(
     min_p: float | None,
     stops: tuple[int, ...],
     capacity: int,
+    kv_dtype: str | None,
 ) -> Any:
     """The compiled generation for these settings (one per distinct settings)."""
 
@@ -244,7 +261,7 @@ def _compiled(
     ) -> Generation:
         batch, longest = prompts.shape
         rows = jnp.arange(batch)
-        caches = model.init_streams(batch, capacity, on_overflow="nan")
+        caches = model.init_streams(batch, capacity, on_overflow="nan", kv_dtype=kv_dtype)
         # The prompts' common length in one prefill; the loop feeds the rest of each prompt.
         logits, caches = jax.vmap(model.prefill_last)(prompts[:, :common], caches)
         stop_ids = jnp.asarray(stops or (-1,), jnp.int32)

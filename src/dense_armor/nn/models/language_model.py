@@ -14,6 +14,7 @@ import jax.random as jr
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .. import precision
 from ..blocks.mixer_block import Norm, make_norm
 from ..blocks.transformer_block import TransformerBlock
 from ..core import (
@@ -73,6 +74,7 @@ class TransformerLM(Layer):
         static=True, converter=python_scalar, default=None
     )
     position_limit: int | None = eqx.field(static=True, converter=python_scalar, default=None)
+    compute_dtype: str | None = eqx.field(static=True, converter=python_scalar, default=None)
     causal: ClassVar[bool] = True
 
     def __init__(
@@ -102,6 +104,10 @@ class TransformerLM(Layer):
         n_experts: int | None = None,
         top_k: int | None = None,
         normalize_top_k: bool = True,
+        param_dtype: str = "float32",
+        compute_dtype: str | None = None,
+        quantize: str | None = None,
+        quantize_embeddings: bool = False,
         **attention: Any,
     ):
         require_key(key)
@@ -114,8 +120,19 @@ class TransformerLM(Layer):
         options["rope_base"] = rope_base if positions == "rope" else None
         per_layer = _layer_options(layer_options, depth, positions)
         embed_key, position_key, head_key, *block_keys = jr.split(key, 3 + depth)
-        self.embed = Embedding(vocab, d_model, embed_key, on_invalid=on_invalid)
-        self.positions = (
+        require_choice("param_dtype", param_dtype, precision.PARAM_DTYPES)
+        if compute_dtype is not None:
+            require_choice("compute_dtype", compute_dtype, precision.PARAM_DTYPES)
+        if quantize is not None:
+            require_choice("quantize", quantize, precision.QUANTIZE)
+        require_bool(quantize_embeddings=quantize_embeddings)
+        if quantize_embeddings and quantize is None:
+            raise ValueError(
+                "`quantize_embeddings=True` quantizes the tables along with the projections: "
+                'pass `quantize="int8"` too.'
+            )
+        embed = Embedding(vocab, d_model, embed_key, on_invalid=on_invalid)
+        learned = (
             LearnedPositions(max_len, d_model, position_key) if positions == "learned" else None
         )
         block: dict[str, Any] = dict(  # what every block takes
@@ -128,9 +145,21 @@ class TransformerLM(Layer):
             TransformerBlock(d_model, n_heads, d_ff, k, **block, **{**options, **layer})
             for k, layer in zip(block_keys, per_layer, strict=True)
         )
-        self.blocks = scanned(blocks) if scan_layers else blocks
-        self.norm = make_norm(norm, d_model, eps)  # `norm` was checked by the blocks
-        self.head = None if tie_embeddings else LMHead(d_model, vocab, head_key)
+        parts = dict(
+            embed=embed, positions=learned, blocks=scanned(blocks) if scan_layers else blocks,
+            norm=make_norm(norm, d_model, eps),  # `norm` was checked by the blocks
+            head=None if tie_embeddings else LMHead(d_model, vocab, head_key),
+        )  # fmt: skip
+        if quantize is not None:
+            parts = precision.quantize(parts, quantize_embeddings)
+        parts = precision.cast(parts, param_dtype)
+        self.embed, self.positions, self.blocks = (
+            parts["embed"],
+            parts["positions"],
+            parts["blocks"],
+        )
+        self.norm, self.head = parts["norm"], parts["head"]
+        self.compute_dtype = compute_dtype
         self.vocab, self.d_model = vocab, d_model
         self.embed_scale = embed_scale
         self.final_logit_softcap = _check_softcap(final_logit_softcap)
@@ -153,6 +182,8 @@ class TransformerLM(Layer):
     def _embedded(self, ids: Array) -> Array:
         """The ids' rows of the table, times `sqrt(d_model)` with `embed_scale` (Gemma's)."""
         h = self.embed(ids)
+        if self.compute_dtype is not None:
+            h = h.astype(self.compute_dtype)
         if self.embed_scale:
             h = h * jnp.asarray(math.sqrt(self.d_model), h.dtype)
         return h
@@ -204,8 +235,16 @@ class TransformerLM(Layer):
             routers.append(logits)
         return self._logits(h), jnp.concatenate(routers)
 
-    def init_cache(self, capacity: int | None = None, *, on_overflow: str = "raise") -> Any:
-        """`(positions' cache, the blocks' caches)`: a growing cache, or fixed with `capacity`.
+    def init_cache(
+        self,
+        capacity: int | None = None,
+        *,
+        on_overflow: str = "raise",
+        kv_dtype: str | None = None,
+    ) -> Any:
+        """`(positions' cache, the blocks' caches)`: a growing cache, or fixed with `capacity`;
+        `kv_dtype` stores the keys and values in another dtype (`precision.KV_DTYPES`: `"int8"`
+        with a scale per head and position, fixed caches only; default float32).
         Without a positional table the positions' cache is a plain step counter: the index of
         the next token, which a model whose layers all keep windows in rings would otherwise hold
         nowhere (what an exported `sample_step` reads to fold its key); its limit is
@@ -219,14 +258,20 @@ class TransformerLM(Layer):
             blocks = self.blocks.init_cache(capacity, on_overflow=on_overflow)
         else:
             blocks = tuple(b.init_cache(capacity, on_overflow=on_overflow) for b in self.blocks)
-        return (position_cache, blocks)
+        return (position_cache, precision.cache_in(blocks, kv_dtype))
 
     def init_streams(
-        self, batch: int, capacity: int | None = None, *, on_overflow: str = "raise"
+        self,
+        batch: int,
+        capacity: int | None = None,
+        *,
+        on_overflow: str = "raise",
+        kv_dtype: str | None = None,
     ) -> tuple:
         """`init_cache(capacity)` for `batch` streams: every array with a leading batch axis,
         for `jax.vmap(model.step)(ids, caches)`; `reset` returns chosen streams to the start."""
-        return batch_streams(self.init_cache(capacity, on_overflow=on_overflow), batch)
+        cache = self.init_cache(capacity, on_overflow=on_overflow, kv_dtype=kv_dtype)
+        return batch_streams(cache, batch)
 
     @shape_checked
     def prefill(self, ids: Int[Array, " K"], cache: tuple) -> tuple[Float[Array, "K vocab"], tuple]:

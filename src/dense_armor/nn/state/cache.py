@@ -51,6 +51,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ..core import ShapeError, sees
+from ..products import quantize_int8
 from .counter import Counter
 
 __all__ = [
@@ -82,6 +83,10 @@ class KVUpdate(NamedTuple):
     # of a growing or fixed cache): no hidden value can be non-finite, so the attention skips
     # the pass that zeroes them (a Python bool, known at trace time).
     hidden_zeros: bool = False
+    # An int8 cache's scales `(n_heads, L)`: key `l` is `keys[:, l] * key_scales[:, l]` (applied
+    # to the scores), value `l` likewise (applied to the attention weights); None for a float one.
+    key_scales: Array | None = None
+    value_scales: Array | None = None
 
 
 class KeyValueCache(eqx.Module):
@@ -162,6 +167,21 @@ def _write_rows(
     return written.reshape(buffer.shape)
 
 
+def _quantized(keys: Array, values: Array) -> tuple[Array, Array, Array, Array]:
+    """New rows `(n_heads, K, d_head)` as int8 with a scale per head and row, `(n_heads, K, 1)`."""
+    (qk, sk), (qv, sv) = quantize_int8(keys, -1), quantize_int8(values, -1)
+    return qk, qv, sk, sv
+
+
+def _scales(buffer: Array | None) -> Array | None:
+    """A scale buffer `(n_heads, L, 1)` as the attention reads it, `(n_heads, L)`."""
+    return None if buffer is None else buffer[..., 0]
+
+
+def _zero_scales(buffer: Array) -> Array:
+    return jnp.zeros((*buffer.shape[:-1], 1), jnp.float32)
+
+
 class KVCache(KeyValueCache):
     """The growing cache: keys and values of the steps seen so far, shape `(t, d_model)` each (two
     arrays: `keys, values = cache`)."""
@@ -173,6 +193,10 @@ class KVCache(KeyValueCache):
 
     def __iter__(self) -> Iterator[Array]:
         return iter((self.keys, self.values))
+
+    def in_dtype(self, dtype: Any) -> "KVCache":
+        """This cache with its buffers stored in float `dtype`."""
+        return KVCache(self.keys.astype(dtype), self.values.astype(dtype))
 
     def update(self, keys: Array, values: Array, window: int | None, owner: str) -> KVUpdate:
         _refuse_window(window, owner)
@@ -227,17 +251,30 @@ class Counted(eqx.Module):
 
 class FixedKVCache(KeyValueCache, Counted):
     """Preallocated keys and values, per head: `(n_heads, capacity, d_head)`; rows `>= index` are
-    unwritten. Its `counter` holds the index, the overflow flag and the overflow mode."""
+    unwritten. Its `counter` holds the index, the overflow flag and the overflow mode. An int8
+    cache (`quantized()`) holds int8 rows and their float32 scales, `(n_heads, capacity, 1)`."""
 
-    keys: Float[Array, "n_heads capacity d_head"]
-    values: Float[Array, "n_heads capacity d_head"]
+    keys: Float[Array, "n_heads capacity d_head"] | Int[Array, "n_heads capacity d_head"]
+    values: Float[Array, "n_heads capacity d_head"] | Int[Array, "n_heads capacity d_head"]
     counter: Counter
+    key_scale: Float[Array, "n_heads capacity 1"] | None = None
+    value_scale: Float[Array, "n_heads capacity 1"] | None = None
 
     fixed_shape: ClassVar[bool] = True
 
     @property
     def capacity(self) -> int:
         return self.keys.shape[1]
+
+    def in_dtype(self, dtype: Any) -> "FixedKVCache":
+        """This (float) cache with its buffers stored in float `dtype`."""
+        return FixedKVCache(self.keys.astype(dtype), self.values.astype(dtype), self.counter)
+
+    def quantized(self) -> "FixedKVCache":
+        """This (fresh) cache as int8 rows with zero scales: every row unwritten."""
+        int8 = jnp.zeros(self.keys.shape, jnp.int8)
+        scales = _zero_scales(self.keys)
+        return FixedKVCache(int8, int8, self.counter, scales, jnp.zeros_like(scales))
 
     def update(self, keys: Array, values: Array, window: int | None, owner: str) -> KVUpdate:
         _refuse_window(window, owner)
@@ -248,21 +285,29 @@ class FixedKVCache(KeyValueCache, Counted):
         slots = jnp.minimum(positions, self.capacity - 1)
         first = self.counter.index
         keep = slots < first
+        key_scale = value_scale = None
+        if self.key_scale is not None:
+            keys, values, new_key_scale, new_value_scale = _quantized(keys, values)
+            key_scale = _write_rows(self.key_scale, new_key_scale, slots, slots - first, keep)
+            value_scale = _write_rows(self.value_scale, new_value_scale, slots, slots - first, keep)
         new_keys = _write_rows(self.keys, keys, slots, slots - first, keep)
         new_values = _write_rows(self.values, values, slots, slots - first, keep)
         visible = sees(
             positions[:, None], jnp.arange(self.capacity, dtype=positions.dtype)[None, :]
         )
+        cache = FixedKVCache(new_keys, new_values, counter, key_scale, value_scale)
         return KVUpdate(
             new_keys,
             new_values,
             visible,
             fits,
-            FixedKVCache(keys=new_keys, values=new_values, counter=counter),
+            cache,
             positions,
             jnp.arange(self.capacity, dtype=positions.dtype),
             # one step sees every written row; the rows it may not see are unwritten zeros
             hidden_zeros=keys.shape[1] == 1,
+            key_scales=_scales(key_scale),
+            value_scales=_scales(value_scale),
         )
 
     def guard(self, y: Array, fits: Array) -> Array:
@@ -281,15 +326,27 @@ class RingKVCache(KeyValueCache):
     steps.
     """
 
-    keys: Float[Array, "n_heads window d_head"]
-    values: Float[Array, "n_heads window d_head"]
+    keys: Float[Array, "n_heads window d_head"] | Int[Array, "n_heads window d_head"]
+    values: Float[Array, "n_heads window d_head"] | Int[Array, "n_heads window d_head"]
     index: Int[Array, ""]
+    key_scale: Float[Array, "n_heads window 1"] | None = None
+    value_scale: Float[Array, "n_heads window 1"] | None = None
 
     fixed_shape: ClassVar[bool] = True
 
     @property
     def window(self) -> int:
         return self.keys.shape[1]
+
+    def in_dtype(self, dtype: Any) -> "RingKVCache":
+        """This (float) cache with its buffers stored in float `dtype`."""
+        return RingKVCache(self.keys.astype(dtype), self.values.astype(dtype), self.index)
+
+    def quantized(self) -> "RingKVCache":
+        """This (fresh) ring as int8 rows with zero scales (see `FixedKVCache.quantized`)."""
+        int8 = jnp.zeros(self.keys.shape, jnp.int8)
+        scales = _zero_scales(self.keys)
+        return RingKVCache(int8, int8, self.index, scales, jnp.zeros_like(scales))
 
     def update(self, keys: Array, values: Array, window: int | None, owner: str) -> KVUpdate:
         if window is None:
@@ -318,18 +375,28 @@ class RingKVCache(KeyValueCache):
         i = jnp.arange(steps, dtype=n.dtype)
         last = i + window * ((steps - 1 - i) // window)
         slots = jnp.mod(new, window)
+        key_scale = value_scale = seen_key_scales = seen_value_scales = None
+        if self.key_scale is not None:
+            keys, values, new_key_scale, new_value_scale = _quantized(keys, values)
+            key_scale = _write_rows(self.key_scale, new_key_scale, slots, last)
+            value_scale = _write_rows(self.value_scale, new_value_scale, slots, last)
+            seen_key_scales = jnp.concatenate([self.key_scale, new_key_scale], axis=1)[..., 0]
+            seen_value_scales = jnp.concatenate([self.value_scale, new_value_scale], 1)[..., 0]
         ring_keys = _write_rows(self.keys, keys, slots, last)
         ring_values = _write_rows(self.values, values, slots, last)
         index = n + steps
         index = jnp.where(index >= 2 * window, window + jnp.mod(index - window, window), index)
+        ring = RingKVCache(ring_keys, ring_values, index.astype(n.dtype), key_scale, value_scale)
         return KVUpdate(
             jnp.concatenate([self.keys, keys.astype(self.keys.dtype)], axis=1),
             jnp.concatenate([self.values, values.astype(self.values.dtype)], axis=1),
             visible,
             jnp.ones(steps, bool),
-            RingKVCache(ring_keys, ring_values, index.astype(n.dtype)),
+            ring,
             new,
             positions,
+            key_scales=seen_key_scales,
+            value_scales=seen_value_scales,
         )
 
     def guard(self, y: Array, fits: Array) -> Array:

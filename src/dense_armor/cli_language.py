@@ -1,0 +1,241 @@
+"""The `dense-armor` commands of language models: `import-hf`, `export-hf`, `generate` and
+`serve` (their parsers and what they run), with the precision options each takes:
+`import-hf --dtype bfloat16 --quantize int8 [--quantize-embeddings]`, and `--kv-dtype int8` for
+`generate` and `serve` (and `export`, in `cli`)."""
+
+import argparse
+import json
+import pathlib
+import shutil
+import sys
+from typing import Any
+
+__all__ = ["COMMANDS", "UsageError", "add_commands", "add_kv_dtype", "ids"]
+
+PARAM_DTYPES = ("float32", "bfloat16", "float16")  # nn.precision's, without importing JAX here
+KV_DTYPES = ("float32", "bfloat16", "float16", "int8")
+
+
+class UsageError(Exception):
+    """A command's settings that its library call refused (`ValueError`), reported in one line."""
+
+
+def ids(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token ids like 1,2,3; got {text!r}") from None
+
+
+def add_kv_dtype(parser: Any) -> None:
+    parser.add_argument(
+        "--kv-dtype", choices=KV_DTYPES, help="the cache's keys and values (int8: a quarter of "
+        "float32's memory, a scale per head and position; default float32)",
+    )  # fmt: skip
+
+
+def add_commands(commands: Any) -> None:
+    """The language-model commands' parsers."""
+    _add_hf(commands)
+    _add_generate(commands)
+    _add_serve(commands)
+
+
+def _add_hf(commands: Any) -> None:
+    """`import-hf` and `export-hf`."""
+    hf = commands.add_parser(
+        "import-hf", help="import a Hugging Face causal LM directory (see ARCHITECTURES)"
+    )
+    hf.add_argument("directory", type=pathlib.Path, help="config.json and model.safetensors")
+    hf.add_argument("--out", type=pathlib.Path, required=True, help="checkpoint directory")
+    hf.add_argument(
+        "--dtype", choices=PARAM_DTYPES, default="float32",
+        help="the weights' dtype (bfloat16: a bfloat16 checkpoint kept as stored)",
+    )  # fmt: skip
+    hf.add_argument("--quantize", choices=["int8"], help="the projections as int8, per channel")
+    hf.add_argument(
+        "--quantize-embeddings", action="store_true", help="with --quantize: the tables too"
+    )
+    back = commands.add_parser(
+        "export-hf", help="write a language-model checkpoint as a Hugging Face directory"
+    )
+    back.add_argument("checkpoint", type=pathlib.Path, help="a checkpoint of a TransformerLM")
+    back.add_argument("--out", type=pathlib.Path, required=True, help="the directory to write")
+    back.add_argument(
+        "--architecture", help="e.g. Qwen3ForCausalLM (default: the one it was imported from)"
+    )
+
+
+def _add_generate(commands: Any) -> None:
+    """The `generate` command's arguments."""
+    ge = commands.add_parser("generate", help="generate from a language model checkpoint")
+    ge.add_argument("checkpoint", type=pathlib.Path, help="a transformer_lm checkpoint")
+    prompt = ge.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the prompt's text (needs a tokenizer)")
+    prompt.add_argument("--ids", type=ids, help="the prompt's token ids, comma separated")
+    _add_sampling(ge)
+
+
+def _add_sampling(parser: Any) -> None:
+    """The sampling settings `generate` and `serve` share."""
+    parser.add_argument(
+        "--tokenizer", type=pathlib.Path, help="a tokenizer.json (default: the checkpoint's)"
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--min-p", type=float)
+    parser.add_argument("--stop", type=ids, default=[], help="stop tokens, comma separated")
+    parser.add_argument("--seed", type=int, default=0, help="the sampling key's seed")
+    add_kv_dtype(parser)
+
+
+def _add_serve(commands: Any) -> None:
+    """The `serve` command's arguments."""
+    se = commands.add_parser(
+        "serve",
+        help="serve prompts (one per line, or JSON lines) from a language model checkpoint with "
+        "continuous batching; one JSON line per answer, as each finishes",
+    )
+    se.add_argument("checkpoint", type=pathlib.Path, help="a transformer_lm checkpoint")
+    se.add_argument(
+        "--input", type=pathlib.Path, help="the requests (default: standard input): a line of "
+        'text, or a JSON object {"prompt": TEXT} or {"ids": [...]}, with "max_new_tokens" '
+        'and "id" if wanted',
+    )  # fmt: skip
+    se.add_argument("--slots", type=int, default=8, help="streams decoded together")
+    se.add_argument("--capacity", type=int, help="cache slots per stream")
+    se.add_argument("--chunk", type=int, default=16, help="prompt tokens per prefill call")
+    _add_sampling(se)
+
+
+def _import_hf(args: argparse.Namespace) -> None:
+    from .checkpoint import ModelConfig, save_checkpoint
+    from .huggingface import import_hf
+    from .huggingface.writing import TOKENIZER_FILES
+
+    if args.quantize_embeddings and args.quantize is None:
+        raise UsageError("--quantize-embeddings needs --quantize int8.")
+    model, arguments = import_hf(
+        args.directory, dtype=args.dtype, quantize=args.quantize,
+        quantize_embeddings=args.quantize_embeddings,
+    )  # fmt: skip
+    written = save_checkpoint(args.out, model, ModelConfig("transformer_lm", arguments))
+    # The tokenizer beside the checkpoint (where `generate` looks for `tokenizer.json`), and the
+    # source config under `huggingface/`, for `export-hf` to write the model back
+    for name in TOKENIZER_FILES:
+        if (args.directory / name).is_file():
+            shutil.copyfile(args.directory / name, written / name)
+    (written / "huggingface").mkdir(exist_ok=True)
+    shutil.copyfile(args.directory / "config.json", written / "huggingface" / "config.json")
+    print(f"imported {args.directory} into {written}")
+
+
+def _export_hf(args: argparse.Namespace) -> None:
+    from .checkpoint import load_checkpoint
+    from .huggingface import HuggingFaceError, export_hf
+
+    checkpoint = load_checkpoint(args.checkpoint)
+    if checkpoint.config.factory != "transformer_lm":
+        raise UsageError(
+            f"{args.checkpoint} holds a {checkpoint.config.factory}, not a language model."
+        )
+    source_path = args.checkpoint / "huggingface" / "config.json"
+    source = json.loads(source_path.read_text()) if source_path.is_file() else None
+    architecture = args.architecture or ((source or {}).get("architectures") or [None])[0]
+    if architecture is None:
+        raise HuggingFaceError(
+            f"{args.checkpoint} was not imported from Hugging Face: pass --architecture."
+        )
+    written = export_hf(
+        checkpoint.model, checkpoint.config.arguments, args.out, architecture=architecture,
+        source=source, tokenizer=args.checkpoint,
+    )  # fmt: skip
+    print(f"wrote {architecture} to {written}")
+
+
+def _language_model(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The checkpoint's language model and its tokenizer (`--tokenizer`, else the checkpoint's
+    `tokenizer.json` if it has one, else None)."""
+    from .checkpoint import CheckpointError, load_checkpoint
+    from .huggingface import load_tokenizer
+
+    checkpoint = load_checkpoint(args.checkpoint)
+    if checkpoint.config.factory != "transformer_lm":
+        raise CheckpointError(
+            f"{args.checkpoint} holds a {checkpoint.config.factory!r} model; {args.command} "
+            "needs a 'transformer_lm' one."
+        )
+    path = args.tokenizer or args.checkpoint / "tokenizer.json"
+    tokenizer = load_tokenizer(path) if args.tokenizer or path.is_file() else None
+    return checkpoint.model, tokenizer
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import jax
+
+    from .serving import Server, read_requests
+
+    model, tokenizer = _language_model(args)
+    where = str(args.input) if args.input else "standard input"
+    lines = args.input.read_text().splitlines() if args.input else sys.stdin.read().splitlines()
+    try:
+        requests = read_requests(lines, tokenizer, args.max_new_tokens, where)
+        server = Server(
+            model, args.slots, args.capacity, jax.random.PRNGKey(args.seed),
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+            min_p=args.min_p, stop_tokens=args.stop, chunk=args.chunk, kv_dtype=args.kv_dtype,
+        )  # fmt: skip
+        for i, request in enumerate(requests):
+            try:
+                server.submit(request["ids"], request["max_new"], id=request["id"])
+            except ValueError as error:
+                raise UsageError(f"request {i + 1} ({request['id']!r}): {error}") from None
+        for done in server.run():
+            answer = {"id": done.id, "ids": done.tokens.tolist(), "reason": done.reason}
+            if tokenizer is not None:
+                answer["text"] = tokenizer.decode(done.tokens.tolist())
+            answer["time_to_first_token"] = round(done.time_to_first_token, 6)
+            answer["latency"] = round(done.latency, 6)
+            print(json.dumps(answer), flush=True)
+    except (ValueError, TypeError) as error:
+        raise UsageError(str(error)) from None
+
+
+def _generate(args: argparse.Namespace) -> None:
+    import jax
+
+    from .nn.models.generation import stream_tokens
+
+    model, tokenizer = _language_model(args)
+    path = args.tokenizer or args.checkpoint / "tokenizer.json"
+    if args.prompt is None:
+        ids = args.ids
+    elif tokenizer is None:
+        raise UsageError(f"--prompt needs a tokenizer: pass --tokenizer (none in {path.parent}).")
+    else:
+        ids = tokenizer.encode(args.prompt).ids
+    settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    try:
+        tokens = stream_tokens(
+            model, ids, args.max_new_tokens, jax.random.PRNGKey(args.seed),
+            min_p=args.min_p, stop_tokens=args.stop, kv_dtype=args.kv_dtype, **settings,
+        )  # fmt: skip
+        shown, new = "", []
+        for token in tokens:  # text as it comes: the decoded whole, less what is shown
+            new.append(token)
+            text = tokenizer.decode(new) if tokenizer is not None else " ".join(map(str, new))
+            print(text[len(shown) :], end="", flush=True)
+            shown = text
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    print()
+
+
+COMMANDS = {
+    "import-hf": _import_hf,
+    "export-hf": _export_hf,
+    "generate": _generate,
+    "serve": _serve,
+}
