@@ -97,8 +97,9 @@ def typecheck(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks against peer libraries (installed here only); prints tables, asserts nothing."""
     session.install("-e", ".[examples,iree,pjrt]", "flax>=0.10")
-    if "lm" in session.posargs or not [a for a in session.posargs if a != "--record"]:
-        session.install("torch", "transformers")  # the language-model benchmark's peer
+    peers = {"lm", "precision"}  # the language-model benchmarks' peer: transformers on torch
+    if peers & set(session.posargs) or not [a for a in session.posargs if a != "--record"]:
+        session.install("torch", "transformers")
     session.run("python", "-m", "tests.benchmarks.run", *session.posargs)
 
 

@@ -243,6 +243,14 @@ def test_import_hf_keeps_a_bfloat16_checkpoint_as_stored_and_writes_it_back(tmp_
         held.dtype == jnp.bfloat16
         and held.view(np.uint16).tolist() == tensors[table].view(np.uint16).tolist()
     )
+    same = export_hf(model, arguments, tmp_path / "same", architecture="Qwen3ForCausalLM")
+    written = load_file(str(same / "model.safetensors"))  # every tensor back, bit for bit
+    assert sorted(written) == sorted(tensors)
+    assert all(
+        np.array_equal(written[k].view(np.uint16), t.view(np.uint16)) for k, t in tensors.items()
+    )
+    save_checkpoint(tmp_path / "ckpt", model, _low_config(arguments))
+    assert bool(eqx.tree_equal(load_checkpoint(tmp_path / "ckpt").model, model))
     wide, _ = import_hf(hf)  # float32: bfloat16 widened exactly
     assert np.array_equal(np.asarray(wide.embed.table.value), tensors[table].astype(np.float32))
 

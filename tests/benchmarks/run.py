@@ -12,6 +12,7 @@ from . import (
     bench_gqa,
     bench_lm,
     bench_long,
+    bench_precision,
     bench_recurrent,
     bench_sharding,
     bench_streaming,
@@ -29,6 +30,7 @@ BENCHMARKS = {
     "recurrent": bench_recurrent,
     "sharding": bench_sharding,
     "lm": bench_lm,
+    "precision": bench_precision,
 }
 
 

@@ -35,7 +35,6 @@ directory holds:
 """
 
 import dataclasses
-import datetime
 import json
 import os
 import pathlib
@@ -44,12 +43,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jaxlib
 import numpy as np
-from jax import export
 from safetensors.numpy import save_file
 
-from .. import __version__, _atomic
+from .. import _atomic
 from ..checkpoint import (
     ModelConfig,
     check_fits,
@@ -65,9 +62,11 @@ from ..nn.kernels.choice import exporting
 from ..nn.sampling import check_sampling
 from . import standalone
 from .golden import golden
-from .lowering import GREEDY, Function, Lowering, spec
+from .lowering import GREEDY, Lowering
+from .manifest import created
+from .manifest import manifest as describe
 from .modules import write_portable, write_runner, write_static
-from .standalone import FORMAT, FORMAT_VERSION, MANIFEST, ArtifactError
+from .standalone import MANIFEST, ArtifactError
 
 __all__ = ["PLATFORMS", "ExportSummary", "export_checkpoint", "export_model"]
 
@@ -76,16 +75,6 @@ PLATFORMS = ("cpu", "cuda", "tpu")
 # artifact gives the golden outputs on a GPU as on the CPU) or "default" (the platform's own
 # choice: TF32 on recent NVIDIA GPUs, bfloat16 passes on TPUs; faster, about 1e-3 apart).
 MATMUL_PRECISIONS = ("highest", "default")
-OVERFLOW = (
-    "a stream that steps (or prefills) past the cache capacity (or past max_len) gets NaN in "
-    "those rows of its output and true in `overflow`; its cache rows are never overwritten, and "
-    "the flag stays true until the stream is reset. No host callbacks."
-)
-PLATFORM_INDEX = (
-    "Exported.call selects the platform itself. In the StableHLO of a multi-platform module the "
-    "first argument is an int32 scalar, the index of the running platform in `platforms`; "
-    "single-platform modules (static/) have no such argument."
-)
 
 
 @dataclasses.dataclass
@@ -176,7 +165,7 @@ def export_model(
         save_file(golden_arrays, str(tmp / "golden.safetensors"))
         (tmp / "run.py").write_text(pathlib.Path(standalone.__file__).read_text())
         pjrt = write_runner(tmp)
-        manifest = _manifest(
+        manifest = describe(
             lowering, functions, exported, config, causal_config, platforms, static_entries
         )
         manifest["golden"] = golden_plan
@@ -212,7 +201,7 @@ def _check_export(
     except ValueError as error:
         raise ArtifactError(f"export_model: {error}") from None
     require_int(0, caller="export_model", error=ArtifactError, seed=seed)
-    _created()  # a malformed SOURCE_DATE_EPOCH is refused before any work
+    created()  # a malformed SOURCE_DATE_EPOCH is refused before any work
     if isinstance(platforms, str) or not isinstance(platforms, Sequence):
         raise ArtifactError(
             f"export_model: `platforms` must be a list of platform names from {PLATFORMS}, e.g. "
@@ -306,143 +295,6 @@ def _static_sizes(shape: Sequence[int], max_len: int, with_context: bool) -> dic
             f"static shape B={b}, T={t}, S={s} must have B >= 1, 1 <= T <= {max_len}, S >= 1."
         )
     return {"B": b, "T": t, "S": s}
-
-
-def _created() -> str:
-    """The artifact's date: today, or the day of `SOURCE_DATE_EPOCH` (seconds since 1970, the
-    reproducible-builds convention) when it is set, so that exports of one model on different
-    days can be the same bytes."""
-    epoch = os.environ.get("SOURCE_DATE_EPOCH")
-    if epoch is None:
-        return datetime.date.today().isoformat()
-    try:  # not an integer, or a date past what a calendar holds
-        return datetime.datetime.fromtimestamp(int(epoch), datetime.UTC).date().isoformat()
-    except (ValueError, OverflowError, OSError):
-        raise ArtifactError(
-            "export_model: `SOURCE_DATE_EPOCH` must be an integer number of seconds since "
-            f"1970-01-01 UTC (the date written as the artifact's `created`); received {epoch!r}."
-        ) from None
-
-
-def _manifest(
-    lowering: Lowering,
-    functions: dict[str, Function],
-    exported: dict[str, export.Exported],
-    config: ModelConfig,
-    causal_config: ModelConfig,
-    platforms: Sequence[str],
-    static_entries: list[dict[str, Any]],
-) -> dict[str, Any]:
-    weights = [
-        spec(n, "weight", w.dtype, w.shape)
-        for n, w in zip(lowering.names, lowering.weights, strict=True)
-    ]
-    described = {}
-    for name, function in functions.items():
-        described[name] = {
-            "file": f"{name}.jax_exported",
-            "platforms": list(platforms),
-            "platform_index": PLATFORM_INDEX,
-            "inputs": [*weights, *function.inputs],
-            "outputs": function.outputs,
-            "bounds": {d: [1, function.bounds.get(d, 2**31 - 1)] for d in function.symbols},
-            "donated": [i["name"] for i in function.cache],
-            "calling_convention_version": exported[name].calling_convention_version,
-        }
-    return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "kind": lowering.family.kind,
-        "created": _created(),
-        "versions": {
-            "dense_armor": __version__,
-            "jax": jax.__version__,
-            "jaxlib": jaxlib.__version__,
-        },
-        "model": config.to_json(),
-        "weights": {"file": "weights.safetensors", "names": lowering.names},
-        "functions": described,
-        **_token_ids(lowering),
-        "precision": _precision(lowering),
-        "streaming": {
-            "model": causal_config.to_json(),
-            "note": "init_cache, step, prefill and reset belong to the model's causal form; its "
-            "step equals forward on every prefix when the model itself is causal",
-            "capacity": lowering.capacity,
-            "overflow": OVERFLOW,
-            "start": "a stream's cache starts as init_cache returns it; reset returns the chosen "
-            "streams to that state",
-            "layout": lowering.cache_layout,
-        },
-        "static": static_entries,
-        "compatibility": _compatibility(exported),
-    }
-
-
-INVALID_IDS = (
-    "an id outside [0, vocab) gives NaN logits in its rows (an artifact cannot raise): check ids "
-    "before the call. In prefill and step it also leaves NaN keys and values in that stream's "
-    "cache, so its later logits are NaN too until the stream is reset."
-)
-
-
-def _token_ids(lowering: Lowering) -> dict[str, Any]:
-    """The manifest's `token_ids` entry, for a family whose inputs are token ids."""
-    if lowering.vocab is None:
-        return {}
-    return {
-        "token_ids": {"dtype": "int32", "vocab": lowering.vocab, "invalid": INVALID_IDS},
-        "sampling": {**lowering.sampling, "rule": SAMPLING_RULE},
-    }
-
-
-def _precision(lowering: Lowering) -> dict[str, Any]:
-    """The manifest's `precision`: the weights' dtypes (a count of arrays of each), and the
-    cache's keys and values."""
-    dtypes: dict[str, int] = {}
-    for w in lowering.weights:
-        dtypes[str(np.dtype(w.dtype))] = dtypes.get(str(np.dtype(w.dtype)), 0) + 1
-    arguments = lowering.arguments
-    compute = arguments.get("compute_dtype") or arguments.get("param_dtype") or "float32"
-    half = compute != "float32" or lowering.kv_dtype not in (None, "float32")
-    return {
-        "weights": dict(sorted(dtypes.items())),
-        "compute_dtype": compute,
-        "kv_dtype": lowering.kv_dtype or "float32",
-        # the checkers' default: half precision (or an int8 cache, whose rows round to the
-        # nearest of 255 levels) is compared with its own round-off
-        "tolerance": 5e-2 if half else 1e-4,
-        "note": "int8 weights are exported with their float32 scales (the `.scale` arrays beside "
-        "each `.value`), multiplied in the graph; an int8 cache keeps a float32 scale per head "
-        "and position for its keys and for its values",
-    }
-
-
-SAMPLING_RULE = (
-    "sample_prefill and sample_step return each stream's next token: the argmax of its logits "
-    "when temperature is 0; otherwise stream b draws its token at position p (the stream's "
-    "count of tokens so far) with the key fold_in(fold_in(key, b), p), from the softmax of its "
-    "logits divided by the temperature after top-k, top-p and min-p, as dense_armor's generate"
-)
-
-
-# jax.export's promise: a jax release loads what a jax up to 6 months older serialized.
-BACKWARD_COMPATIBILITY_DAYS = 180
-
-
-def _compatibility(exported: dict[str, export.Exported]) -> dict[str, Any]:
-    today = datetime.date.today()
-    return {
-        "serialization_version": max(e.calling_convention_version for e in exported.values()),
-        "exported_with_jax": jax.__version__,
-        "exported_on": today.isoformat(),
-        "newer_jax_guaranteed_until": (
-            today + datetime.timedelta(days=BACKWARD_COMPATIBILITY_DAYS)
-        ).isoformat(),
-        "note": "jax.export guarantees that a newer jax loads these .jax_exported files for 6 "
-        "months after export; after that date a newer jax may refuse them (export again). The "
-        "static StableHLO modules follow StableHLO's own compatibility window.",
-    }
 
 
 def export_checkpoint(

@@ -59,19 +59,30 @@ def import_hf(
     config = read_config(root)
     architecture = architecture_of(root, config)
     arguments = FAMILIES[architecture].arguments(config, architecture)
-    if dtype != "float32":
-        arguments["param_dtype"] = dtype
-    skeleton = _skeleton(arguments)
-    tensors = Tensors(root, read_tensors(root), skeleton.embed.table.value.dtype)
+    wanted = {
+        "param_dtype": dtype,
+        "quantize": quantize,
+        "quantize_embeddings": quantize_embeddings,
+    }
+    _skeleton({**arguments, **wanted})  # the options checked, by the model's own rules
+    # filled in our (n_in, n_out) layout and `dtype`, then held as the options say
+    skeleton = jax.tree.map(lambda leaf: _as(leaf, dtype), _skeleton(arguments))
+    tensors = Tensors(root, read_tensors(root), dtype)
     model = fill(skeleton, full_table(arguments, architecture), tensors.take)
     _check_tied_copy(model, tensors, arguments)
     tensors.done()
-    if quantize is not None or quantize_embeddings:
-        wanted = {"quantize": quantize, "quantize_embeddings": quantize_embeddings}
-        _skeleton({**arguments, **wanted})  # the options checked, by the model's own rules
-        model = precision.cast(precision.quantize(model, quantize_embeddings), dtype)
-        arguments.update(wanted)
+    if quantize is not None:
+        model = precision.quantize(model, quantize_embeddings)
+    model = precision.cast(model, dtype)
+    arguments.update({k: v for k, v in wanted.items() if v not in ("float32", None, False)})
     return model, arguments
+
+
+def _as(leaf: Any, dtype: str) -> Any:
+    """An abstract floating array of the skeleton in `dtype`."""
+    if jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating):
+        return jax.ShapeDtypeStruct(leaf.shape, dtype)
+    return leaf
 
 
 def architecture_of(root: pathlib.Path, config: dict[str, Any]) -> str:

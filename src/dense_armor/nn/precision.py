@@ -54,6 +54,11 @@ def cast(tree: Any, dtype: str) -> Any:
     return jax.tree.map(one, tree, is_leaf=_is_param)
 
 
+def _name(path: Any) -> str:
+    """A leaf's path as `.a.b[0].c`, a dict's keys too."""
+    return jax.tree_util.keystr(path).replace("['", ".").replace("']", "")
+
+
 def quantize(tree: Any, embeddings: bool = False) -> Any:
     """`tree` with its projection matrices (every `Param` of two or more axes, but the router and,
     unless `embeddings`, the tables and the untied head) as int8 `QuantizedParam`s, one scale per
@@ -63,7 +68,7 @@ def quantize(tree: Any, embeddings: bool = False) -> Any:
     paths, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_param)
     out = []
     for path, node in paths:
-        name = jax.tree_util.keystr(path).replace("['", ".").replace("']", "")  # a dict's keys too
+        name = _name(path)
         skip = any(part in name for part in _KEPT) or (
             not embeddings and any(part in name for part in _TABLES)
         )

@@ -6,12 +6,15 @@ compiler (jax 0.10.2, a decode-shaped `(B, 2048) @ (2048, 8192)`), where the obv
 10-20x slower than float32 for narrow weights:
 
 - 16-bit weights (bfloat16, float16): the operands in the narrower dtype, accumulated in float32
-  (`preferred_element_type`), which XLA's CPU compiler runs through its library GEMM: 2.3 ms
-  against float32's 1.6-2.1 at B=2-8 and 3.5 against 5.4 at B=32. A single row (a batch-1
-  decode step) takes XLA's matrix-vector path instead, 22-30 ms for bfloat16: the row is padded
-  to two (2.4 ms). Widening the weights to float32 in the graph costs 25 ms: XLA hoists the
+  (`preferred_element_type`), which XLA's CPU compiler runs through its library GEMM: 2.3-2.7 ms
+  against float32's 1.6-2.6 at B=2-8, 3.6 against 5.0-5.4 at B=32, 7.3 against 11.7 at B=128. A
+  single row (a batch-1 decode step) takes XLA's matrix-vector path instead, 20-30 ms: the row is
+  padded to two. Widening the weights to float32 in the graph costs 25 ms: XLA hoists the
   conversion of the whole matrix into a new buffer (a loop over blocks does not keep it inside,
-  nor does a bit-level widening through uint16, nor an optimisation barrier).
+  nor does a bit-level widening through uint16, nor an optimisation barrier); XLA's XNNPACK and
+  oneDNN options (`--xla_cpu_use_xnnpack`, `--xla_cpu_use_onednn`) change none of this. Weights
+  held as rows `(n_out, n_in)` multiply 1.4-1.7x faster alone, but inside `generate`'s loop XLA
+  transposes them back before it, a copy of every weight per call: not used.
 - int8 weights: converted to float32 a block of 256 input rows at a time in a `lax.scan` over
   the blocks (a sequence the loop slices itself: no index in the graph), each block's product
   accumulated: 1.3-1.5 ms at B=1 against float32's 1.6-2.3 (the matrix is
@@ -96,14 +99,18 @@ def _blocks_in(h: Array, q: Array) -> Array:
 
 def _blocks_out(h: Array, q: Array) -> Array:
     """`h @ q.T` for a table `q (n, d)`, over blocks of `INT8_BLOCK` of its rows (output
-    columns: no transposed copy of the table), the last `n % INT8_BLOCK` rows in one product."""
+    columns), the last `n % INT8_BLOCK` rows in one product. Each block is widened and
+    transposed in one pass, `(d, 256)` in float32, for the product's fast layout: at Llama-3's
+    vocabulary (128256 x 2048) 9-11 ms at B=1 against float32's table's 27-39; reading the block
+    as it lies (`...k,nk`) takes 33 ms, and blocks of 512 rows or more 77-176 ms (the widened
+    block past the core's cache)."""
     n, d = q.shape
     whole = n - n % INT8_BLOCK
     parts = []
     if whole:
 
         def columns(carry: None, block: Array) -> tuple[None, Array]:
-            return None, jnp.einsum("...k,nk->...n", h, block.astype(jnp.float32))
+            return None, jnp.einsum("...k,kn->...n", h, block.astype(jnp.float32).T)
 
         ys = lax.scan(columns, None, q[:whole].reshape(whole // INT8_BLOCK, INT8_BLOCK, d))[1]
         parts.append(jnp.moveaxis(ys, 0, -2).reshape(*h.shape[:-1], whole))

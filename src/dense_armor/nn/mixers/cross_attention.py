@@ -138,7 +138,7 @@ class MultiHeadCrossAttention(MultiHeadAttention):
         self, x: Float[Array, "K d_model"], cache: ContextCache
     ) -> tuple[Float[Array, "K d_model"], ContextCache]:
         """`K` queries against the cached context at once; the cache comes back unchanged."""
-        width = self.W_K.value.shape[1]
+        width = self.n_kv_heads * self.d_head
         if cache.keys.ndim != 2 or cache.keys.shape[1] != width:
             caller = called_as(self, "MultiHeadCrossAttention.prefill")
             raise ShapeError(
