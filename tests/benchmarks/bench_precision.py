@@ -1,6 +1,6 @@
 """Low-precision decoding on this CPU: a Llama-3.2-1B-shaped model (d_model 2048, 16 layers, 32
 heads with 8 key/value heads, d_ff 8192, vocabulary 128256, a tied head; random weights, 1.24B
-parameters) in float32, bfloat16, int8 weights (float32 tables, and with the tables in int8
+parameters) in float32, bfloat16, int8 weights (bfloat16 tables, and with the tables in int8
 too) and an int8 cache, against transformers (PyTorch) in bfloat16 on the same shape.
 
 Greedy `generate`, a prompt of `PROMPT` tokens and `NEW` new tokens, at batch 1 and 8: new tokens
