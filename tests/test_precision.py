@@ -329,3 +329,22 @@ def test_the_command_line_imports_low_and_decodes_with_an_int8_cache(tmp_path, c
     assert printed == generate(saved.model, [[1, 2, 3]], 5, kv_dtype="int8").tokens[0].tolist()
     assert cli([*hf, "--quantize-embeddings"]) == 2  # without --quantize: refused in one line
     assert "--quantize-embeddings needs --quantize int8" in capsys.readouterr().err
+
+
+def test_a_scanned_model_quantizes_as_its_unrolled_twin():
+    """Stacked blocks (`scan_layers=True`) carry a scale per layer and output channel (a stacked
+    norm's gain, two axes with the layers', is no matrix and stays float); the scanned int8 model
+    computes what the unrolled one does, with an int8 cache too."""
+    arguments = {**load_checkpoint(BYTES).config.arguments, "quantize": "int8"}
+    unrolled = _low_config(arguments).build(jax.random.PRNGKey(2))
+    scanned = _low_config(arguments, scan_layers=True).build(jax.random.PRNGKey(2))
+    assert scanned.blocks.stacked.attention.W_Q.scale.shape == (2, 1, 64)
+    assert not isinstance(scanned.blocks.stacked.norm1.gain, QuantizedParam)
+    ids = jnp.asarray(HELD_OUT[:24])
+    np.testing.assert_allclose(_forward(scanned, ids), _forward(unrolled, ids), atol=1e-5)
+    cache = scanned.init_cache(24, kv_dtype="int8")
+    np.testing.assert_allclose(
+        _cached(scanned, ids, cache),
+        _cached(unrolled, ids, unrolled.init_cache(24, kv_dtype="int8")),
+        atol=1e-5,
+    )

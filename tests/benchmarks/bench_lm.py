@@ -127,18 +127,25 @@ def _transformers(prompts: np.ndarray) -> dict[str, Callable[[int], object]]:
         vocab_size=a["vocab"], n_positions=a["max_len"], n_embd=a["d_model"], n_layer=a["depth"],
         n_head=a["n_heads"], n_inner=a["d_ff"],
     )  # fmt: skip
-    model = transformers.GPT2LMHeadModel(config).eval()
+    return {"transformers": torch_generate(transformers.GPT2LMHeadModel(config).eval(), prompts)}
+
+
+def torch_generate(model: object, prompts: np.ndarray) -> Callable[[int], None]:
+    """`run(new)`: transformers' `generate` of `model` after `prompts`, greedy, its KV cache on,
+    every row exactly `new` tokens."""
+    import torch
+
     ids = torch.tensor(prompts, dtype=torch.long)
     mask = torch.ones_like(ids)
 
     def run(new: int) -> None:
         with torch.no_grad():
-            model.generate(
+            model.generate(  # type: ignore[attr-defined]
                 ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                 do_sample=False, use_cache=True, pad_token_id=0,
             )  # fmt: skip
 
-    return {"transformers": run}
+    return run
 
 
 def _continuous_batching(model: TransformerLM, rng: np.random.Generator) -> str:

@@ -21,6 +21,7 @@ from dense_armor.nn import precision
 from dense_armor.nn.models.generation import generate
 from dense_armor.nn.models.language_model import TransformerLM
 
+from .bench_lm import torch_generate
 from .harness import interleaved, record
 
 LLAMA_1B = dict(vocab=128256, d_model=2048, n_heads=32, d_ff=8192, depth=16, max_len=2048)
@@ -118,15 +119,4 @@ def _transformers(prompts: np.ndarray) -> dict[str, Callable[[int], object]]:
             rope_theta=ROPE_BASE, tie_word_embeddings=True, dtype=torch.bfloat16,
         )  # fmt: skip
         _TORCH["model"] = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    model = _TORCH["model"]
-    ids = torch.tensor(prompts, dtype=torch.long)
-    mask = torch.ones_like(ids)
-
-    def run(new: int) -> None:
-        with torch.no_grad():
-            model.generate(
-                ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                do_sample=False, use_cache=True, pad_token_id=0,
-            )  # fmt: skip
-
-    return {"transformers bfloat16": run}
+    return {"transformers bfloat16": torch_generate(_TORCH["model"], prompts)}

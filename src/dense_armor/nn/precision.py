@@ -60,7 +60,8 @@ def _name(path: Any) -> str:
 
 
 def quantize(tree: Any, embeddings: bool = False) -> Any:
-    """`tree` with its projection matrices (every `Param` of two or more axes, but the router and,
+    """`tree` with its projection matrices (every `Param` of two or more axes, a `Stack`'s layer
+    axis not counted, but the router and,
     unless `embeddings`, the tables and the untied head) as int8 `QuantizedParam`s, one scale per
     output channel: over the input axis (`-2`) of a matrix read as `x @ W`, over the features of
     an embedding table's row. Quantizing twice changes nothing."""
@@ -75,7 +76,7 @@ def quantize(tree: Any, embeddings: bool = False) -> Any:
         if (
             isinstance(node, QuantizedParam)
             or not isinstance(node, Param)
-            or node.value.ndim < 2
+            or node.value.ndim - name.count(".stacked") < 2  # a Stack's axis is not a matrix's
             or skip
             or ".positions.P" in name  # positions are added, not projected: kept float
         ):

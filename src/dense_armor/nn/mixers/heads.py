@@ -26,6 +26,18 @@ from ..layers.language import RMSNorm
 __all__ = ["HEAD_SPLIT", "MultiHeadAttention"]
 
 
+def _folded(q: Array, keys: Array, mask: Array | None) -> tuple[Array, Array | None]:
+    """Queries `(n_heads, T, d)` with each key/value head's group of query heads folded into its
+    query rows, `(n_kv_heads, group * T, d)`, for plain batched products (a broadcast group axis
+    runs 1.25x slower), and `mask (T, S)` tiled over the group to match."""
+    n_kv, group, length = keys.shape[0], q.shape[0] // keys.shape[0], q.shape[1]
+    folded = q.reshape(n_kv, group * length, q.shape[2])
+    if mask is not None:
+        scores = (n_kv, group, length, keys.shape[1])
+        mask = jnp.broadcast_to(mask, scores).reshape(n_kv, group * length, keys.shape[1])
+    return folded, mask
+
+
 def _check_heads(
     d_model: int, n_heads: int, n_kv_heads: int | None = None, head_dim: int | None = None
 ) -> int:
@@ -255,14 +267,8 @@ class MultiHeadAttention(Layer):
         elif keys.shape[0] == q.shape[0]:  # a key/value head per query head: no group axis, whose
             # broadcast in the products XLA's CPU compiler runs 2.5x slower
             out = _attention(q, keys, values, mask, hidden_zeros, self.logit_softcap)
-        else:  # grouped-query attention: each key/value head's group of query heads folded into
-            # its query rows, `(n_kv_heads, group * T, d)`, for plain batched products (a broadcast
-            # group axis runs 1.25x slower), the mask tiled over the group to match
-            n_kv, group, length = keys.shape[0], q.shape[0] // keys.shape[0], q.shape[1]
-            folded = q.reshape(n_kv, group * length, q.shape[2])
-            if mask is not None:
-                scores = (n_kv, group, length, keys.shape[1])
-                mask = jnp.broadcast_to(mask, scores).reshape(n_kv, group * length, keys.shape[1])
+        else:  # grouped-query attention: each key/value head's group folded (`_folded`)
+            folded, mask = _folded(q, keys, mask)
             out = _attention(folded, keys, values, mask, hidden_zeros, self.logit_softcap)
             out = out.reshape(q.shape)
         return self._output(out)
@@ -271,12 +277,8 @@ class MultiHeadAttention(Layer):
         self, q: Array, keys: Array, values: Array, mask: Array | None, scales: tuple
     ) -> Array:
         """`q (n_heads, T, d)` over an int8 cache's rows, each key/value head's group of query
-        heads folded into its query rows (as for grouped-query attention below)."""
-        n_kv, group, length = keys.shape[0], q.shape[0] // keys.shape[0], q.shape[1]
-        folded = q.reshape(n_kv, group * length, q.shape[2])
-        if mask is not None:
-            scores = (n_kv, group, length, keys.shape[1])
-            mask = jnp.broadcast_to(mask, scores).reshape(n_kv, group * length, keys.shape[1])
+        heads folded into its query rows (`_folded`)."""
+        folded, mask = _folded(q, keys, mask)
         out = scaled_cache_attention(folded, keys, values, mask, *scales, self.logit_softcap)
         return out.reshape(q.shape)
 
