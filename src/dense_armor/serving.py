@@ -193,9 +193,9 @@ class Server:
             )
         model, slots = self.model, self.slots
         if self._caches is None:
-            settings = dict(on_overflow="nan", kv_dtype=self.kv_dtype)
-            self._fresh = model.init_cache(self.capacity, **settings)
-            self._caches = model.init_streams(slots, self.capacity, **settings)
+            kv = self.kv_dtype
+            self._fresh = model.init_cache(self.capacity, on_overflow="nan", kv_dtype=kv)
+            self._caches = model.init_streams(slots, self.capacity, on_overflow="nan", kv_dtype=kv)
         active: list[_Slot | None] = [None] * slots
         tokens = np.zeros(slots, np.int32)
         positions = np.zeros(slots, np.int32)

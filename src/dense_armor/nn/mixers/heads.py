@@ -274,12 +274,15 @@ class MultiHeadAttention(Layer):
         return self._output(out)
 
     def _scaled(
-        self, q: Array, keys: Array, values: Array, mask: Array | None, scales: tuple
+        self, q: Array, keys: Array, values: Array, mask: Array | None, scales: tuple[Array, Array]
     ) -> Array:
         """`q (n_heads, T, d)` over an int8 cache's rows, each key/value head's group of query
         heads folded into its query rows (`_folded`)."""
         folded, mask = _folded(q, keys, mask)
-        out = scaled_cache_attention(folded, keys, values, mask, *scales, self.logit_softcap)
+        key_scales, value_scales = scales
+        out = scaled_cache_attention(
+            folded, keys, values, mask, key_scales, value_scales, self.logit_softcap
+        )
         return out.reshape(q.shape)
 
     def attend_sequence(

@@ -368,7 +368,9 @@ class MultiHeadSelfAttention(MultiHeadAttention):
         keys, values = (_heads(a, self.n_kv_heads) for a in self.keys_values(x))
         update = cache.update(keys, values, self.window, owner)
         positions = (update.query_positions, update.key_positions)
-        scales = None if update.key_scales is None else (update.key_scales, update.value_scales)
+        scales = None
+        if update.key_scales is not None and update.value_scales is not None:  # an int8 cache
+            scales = (update.key_scales, update.value_scales)
         y = self.attend_heads(
             x, update.keys, update.values, update.visible, positions, update.hidden_zeros, scales
         )

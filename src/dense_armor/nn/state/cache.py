@@ -268,13 +268,20 @@ class FixedKVCache(KeyValueCache, Counted):
 
     def in_dtype(self, dtype: Any) -> "FixedKVCache":
         """This (float) cache with its buffers stored in float `dtype`."""
-        return FixedKVCache(self.keys.astype(dtype), self.values.astype(dtype), self.counter)
+        keys, values = self.keys.astype(dtype), self.values.astype(dtype)
+        return FixedKVCache(keys=keys, values=values, counter=self.counter)
 
     def quantized(self) -> "FixedKVCache":
         """This (fresh) cache as int8 rows with zero scales: every row unwritten."""
         int8 = jnp.zeros(self.keys.shape, jnp.int8)
         scales = _zero_scales(self.keys)
-        return FixedKVCache(int8, int8, self.counter, scales, jnp.zeros_like(scales))
+        return FixedKVCache(
+            keys=int8,
+            values=int8,
+            counter=self.counter,
+            key_scale=scales,
+            value_scale=jnp.zeros_like(scales),
+        )
 
     def update(self, keys: Array, values: Array, window: int | None, owner: str) -> KVUpdate:
         _refuse_window(window, owner)
@@ -286,7 +293,7 @@ class FixedKVCache(KeyValueCache, Counted):
         first = self.counter.index
         keep = slots < first
         key_scale = value_scale = None
-        if self.key_scale is not None:
+        if self.key_scale is not None and self.value_scale is not None:  # an int8 cache
             keys, values, new_key_scale, new_value_scale = _quantized(keys, values)
             key_scale = _write_rows(self.key_scale, new_key_scale, slots, slots - first, keep)
             value_scale = _write_rows(self.value_scale, new_value_scale, slots, slots - first, keep)
@@ -295,7 +302,13 @@ class FixedKVCache(KeyValueCache, Counted):
         visible = sees(
             positions[:, None], jnp.arange(self.capacity, dtype=positions.dtype)[None, :]
         )
-        cache = FixedKVCache(new_keys, new_values, counter, key_scale, value_scale)
+        cache = FixedKVCache(
+            keys=new_keys,
+            values=new_values,
+            counter=counter,
+            key_scale=key_scale,
+            value_scale=value_scale,
+        )
         return KVUpdate(
             new_keys,
             new_values,
@@ -376,7 +389,7 @@ class RingKVCache(KeyValueCache):
         last = i + window * ((steps - 1 - i) // window)
         slots = jnp.mod(new, window)
         key_scale = value_scale = seen_key_scales = seen_value_scales = None
-        if self.key_scale is not None:
+        if self.key_scale is not None and self.value_scale is not None:
             keys, values, new_key_scale, new_value_scale = _quantized(keys, values)
             key_scale = _write_rows(self.key_scale, new_key_scale, slots, last)
             value_scale = _write_rows(self.value_scale, new_value_scale, slots, last)
