@@ -136,6 +136,26 @@ def saved_config(tmp, **changes):
     return config_json(tmp, data)
 
 
+def int8_stored_as_float(tmp):
+    """A quantized checkpoint whose int8 matrix was rewritten as float32 (its config unchanged,
+    the file's sha256 updated: the structure check must catch it)."""
+    from safetensors.numpy import load_file, save_file
+
+    from dense_armor._atomic import sha256
+
+    config = ModelConfig("transformer_lm", {**LM_CONFIG.arguments, "quantize": "int8"})
+    save_checkpoint(tmp / "q", config.build(KEY), config)
+    weights = load_file(str(tmp / "q" / "weights.safetensors"))
+    name = ".blocks[0].attention.W_Q.value"
+    weights[name] = weights[name].astype(np.float32)
+    save_file(weights, str(tmp / "q" / "weights.safetensors"))
+    config_file = tmp / "q" / "config.json"
+    data = json.loads(config_file.read_text())
+    data["files"]["weights.safetensors"] = sha256(tmp / "q" / "weights.safetensors")
+    config_file.write_text(json.dumps(data))
+    return load_checkpoint(tmp / "q")
+
+
 def corrupt_tensor_bytes(tmp):
     directory = save_checkpoint(tmp / "ckpt", MODEL, CONFIG)
     weights = directory / "weights.safetensors"
@@ -450,6 +470,8 @@ BAD = [
     ("quantize-embeddings-string", lambda: precision.quantize(TINY_LM, embeddings="no"), ValueError, r"`embeddings` must be True or False"),
     ("import-hf-dtype-int8", lambda: import_hf(HF / "llama_gqa", dtype="int8"), HuggingFaceError, r"config.json describes no model TransformerLM builds: `param_dtype` must be one of"),
     ("import-hf-quantize-int4", lambda: import_hf(HF / "llama_gqa", quantize="int4"), HuggingFaceError, r"config.json describes no model TransformerLM builds: `quantize` must be one of \('int8',\)"),
+    ("import-hf-quantize-embeddings-alone", lambda: import_hf(HF / "llama_gqa", quantize_embeddings=True), HuggingFaceError, r"`quantize_embeddings=True` quantizes the tables along with the projections"),
+    ("checkpoint-int8-weights-as-float", lambda tmp, _: int8_stored_as_float(tmp), CheckpointError, r"the weights at \.blocks\[0\]\.attention\.W_Q\.value have shape \(16, 16\) and dtype float32; the model expects shape \(16, 16\) and dtype int8"),
     ("lm-embed-scale-string", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, embed_scale="true"), ValueError, r"`embed_scale` must be True or False"),
     ("moe-without-experts", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, feed_forward="moe"), ValueError, r"`feed_forward='moe'` needs `n_experts` and `top_k`"),
     ("experts-with-mlp", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, n_experts=4, top_k=2), ValueError, r"`n_experts` and `top_k` are the options of `feed_forward='moe'`; received them with `feed_forward='gated'`"),
