@@ -56,9 +56,9 @@ from ..checkpoint import (
     tree_arrays,
 )
 from ..families import FAMILIES
-from ..nn import precision
 from ..nn.core import require_bool, require_int
 from ..nn.kernels.choice import exporting
+from ..nn.models.generation import check_kv_dtype
 from ..nn.sampling import check_sampling
 from . import standalone
 from .golden import golden
@@ -241,7 +241,7 @@ def _check_export(
 
 
 def _check_kv_dtype(config: ModelConfig, kv_dtype: Any) -> None:
-    """`export_model`'s `kv_dtype`: one of `precision.KV_DTYPES`, for a language model."""
+    """`export_model`'s `kv_dtype`: one of `nn.precision.KV_DTYPES`, for a language model."""
     if kv_dtype is None:
         return
     if not FAMILIES[config.factory].token_ids:
@@ -249,11 +249,10 @@ def _check_kv_dtype(config: ModelConfig, kv_dtype: Any) -> None:
             f"export_model: `kv_dtype` is for a language model's cache; a {config.factory} "
             "keeps float32 keys and values."
         )
-    if not isinstance(kv_dtype, str) or kv_dtype not in precision.KV_DTYPES:
-        raise ArtifactError(
-            f"export_model: `kv_dtype` must be one of {precision.KV_DTYPES} or None; received "
-            f"{kv_dtype!r}."
-        )
+    try:
+        check_kv_dtype("export_model", kv_dtype)  # generate's and the Server's check
+    except ValueError as error:
+        raise ArtifactError(str(error)) from None
 
 
 def _check_sampling(config: ModelConfig, sampling: Any) -> dict[str, Any] | None:
