@@ -84,7 +84,8 @@ class Param:
 
     def rows(self, indices: Array) -> Array:
         """Rows `indices` of a table (clipped into range: callers mask what lies outside)."""
-        return jnp.take(self.value, indices, axis=0, mode="clip")
+        table, indices = products.gathered_in_place(self.value, indices)
+        return jnp.take(table, indices, axis=0, mode="clip")
 
     def array(self, dtype: Any) -> Array:
         """The weights as an array of `dtype` (what an einsum of its own reads)."""

@@ -14,7 +14,14 @@ compiler (jax 0.10.2, a decode-shaped `(B, 2048) @ (2048, 8192)`), where the obv
   nor does a bit-level widening through uint16, nor an optimisation barrier); XLA's XNNPACK and
   oneDNN options (`--xla_cpu_use_xnnpack`, `--xla_cpu_use_onednn`) change none of this. Weights
   held as rows `(n_out, n_in)` multiply 1.4-1.7x faster alone, but inside `generate`'s loop XLA
-  transposes them back before it, a copy of every weight per call: not used.
+  transposes them back before it, a copy of every weight per call: not used. The GEMM's
+  bfloat16 time is its packing's, 2.2 ms at B=1-8 whatever else was tried inside a decoding
+  loop: blocks of 256 rows widened in a `lax.scan` 6.7 ms (XLA hoists the widening of the whole
+  matrix: its CPU compiler computes bfloat16 data movement in float32), the blocks carried as
+  `uint16` and widened by bit shifts 2.8, pairs of values read as `uint32` 5.7-8.8, a
+  multiply-and-reduce 4.0-5.6. A tied 16-bit table (`transposed`) is the product's left operand
+  as it lies, `(n, d) x (d, m)`: read as the right one, XLA transposes the whole table once per
+  call of a loop (0.5 GB at Llama-3's vocabulary).
 - int8 weights: converted to float32 a block of 256 input rows at a time in a `lax.scan` over
   the blocks (a sequence the loop slices itself: no index in the graph), each block's product
   accumulated: 1.3-1.5 ms at B=1 against float32's 1.6-2.3 (the matrix is
@@ -30,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array
 
-__all__ = ["INT8_BLOCK", "project", "project_int8", "quantize_int8"]
+__all__ = ["INT8_BLOCK", "gathered_in_place", "project", "project_int8", "quantize_int8"]
 
 INT8_BLOCK = 256  # input rows of an int8 matrix widened at a time (see the module's docstring)
 
@@ -54,11 +61,16 @@ def project(x: Array, w: Array, out_dtype: Any = None, transposed: bool = False)
         return jnp.einsum(spec, x, w).astype(out_dtype)
     operand = _narrow(x.dtype, w.dtype)
     a, b = x.astype(operand), w.astype(operand)
+    lead = x.shape[:-1]
     if jnp.finfo(operand).bits == 16 and _single_row(x):  # XLA CPU's slow matrix-vector path
-        rows = jnp.pad(a.reshape(1, -1), ((0, 1), (0, 0)))
-        y = jnp.einsum(spec, rows, b, preferred_element_type=jnp.float32)[:1]
-        return y.reshape(*x.shape[:-1], y.shape[-1]).astype(out_dtype)
-    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(out_dtype)
+        a = jnp.pad(a.reshape(1, -1), ((0, 1), (0, 0)))
+    rows = a.reshape(-1, a.shape[-1])
+    if transposed:  # the table as the left operand, as it lies: no transposed copy of it
+        y = jnp.einsum("nd,md->nm", b, rows, preferred_element_type=jnp.float32).T
+    else:
+        y = jnp.einsum("md,dn->mn", rows, b, preferred_element_type=jnp.float32)
+    y = y[: math.prod(lead)] if _single_row(x) else y
+    return y.reshape(*lead, y.shape[-1]).astype(out_dtype)
 
 
 def project_int8(
@@ -117,6 +129,17 @@ def _blocks_out(h: Array, q: Array) -> Array:
     if whole < n:
         parts.append(jnp.einsum("...k,nk->...n", h, q[whole:].astype(jnp.float32)))
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
+
+
+def gathered_in_place(table: Array, indices: Array) -> tuple[Array, Array]:
+    """`(table, indices)` for a gather of rows, tied in an optimisation barrier where `table`
+    holds 16-bit floats. XLA's CPU compiler gathers such rows from a float32 copy of the table,
+    and inside a compiled loop (`generate`'s) it hoists that copy out: a widening of the whole
+    table per call (1 GB at Llama-3's vocabulary, 0.6 s). Tied to the indices, which change
+    every step, the widening stays in the gather and touches only the rows taken."""
+    if jnp.issubdtype(table.dtype, jnp.floating) and jnp.finfo(table.dtype).bits == 16:
+        return lax.optimization_barrier((table, indices))
+    return table, indices
 
 
 def quantize_int8(w: Array, axis: int) -> tuple[Array, Array]:
