@@ -33,8 +33,13 @@ DATA = pathlib.Path(__file__).parent / "data"
 BYTES = DATA / "byte_lm"  # examples/language_model.py's checkpoint (1500 steps, its defaults)
 HELD_OUT = np.frombuffer((BYTES / "held_out.py.txt").read_bytes(), np.uint8).astype(np.int32)
 GATES = {"bfloat16": 1e-3, "int8 weights": 5e-3, "int8 cache": 5e-3, "int8 both": 5e-3}
-RNG = np.random.default_rng(0)
 DECODING = ["init_cache", "sample_prefill", "sample_step"]
+
+
+@pytest.fixture
+def rng():
+    """Each test's own random data, whatever ran before it."""
+    return np.random.default_rng(0)
 
 
 def _f64(a):
@@ -43,14 +48,14 @@ def _f64(a):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("lead", [(), (1,), (3,), (2, 5)])
-def test_a_half_precision_product_is_float64s_of_its_rounded_operands(dtype, lead):
-    x = jnp.asarray(RNG.standard_normal((*lead, 96)), jnp.float32)
-    w = jnp.asarray(RNG.standard_normal((96, 40)), dtype)
+def test_a_half_precision_product_is_float64s_of_its_rounded_operands(dtype, lead, rng):
+    x = jnp.asarray(rng.standard_normal((*lead, 96)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((96, 40)), dtype)
     want = _f64(x.astype(dtype)) @ _f64(w)  # the operands rounded, the sums exact
     got = products.project(x, w)
     assert got.dtype == jnp.float32 and got.shape == (*lead, 40)
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5)
-    table = jnp.asarray(RNG.standard_normal((40, 96)), dtype)  # a tied head's (vocab, d) table
+    table = jnp.asarray(rng.standard_normal((40, 96)), dtype)  # a tied head's (vocab, d) table
     got = products.project(x, table, jnp.float32, transposed=True)
     np.testing.assert_allclose(got, _f64(x.astype(dtype)) @ _f64(table).T, rtol=1e-5, atol=1e-5)
 
@@ -58,11 +63,11 @@ def test_a_half_precision_product_is_float64s_of_its_rounded_operands(dtype, lea
 @pytest.mark.parametrize("d", [64, 256, 768])  # one product; a block; three blocks of 256 rows
 @pytest.mark.parametrize("lead", [(), (1,), (4,)])
 @pytest.mark.parametrize("transposed", [False, True])
-def test_an_int8_product_is_float64s_of_its_dequantized_matrix(d, lead, transposed):
+def test_an_int8_product_is_float64s_of_its_dequantized_matrix(d, lead, transposed, rng):
     n = 600 if transposed else 24  # a table's rows: two blocks of 256 and the rest
-    q = RNG.integers(-127, 128, (n, d) if transposed else (d, n)).astype(np.int8)
-    scale = RNG.uniform(0.001, 0.02, (n, 1) if transposed else (1, n)).astype(np.float32)
-    x = jnp.asarray(RNG.standard_normal((*lead, d)), jnp.float32)
+    q = rng.integers(-127, 128, (n, d) if transposed else (d, n)).astype(np.int8)
+    scale = rng.uniform(0.001, 0.02, (n, 1) if transposed else (1, n)).astype(np.float32)
+    x = jnp.asarray(rng.standard_normal((*lead, d)), jnp.float32)
     weights = q.astype(np.float64) * scale.astype(np.float64)
     want = np.asarray(x, np.float64) @ (weights.T if transposed else weights)
     got = products.project_int8(x, jnp.asarray(q), jnp.asarray(scale), transposed=transposed)
@@ -112,9 +117,9 @@ def _reference_attention(layer, x, window):
 
 
 @pytest.mark.parametrize("window", [None, 3])  # a fixed cache; a ring that wraps
-def test_an_int8_cache_attends_as_float64_over_its_rounded_rows(getkey, window):
+def test_an_int8_cache_attends_as_float64_over_its_rounded_rows(getkey, window, rng):
     layer = MultiHeadSelfAttention(32, 4, getkey(), causal=True, window=window)
-    x = jnp.asarray(RNG.standard_normal((9, 32)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((9, 32)), jnp.float32)
     cache = precision.cache_in(layer.init_cache(12), "int8")
     assert cache.keys.dtype == jnp.int8 and cache.key_scale.shape == (4, window or 12, 1)
     y, cache = layer.prefill(x[:4], cache)
@@ -213,11 +218,11 @@ def test_a_quantized_bfloat16_model_saves_loads_generates_and_serves_alike(tmp_p
     assert list(stream_tokens(loaded, prompts[1], 12, kv_dtype="int8")) == want[1]
 
 
-def test_an_int8_cache_keeps_a_non_finite_key_visible():
+def test_an_int8_cache_keeps_a_non_finite_key_visible(rng):
     """A NaN or infinite key quantizes to a non-finite scale: the rows that see it are NaN, as
     with a float cache, never a finite row from a lost value."""
     layer = MultiHeadSelfAttention(16, 2, jax.random.PRNGKey(1), causal=True)
-    x = jnp.asarray(RNG.standard_normal((4, 16)), jnp.float32).at[1, 3].set(jnp.nan)
+    x = jnp.asarray(rng.standard_normal((4, 16)), jnp.float32).at[1, 3].set(jnp.nan)
     for kv in ("int8", None):
         y, _ = layer.prefill(x, precision.cache_in(layer.init_cache(6), kv))
         finite = np.isfinite(np.asarray(y)).all(axis=-1)
