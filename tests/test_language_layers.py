@@ -20,7 +20,14 @@ from dense_armor.nn.layers.language import (
     TokenIdError,
     ids_checked,
 )
-from dense_armor.nn.sampling import filter_logits, greedy, sample
+from dense_armor.nn.sampling import (
+    draw_rows,
+    draw_tokens,
+    filter_logits,
+    filter_rows,
+    greedy,
+    sample,
+)
 
 KEY = jax.random.PRNGKey(0)
 
@@ -205,6 +212,50 @@ def kept(**rules):
 )
 def test_each_rule_keeps_exactly_the_tokens_it_should(rules, keep):
     np.testing.assert_array_equal(kept(**rules), np.array(keep, bool))
+
+
+RULES_TABLE = [  # each rule and what it keeps (above), as rows of one batch
+    ({"top_k": 2}, [1, 1, 0, 0, 0]), ({"top_p": 0.75}, [1, 1, 1, 0, 0]),
+    ({"min_p": 0.25}, [1, 1, 1, 0, 0]), ({}, [1, 1, 1, 1, 1]),
+    ({"top_k": 4, "top_p": 0.8}, [1, 1, 1, 0, 0]), ({"top_p": 0.4, "min_p": 0.1}, [1, 0, 0, 0, 0]),
+]  # fmt: skip
+
+
+def _rows(rules_list, temperature=1.0):
+    """Per-row settings arrays (off: top-k 0, top-p 1, min-p 0)."""
+
+    def column(name, off, dtype):
+        return jnp.asarray([r.get(name, off) for r in rules_list], dtype)
+
+    t = jnp.asarray([r.get("temperature", temperature) for r in rules_list], jnp.float32)
+    return (t, column("top_k", 0, jnp.int32), column("top_p", 1.0, jnp.float32),
+            column("min_p", 0.0, jnp.float32))  # fmt: skip
+
+
+def test_each_row_keeps_what_its_own_rules_keep_in_one_batch():
+    rules = [r for r, _ in RULES_TABLE]
+    batch = jnp.tile(LOGITS, (len(rules), 1))
+    got = np.isfinite(np.asarray(jax.jit(filter_rows)(batch, *_rows(rules))))
+    np.testing.assert_array_equal(got, np.array([k for _, k in RULES_TABLE], bool))
+
+
+def test_per_row_rules_are_filter_logits_and_draw_tokens_bit_for_bit():
+    logits = jax.random.normal(jax.random.PRNGKey(3), (8, 300)) * 3
+    rules = [{"temperature": 0.0}, {}, {"temperature": 0.7, "top_k": 5},
+             {"temperature": 1.3, "top_p": 0.9}, {"temperature": 0.9, "top_k": 10, "top_p": 0.8,
+             "min_p": 0.05}, {"temperature": 2.0, "min_p": 0.1}, {"top_k": 1},
+             {"temperature": 0.5, "top_k": 400, "top_p": 0.5}]  # fmt: skip
+    rows = _rows(rules)
+    got = jax.jit(filter_rows)(logits, *rows)
+    for b, rule in enumerate(rules):
+        want = filter_logits(logits[b : b + 1], **rule)[0]
+        np.testing.assert_array_equal(np.asarray(got[b]), np.asarray(want), err_msg=str(rule))
+    numbers, positions = jnp.arange(8), jnp.arange(8) * 5 + 3
+    keys = jax.vmap(lambda n: jax.random.fold_in(KEY, n))(numbers)
+    for rule in rules:  # one rule for all: draw_tokens with the server's key
+        same = _rows([rule] * 8)
+        want = draw_tokens(logits, KEY, numbers, positions, **{"temperature": 1.0, **rule})
+        np.testing.assert_array_equal(draw_rows(logits, keys, positions, *same), want)
 
 
 def test_temperature_divides_the_logits():

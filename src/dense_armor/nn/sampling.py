@@ -28,7 +28,15 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .core import require_int, require_key, type_checked
 
-__all__ = ["check_sampling", "draw_tokens", "filter_logits", "greedy", "sample"]
+__all__ = [
+    "check_sampling",
+    "draw_rows",
+    "draw_tokens",
+    "filter_logits",
+    "filter_rows",
+    "greedy",
+    "sample",
+]
 
 
 def _real(value: Any) -> bool:
@@ -160,3 +168,77 @@ def draw_tokens(
         )
 
     return jax.vmap(draw)(logits, rows, positions)
+
+
+# Per-row rules: each row of a batch its own temperature, top-k, top-p, min-p and key, as arrays
+# (one compilation whatever the mix; a serving tick's slots). Each rule is the formula of
+# `filter_logits`, the same operations in the same order, applied where a row has it on.
+
+
+def _rows_top_k(logits: Array, top_k: Array) -> Array:
+    vocab = logits.shape[-1]
+    on = (top_k > 0) & (top_k < vocab)
+    descending = -jnp.sort(-logits, axis=-1)
+    kth = jnp.take_along_axis(descending, jnp.clip(top_k - 1, 0, vocab - 1)[:, None], axis=-1)
+    return jnp.where(on[:, None] & (logits < kth), -jnp.inf, logits)
+
+
+def _rows_top_p(logits: Array, top_p: Array) -> Array:
+    probs = _softmax(logits)
+    descending = -jnp.sort(-probs, axis=-1)
+    before = jnp.cumsum(descending, axis=-1) - descending
+    kept = jnp.where(before < top_p[:, None], descending, jnp.inf)
+    cut = probs < jnp.min(kept, axis=-1, keepdims=True)
+    return jnp.where((top_p < 1.0)[:, None] & cut, -jnp.inf, logits)
+
+
+def _rows_min_p(logits: Array, min_p: Array) -> Array:
+    probs = _softmax(logits)
+    floor = min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+    return jnp.where((min_p > 0.0)[:, None] & (probs < floor), -jnp.inf, logits)
+
+
+def _when_any(on: Array, rule: Any, logits: Array, setting: Array) -> Array:
+    """`rule(logits, setting)` if any row has the rule on, else `logits` (no sort for nothing)."""
+    return jax.lax.cond(jnp.any(on), rule, lambda x, _: x, logits, setting)
+
+
+def filter_rows(
+    logits: Float[Array, "B vocab"],
+    temperature: Float[Array, " B"],
+    top_k: Int[Array, " B"],
+    top_p: Float[Array, " B"],
+    min_p: Float[Array, " B"],
+) -> Float[Array, "B vocab"]:
+    """`filter_logits` with each row's own settings, arrays: `temperature` (`0` counts as 1),
+    `top_k` (`0` for off), `top_p` (`1` for off), `min_p` (`0` for off). A row's result is
+    `filter_logits` of that row with its settings, bit for bit."""
+    logits = logits.astype(jnp.float32)
+    t = temperature.astype(jnp.float32)[:, None]
+    logits = jnp.where(t > 0, logits / jnp.where(t > 0, t, 1.0), logits)
+    vocab = logits.shape[-1]
+    logits = _when_any((top_k > 0) & (top_k < vocab), _rows_top_k, logits, top_k)
+    logits = _when_any(top_p < 1.0, _rows_top_p, logits, top_p.astype(jnp.float32))
+    return _when_any(min_p > 0.0, _rows_min_p, logits, min_p.astype(jnp.float32))
+
+
+def draw_rows(
+    logits: Float[Array, "B vocab"],
+    keys: Array,
+    positions: Int[Array, " B"],
+    temperature: Float[Array, " B"],
+    top_k: Int[Array, " B"],
+    top_p: Float[Array, " B"],
+    min_p: Float[Array, " B"],
+) -> Int[Array, " B"]:
+    """The next token of each row with its own rules (`filter_rows`) and its own key: row `b`
+    drawn with `fold_in(keys[b], positions[b])` (`keys (B, 2)` uint32 key data), greedy where
+    its temperature is 0. `draw_tokens` with one key is this with `keys[b] = fold_in(key,
+    rows[b])`: the same tokens."""
+    kept = filter_rows(logits, temperature, top_k, top_p, min_p)
+
+    def draw(row_logits: Array, key: Array, position: Array) -> Array:
+        return jax.random.categorical(jax.random.fold_in(key, position), row_logits, axis=-1)
+
+    drawn = jax.vmap(draw)(kept, keys, positions).astype(jnp.int32)
+    return jnp.where(temperature == 0, greedy(logits), drawn)
