@@ -53,7 +53,7 @@ from dense_armor.nn.layers.language import (
 from dense_armor.nn.models.generation import generate
 from dense_armor.nn.models.language_model import TransformerLM
 from dense_armor.nn.sampling import greedy, sample
-from dense_armor.serving import Server
+from dense_armor.serving import QueueFull, Sampling, Server
 from dense_armor.sharded_checkpoint import ShardedCheckpoints, to_safetensors
 from dense_armor.train_step import Loss, make_train_step, next_token_loss
 from dense_armor.training import evaluate, fit
@@ -411,6 +411,13 @@ def resume_with_tuple_mixers(tmp):
     raise SystemExit("resumed")  # what the row expects: no "another model" refusal
 
 
+def _full_server():
+    """A server whose one queue place is taken."""
+    server = Server(TINY_LM, max_queue=1)
+    server.submit([1], 2)
+    return server
+
+
 # (id, action(tmp, capsys) or action(), exception type, regex its message must match)
 BAD = [
     # bools must be bools: "false" is a truthy string
@@ -753,6 +760,14 @@ BAD = [
     ("server-temperature-nan", lambda: Server(TINY_LM, temperature=float("nan"), key=KEY), ValueError, r"`temperature` must be a finite number >= 0 \(0 is greedy\); received `temperature=nan`"),
     ("server-prompt-a-string", lambda: Server(TINY_LM).submit("abc", 2), ValueError, r"Server.submit: prompt 0 must be a 1-D sequence of integer token ids; received shape \(\) dtype <U3"),
     ("server-max-new-tokens-a-string", lambda: Server(TINY_LM).submit([1], "2"), (TypeError, ValueError), r"Server.submit: `max_new_tokens` must be a positive integer; received `max_new_tokens='2'` \(str\)"),
+    ("server-max-queue-negative", lambda: Server(TINY_LM, max_queue=-1), ValueError, r"Server: `max_queue` must be an integer >= 0"),
+    ("server-max-queue-a-string", lambda: Server(TINY_LM, max_queue="8"), (TypeError, ValueError), r"`max_queue` must be an integer"),
+    ("sampling-top-p-above-one", lambda: Sampling(0.5, top_p=1.5), ValueError, r"`top_p` must be a number in \(0, 1\]"),
+    ("sampling-temperature-a-string", lambda: Sampling("0.5"), ValueError, r"`temperature` must be a finite number >= 0"),
+    ("sampling-top-k-a-float", lambda: Sampling(1.0, top_k=2.5), (TypeError, ValueError), r"`top_k` must be a positive integer"),
+    ("server-submit-key-not-a-key", lambda: Server(TINY_LM).submit([1], 2, key=3), TypeError, r"`key` must be a JAX PRNG key"),
+    ("server-submit-stop-outside-the-vocabulary", lambda: Server(TINY_LM).submit([1], 2, stop_tokens=[99]), ValueError, r"Server.submit: `stop_tokens` \(99,\) must lie in \[0, 16\)"),
+    ("server-queue-full", lambda: _full_server().submit([1], 2), QueueFull, r"Server.submit: 1 requests wait already \(max_queue=1\)"),
     ("server-run-on-an-empty-queue", lambda: next(Server(TINY_LM).run()), ValueError, r"Server.run: the queue is empty; `submit` requests"),
     ("generate-not-a-language-model", lambda: generate(MODEL, [[1]], 3), TypeError, r"generate: `model` must be a TransformerLM; received Sequential"),
     ("greedy-a-list", lambda: greedy([1.0, 2.0]), ShapeError, r"`logits`: expected Float"),

@@ -14,7 +14,7 @@ from dense_armor.checkpoint import ModelConfig, save_checkpoint
 from dense_armor.cli import main as cli
 from dense_armor.huggingface import import_hf
 from dense_armor.nn.models.generation import generate
-from dense_armor.serving import Server
+from dense_armor.serving import QueueFull, Sampling, Server
 from test_language_models import DATA, word_tokenizer
 
 # Prompts of lengths 1 to 21 (whole chunks of 4, and remainders) and the new tokens each asks.
@@ -97,6 +97,51 @@ def test_a_stop_token_ends_its_request_and_frees_the_slot(served):
     first = list(greedy[2, : NEW[2]]).index(stop) + 1
     np.testing.assert_array_equal(done[0].tokens, greedy[2, :first])
     assert done[0].reason == "stop" and done[0].tokens[-1] == stop
+
+
+def test_each_request_its_own_rules_and_key_in_one_compilation(served):
+    """A mix of greedy and sampled requests, each with its own rules and key, in one batch: each
+    equals its own `generate` (greedy: the solo tokens; a key: `generate([prompt], key=key)`,
+    row 0; the server's key: row `n`), and a new mix compiles nothing."""
+    _, model, _, prompts, greedy, sampled, sampling = served
+    own = {1: (Sampling(0.7, None, 0.9, 0.02), jax.random.PRNGKey(11)),
+           4: (Sampling(1.3, 5), jax.random.PRNGKey(12))}  # fmt: skip
+    server = Server(model, slots=3, capacity=32, key=KEY, chunk=4, **sampling)
+    rules = {0: Sampling(), 3: Sampling(), 6: Sampling()}  # greedy beside sampled ones
+    for n, prompt in enumerate(prompts):
+        rule, key = own.get(n, (rules.get(n), None))
+        server.submit(prompt, NEW[n], sampling=rule, key=key)
+    done = {c.number: c for c in server.run()}
+    for n in range(len(prompts)):
+        if n in own:
+            rule, key = own[n]
+            want = generate(model, [prompts[n]], NEW[n], key, temperature=rule.temperature,
+                            top_k=rule.top_k, top_p=rule.top_p, min_p=rule.min_p).tokens[0]  # fmt: skip
+        else:
+            want = (greedy if n in rules else sampled)[n, : NEW[n]]
+        np.testing.assert_array_equal(done[n].tokens, want, err_msg=str(n))
+    with Traces() as traces:  # another mix on the warm server
+        for n in (5, 2, 1):
+            server.submit(prompts[n], NEW[n], sampling=Sampling(0.5, 3, 0.8))
+        list(server.run())
+    assert traces.count == 0
+
+
+def test_cancel_drops_a_request_queued_or_in_a_slot_and_the_queue_is_bounded(served):
+    _, model, _, prompts, greedy, _, _ = served
+    server = Server(model, slots=1, capacity=32, chunk=4, max_queue=2)
+    server.submit(prompts[0], NEW[0], id="a")
+    server.submit(prompts[1], NEW[1], id="b")
+    with pytest.raises(QueueFull, match="max_queue=2"):
+        server.submit(prompts[2], NEW[2], id="c")
+    events = server.step()  # "a" takes the slot and feeds its prompt
+    assert server.busy == 1 and server.pending == 1 and all(e.id == "a" for e in events)
+    server.cancel("a")  # in a slot
+    server.cancel("b")  # queued
+    server.cancel("zzz")  # unknown: nothing
+    assert server.step() == [] and server.idle
+    done = server.serve([(prompts[2], NEW[2])])  # the slot serves on, exactly
+    np.testing.assert_array_equal(done[0].tokens, greedy[2, : NEW[2]])
 
 
 def test_the_cli_serves_json_lines_and_text_as_they_finish(tmp_path, capsys, served):

@@ -107,6 +107,12 @@ def _add_serve(commands: Any) -> None:
     se.add_argument("--slots", type=int, default=8, help="streams decoded together")
     se.add_argument("--capacity", type=int, help="cache slots per stream")
     se.add_argument("--chunk", type=int, default=16, help="prompt tokens per prefill call")
+    http = se.add_argument_group("HTTP (OpenAI's API; pip install 'dense-armor[serve]')")
+    http.add_argument("--http", action="store_true", help="serve HTTP instead of standard input")
+    http.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    http.add_argument("--port", type=int, default=8000, help="the port (0: a free one)")
+    http.add_argument("--max-queue", type=int, default=64, help="requests waiting at most (503)")
+    http.add_argument("--name", help="the model's name in requests (default: the directory's)")
     _add_sampling(se)
 
 
@@ -178,6 +184,8 @@ def _serve(args: argparse.Namespace) -> None:
     from .serving import Server, read_requests
 
     model, tokenizer = _language_model(args)
+    if args.http:
+        return _serve_http(args, model, tokenizer)
     where = str(args.input) if args.input else "standard input"
     lines = args.input.read_text().splitlines() if args.input else sys.stdin.read().splitlines()
     try:
@@ -201,6 +209,57 @@ def _serve(args: argparse.Namespace) -> None:
             print(json.dumps(answer), flush=True)
     except (ValueError, TypeError) as error:
         raise UsageError(str(error)) from None
+
+
+def _serve_http(args: argparse.Namespace, model: Any, tokenizer: Any) -> None:
+    """`serve --http`: the OpenAI-compatible server on the checkpoint's model; prints the URL it
+    listens on once it does."""
+    import jax
+
+    from .serving import Server
+
+    try:
+        from .serving.chat import ChatError, ChatTemplate
+        from .serving.http import create_app, serve_http
+    except ImportError as error:
+        raise UsageError(
+            f"serve --http needs the serve extra ({error.name} is missing): "
+            "pip install 'dense-armor[serve]'."
+        ) from None
+    if tokenizer is None:
+        raise UsageError(
+            f"serve --http needs a tokenizer: pass --tokenizer (none in {args.checkpoint})."
+        )
+    given = args.tokenizer
+    where = args.checkpoint if given is None else given if given.is_dir() else given.parent
+    try:
+        template = ChatTemplate.from_directory(where)  # beside the tokenizer
+    except ChatError:
+        template = None  # the chat endpoint answers 400: no template
+    try:
+        server = Server(
+            model, args.slots, args.capacity, jax.random.PRNGKey(args.seed),
+            chunk=args.chunk, kv_dtype=args.kv_dtype, max_queue=args.max_queue,
+        )  # fmt: skip
+    except (ValueError, TypeError) as error:
+        raise UsageError(str(error)) from None
+    warm = min(args.chunk + 1, server.capacity - 1)  # compile the prefill and the tick now,
+    if warm >= 1:  # before the first client waits for them
+        server.serve([([0] * warm, 1)])
+    name = args.name or args.checkpoint.resolve().name
+    app = create_app(server, tokenizer, name, template, _eos(args.checkpoint) + list(args.stop))
+    serve_http(app, args.host, args.port, lambda url: print(f"serving {name} on {url}", flush=True))
+
+
+def _eos(checkpoint: pathlib.Path) -> list[int]:
+    """The end-of-sequence ids of an imported checkpoint (its generation config's, else its
+    source config's): every HTTP request ends at them."""
+    for path in (checkpoint / "generation_config.json", checkpoint / "huggingface" / "config.json"):
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [eos] if isinstance(eos, int) else [int(e) for e in eos]
+    return []
 
 
 def _generate(args: argparse.Namespace) -> None:

@@ -1,0 +1,396 @@
+"""The serving engine: continuous batching of generation requests over a batch of cache slots.
+
+A `Server` holds `slots` streams of a `TransformerLM` (`init_streams(slots, capacity)`) and a
+queue of requests. Each `tick` is one compiled batched `step` of every slot with the sampling in
+the graph, each slot with its own rules and key (arrays: one compilation whatever the mix of
+requests); a slot whose request finished is `reset` to the next request's prompt, prefilled in
+chunks of `chunk` tokens into a fresh cache, while the other slots keep decoding. Every function
+compiles once, at the first request (the prefill for a chunk of `chunk` tokens, the admission of a
+prefilled cache into a slot, the tick), whatever the prompts' lengths and the order of arrival.
+
+`step()` runs one round (admissions, a tick) and returns what it produced: each request's new
+token, and its `Completion` when it finished (its new tokens, why it ended, its timings). `run()`
+repeats it until the queue is empty; `cancel(id)` drops a request, queued or in a slot, before
+the next tick. `submit` and `cancel` may be called from another thread while one thread steps.
+
+Each request is its own stream: its greedy tokens are those of `generate([prompt], ...)`. A
+sampled token at position `p` is drawn with `fold_in(request_key, p)`: a request with its own
+`key` draws as `generate([prompt], key=key)`; otherwise request `n` (its number in the order of
+submission) has `fold_in(key, n)`, the server's key, and draws as row `n` of `generate` with it.
+The tokens depend neither on the slot, nor on the other requests, nor on when they arrived.
+"""
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..nn.core import require_int, require_key
+from ..nn.layers.language import ids_checked
+from ..nn.models.generation import _prompts, check_kv_dtype, check_stop_tokens
+from ..nn.models.language_model import TransformerLM
+from ..nn.sampling import check_sampling
+from .compiled import admit, prefill, tick
+
+__all__ = ["Completion", "Event", "QueueFull", "Sampling", "Server"]
+
+
+class QueueFull(RuntimeError):
+    """`Server.submit` on a queue holding `max_queue` requests already."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """A request's sampling rules (`sample`'s): `temperature` (0: greedy), `top_k`, `top_p`,
+    `min_p` (each `None` for off). Checked when made."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+
+    def __post_init__(self) -> None:
+        check_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
+
+    def row(self) -> tuple[float, int, float, float]:
+        """The rules as one row of the tick's arrays (off: top-k 0, top-p 1, min-p 0)."""
+        k, p, m = self.top_k, self.top_p, self.min_p
+        return (
+            float(self.temperature), 0 if k is None else int(k),
+            1.0 if p is None else float(p), 0.0 if m is None else float(m),
+        )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """A finished request: `id` (its number in the order of submission, unless one was given),
+    `prompt` and the new `tokens` (int32 arrays), `reason` ("stop": it generated a stop token,
+    the last of `tokens`; "length": `max_new_tokens` of them), and its timings in
+    `time.perf_counter()` seconds."""
+
+    id: Any
+    number: int
+    prompt: np.ndarray
+    tokens: np.ndarray
+    reason: str
+    submitted: float
+    admitted: float
+    first_token: float
+    finished: float
+
+    @property
+    def time_to_first_token(self) -> float:
+        """Seconds from submission to the first new token (the wait for a slot included)."""
+        return self.first_token - self.submitted
+
+    @property
+    def latency(self) -> float:
+        """Seconds from submission to the last token."""
+        return self.finished - self.submitted
+
+
+@dataclasses.dataclass
+class _Request:
+    id: Any
+    number: int
+    prompt: np.ndarray
+    max_new_tokens: int
+    submitted: float
+    rules: tuple[float, int, float, float]
+    key: np.ndarray  # (2,) uint32: the request's key data, `fold_in`ed with each position
+    stop_tokens: frozenset[int]
+
+
+@dataclasses.dataclass
+class _Slot:
+    """A slot's request and where it stands: `fed` of its prompt's tokens are in the cache, then
+    `tokens` it generated."""
+
+    request: _Request
+    fed: int
+    admitted: float
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    first_token: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """What one `step` produced for a request: its new `token`, and its `completion` when the
+    token ended it (else None)."""
+
+    id: Any
+    token: int
+    completion: Completion | None
+
+
+def _key_data(key: jax.Array) -> jax.Array:
+    """A key's raw data (uint32), for a typed key or a legacy `PRNGKey`."""
+    return jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+
+
+@jax.jit
+def _request_key(key: jax.Array, number: jax.Array) -> jax.Array:
+    return jax.random.fold_in(key, number)
+
+
+class Server:
+    """Continuous batching of generation requests over `slots` cache slots.
+
+    **Arguments:** `model` (a `TransformerLM`), `slots` (streams decoded together, default 8),
+    `capacity` (cache slots per stream: a request's prompt and new tokens must fit; default the
+    learned positions' `max_len`, else 256), `key` (the requests' keys derive from it unless
+    given their own), the default sampling rules of the requests (`temperature`, `top_k`,
+    `top_p`, `min_p`, as `generate`'s), `stop_tokens` (every request's), `chunk` (the prefill's
+    chunk of prompt tokens, default 16: a prompt's whole chunks go through one compiled
+    `prefill` each, the rest through the ticks), `kv_dtype` (the caches' keys and values in
+    another dtype, `"int8"` for a quarter of float32's memory: see `TransformerLM.init_cache`)
+    and `max_queue` (requests waiting for a slot at most; `submit` past it raises `QueueFull`;
+    default unbounded).
+
+    `submit(prompt, max_new_tokens)` queues a request (its own `sampling`, `key` and
+    `stop_tokens` if given); `run()` serves the queue, yielding each `Completion` as it
+    finishes; `serve(requests)` does both for `(prompt, max_new_tokens)` pairs and returns the
+    completions in the order of submission; `step()` is one round, `cancel(id)` drops a request.
+    """
+
+    def __init__(
+        self,
+        model: TransformerLM,
+        slots: int = 8,
+        capacity: int | None = None,
+        key: jax.Array | None = None,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        stop_tokens: Sequence[int] = (),
+        chunk: int = 16,
+        kv_dtype: str | None = None,
+        max_queue: int | None = None,
+    ) -> None:
+        if not isinstance(model, TransformerLM):
+            raise TypeError(
+                f"Server: `model` must be a TransformerLM; received {type(model).__name__}."
+            )
+        require_int(1, caller="Server", slots=slots, chunk=chunk)
+        if max_queue is not None:
+            require_int(0, caller="Server", max_queue=max_queue)
+        self.model, self.slots, self.chunk = model, int(slots), int(chunk)
+        self.capacity = _capacity(model, capacity)
+        self.sampling = Sampling(temperature, top_k, top_p, min_p)
+        check_kv_dtype("Server", kv_dtype)
+        if temperature != 0:
+            require_key(key)
+        self.kv_dtype, self.max_queue = kv_dtype, max_queue
+        self.stop_tokens = check_stop_tokens("Server", model, stop_tokens)
+        self.key = _key_data(jax.random.PRNGKey(0) if key is None else key)
+        self._queue: collections.deque[_Request] = collections.deque()
+        self._lock = threading.Lock()
+        self._cancelled: set[Any] = set()
+        self._active: list[_Slot | None] = [None] * self.slots
+        self._submitted = 0
+        self._caches: Any = None
+        self._fresh: Any = None
+
+    def submit(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        id: Any = None,
+        *,
+        sampling: Sampling | None = None,
+        key: jax.Array | None = None,
+        stop_tokens: Sequence[int] | None = None,
+    ) -> Any:
+        """Queue a request; its `id` (default: its number in the order of submission). Its own
+        `sampling` rules, `key` (its tokens those of `generate([prompt], key=key)`) and
+        `stop_tokens` replace the server's if given."""
+        (padded,), lengths = _prompts(self.model, [prompt], caller="Server.submit")
+        require_int(1, caller="Server.submit", max_new_tokens=max_new_tokens)
+        needed = int(lengths[0]) + int(max_new_tokens)
+        if needed > self.capacity:
+            raise ValueError(
+                f"Server.submit: the prompt ({int(lengths[0])} tokens) and `max_new_tokens="
+                f"{max_new_tokens}` need {needed} cache slots; each slot holds "
+                f"capacity={self.capacity}."
+            )
+        rules = (self.sampling if sampling is None else sampling).row()
+        stops = self.stop_tokens if stop_tokens is None else check_stop_tokens(
+            "Server.submit", self.model, stop_tokens
+        )  # fmt: skip
+        if key is not None:
+            require_key(key)
+        with self._lock:
+            if self.max_queue is not None and len(self._queue) >= self.max_queue:
+                raise QueueFull(
+                    f"Server.submit: {len(self._queue)} requests wait already "
+                    f"(max_queue={self.max_queue})."
+                )
+            number = self._submitted
+            self._submitted += 1
+            base, index = (self.key, number) if key is None else (_key_data(key), 0)
+            request = _Request(
+                number if id is None else id, number, padded, int(max_new_tokens),
+                time.perf_counter(), rules, np.asarray(_request_key(base, index)),
+                frozenset(stops),
+            )  # fmt: skip
+            self._queue.append(request)
+        return request.id
+
+    def cancel(self, id: Any) -> None:
+        """Drop request `id`, queued or in a slot (freed before the next tick); nothing if it
+        finished or is unknown."""
+        with self._lock:
+            self._cancelled.add(id)
+
+    @property
+    def pending(self) -> int:
+        """Requests waiting for a slot."""
+        return len(self._queue)
+
+    @property
+    def busy(self) -> int:
+        """Slots serving a request."""
+        return sum(slot is not None for slot in self._active)
+
+    @property
+    def idle(self) -> bool:
+        """True when no request waits and no slot is busy."""
+        return not self._queue and self.busy == 0
+
+    def serve(self, requests: Iterable[tuple[Sequence[int], int]]) -> list[Completion]:
+        """Submit `(prompt, max_new_tokens)` pairs, serve them all: their completions in the
+        order of submission."""
+        numbers = [self.submit(prompt, n) for prompt, n in requests]
+        done = {c.id: c for c in self.run()}
+        return [done[n] for n in numbers]
+
+    def run(self) -> Iterator[Completion]:
+        """Serve the queue until it is empty and every slot idle, yielding each `Completion` as
+        it finishes. Requests submitted meanwhile (from another thread, or between two
+        completions) join the batch as slots free up."""
+        if self.idle:
+            raise ValueError(
+                "Server.run: the queue is empty; `submit` requests (prompt, max_new_tokens) first."
+            )
+        while not self.idle:
+            for event in self.step():
+                if event.completion is not None:
+                    yield event.completion
+
+    def step(self) -> list[Event]:
+        """One round: drop cancelled requests, admit queued ones into free slots, one tick of
+        every slot. Each request's new token (none for a slot still feeding its prompt) as an
+        `Event`, with its `Completion` if it finished."""
+        self._drop_cancelled()
+        if self._caches is None:
+            kv = self.kv_dtype
+            self._fresh = self.model.init_cache(self.capacity, on_overflow="nan", kv_dtype=kv)
+            self._caches = self.model.init_streams(
+                self.slots, self.capacity, on_overflow="nan", kv_dtype=kv
+            )
+        for i in range(self.slots):
+            if self._active[i] is None:
+                with self._lock:
+                    request = self._queue.popleft() if self._queue else None
+                if request is not None:
+                    self._active[i] = self._admit(i, request)
+        if self.busy == 0:
+            return []
+        with ids_checked():  # prompts were checked by `submit`; the rest are sampled ids
+            chosen, self._caches = tick(self.model, self._caches, *self._inputs())
+        return self._advance(np.asarray(chosen), time.perf_counter())
+
+    def _drop_cancelled(self) -> None:
+        with self._lock:
+            gone, self._cancelled = self._cancelled, set()
+            if gone:
+                self._queue = collections.deque(r for r in self._queue if r.id not in gone)
+        for i, slot in enumerate(self._active):
+            if slot is not None and slot.request.id in gone:
+                self._active[i] = None
+
+    def _inputs(self) -> tuple[jax.Array, ...]:
+        """The tick's arrays: each slot's token, the position of the token its logits choose,
+        its key and its rules (an idle slot steps on token 0, greedy; its output is unused)."""
+        slots = self.slots
+        tokens, positions = np.zeros(slots, np.int32), np.zeros(slots, np.int32)
+        keys = np.zeros((slots, 2), np.uint32)
+        rules = np.zeros((slots, 4), np.float64)
+        rules[:, 2] = 1.0
+        for i, slot in enumerate(self._active):
+            if slot is None:
+                continue
+            r = slot.request
+            if slot.fed < len(r.prompt):  # still feeding its prompt
+                tokens[i], positions[i] = r.prompt[slot.fed], slot.fed + 1
+            else:
+                tokens[i], positions[i] = slot.tokens[-1], slot.fed + len(slot.tokens)
+            keys[i], rules[i] = r.key, r.rules
+        return (
+            jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(keys),
+            jnp.asarray(rules[:, 0], jnp.float32), jnp.asarray(rules[:, 1], jnp.int32),
+            jnp.asarray(rules[:, 2], jnp.float32), jnp.asarray(rules[:, 3], jnp.float32),
+        )  # fmt: skip
+
+    def _advance(self, chosen: np.ndarray, now: float) -> list[Event]:
+        events = []
+        for i, slot in enumerate(self._active):
+            if slot is None:
+                continue
+            r = slot.request
+            if slot.fed < len(r.prompt):
+                slot.fed += 1
+                if slot.fed < len(r.prompt):
+                    continue  # the logits of a prompt token that another one follows
+            if not slot.tokens:
+                slot.first_token = now
+            token = int(chosen[i])
+            slot.tokens.append(token)
+            stopped = token in r.stop_tokens
+            done = None
+            if stopped or len(slot.tokens) == r.max_new_tokens:
+                self._active[i] = None
+                done = self._completion(slot, "stop" if stopped else "length", now)
+            events.append(Event(r.id, token, done))
+        return events
+
+    def _admit(self, i: int, request: _Request) -> _Slot:
+        """Slot `i` reset to `request`'s prompt: its whole chunks but the last token prefilled
+        into a fresh cache (the ticks feed the rest, the last token's logits giving the first
+        new token)."""
+        admitted = time.perf_counter()
+        prompt, chunk = request.prompt, self.chunk
+        whole = (len(prompt) - 1) // chunk
+        cache = self._fresh
+        for c in range(whole):
+            with ids_checked():  # checked by `submit`
+                cache = prefill(self.model, jnp.asarray(prompt[c * chunk : (c + 1) * chunk]), cache)
+        self._caches = admit((jnp.arange(self.slots) == i, cache), self._caches)
+        return _Slot(request, whole * chunk, admitted)
+
+    def _completion(self, slot: _Slot, reason: str, now: float) -> Completion:
+        r = slot.request
+        return Completion(
+            r.id, r.number, r.prompt, np.array(slot.tokens, np.int32), reason, r.submitted,
+            slot.admitted, slot.first_token, now,
+        )  # fmt: skip
+
+
+def _capacity(model: TransformerLM, capacity: int | None) -> int:
+    end = model.positions_end
+    capacity = (end or 256) if capacity is None else capacity
+    require_int(1, caller="Server", capacity=capacity)
+    if end is not None and capacity > end:
+        raise ValueError(
+            f"Server: `capacity={capacity}` passes the model's positions, which end at {end} "
+            "(its learned positions' max_len, or LongRoPE's pretrained length)."
+        )
+    return int(capacity)

@@ -1,0 +1,386 @@
+"""An OpenAI-compatible HTTP server on the serving engine (the `serve` extra: Starlette, uvicorn,
+jinja2, prometheus-client).
+
+`create_app(server, tokenizer, name)` is an ASGI application with `POST /v1/completions`,
+`POST /v1/chat/completions`, `GET /v1/models`, `GET /health` and `GET /metrics` (Prometheus
+text). One thread steps the `Server` while it has work; each request waits on its own queue of
+the engine's events, decoded into text by a `TextStream` (whole characters only, stop strings cut
+across token boundaries). A client that disconnects, streaming or not, has its request cancelled:
+its slot is free before the next tick. `serve_http(...)` runs the application with uvicorn.
+"""
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import jax
+
+from .chat import ChatError, ChatTemplate
+from .engine import QueueFull, Sampling, Server
+from .metrics import Metrics
+from .protocol import ApiError, Ask, chunk, error_body, parse_chat, parse_completion, response
+from .text import TextStream
+
+__all__ = ["create_app", "serve_http"]
+
+
+class _Failed:
+    """The engine's step raised: every request in flight ends with this message."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+class Engine:
+    """The thread that steps `server` and hands each request its events (on the event loop)."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="dense-armor-engine", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self,
+        request_id: str,
+        prompt: list[int],
+        max_new: int,
+        sampling: Sampling,
+        key: Any,
+        stops: list[int],
+    ) -> "asyncio.Queue[Any]":
+        """Queue a request; the queue its events arrive on. `QueueFull` past the bound."""
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        with self._lock:
+            self._queues[request_id] = (asyncio.get_running_loop(), queue)
+        try:
+            self.server.submit(
+                prompt, max_new, request_id, sampling=sampling, key=key, stop_tokens=stops
+            )
+        except BaseException:
+            with self._lock:
+                self._queues.pop(request_id, None)
+            raise
+        self._wake.set()
+        return queue
+
+    def cancel(self, request_id: str) -> None:
+        """Drop a request (its slot free before the next tick); nothing if it finished."""
+        with self._lock:
+            known = self._queues.pop(request_id, None) is not None
+        if known:
+            self.server.cancel(request_id)
+            self._wake.set()
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._queues)
+
+    def close(self) -> None:
+        self._closing = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self._closing:
+            if self.server.idle:
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                continue
+            try:
+                events: list[Any] = self.server.step()
+            except Exception as error:  # the model failed: every request in flight ends
+                events = self._fail(f"{type(error).__name__}: {error}")
+            for event in events:
+                self._deliver(event)
+
+    def _deliver(self, event: Any) -> None:
+        """Hand an `Event` (or a `(request id, _Failed)` pair) to its request's queue; the
+        request's entry goes with its last event."""
+        if isinstance(event, tuple):
+            request_id, item, last = event[0], event[1], True
+        else:
+            request_id, item, last = event.id, event, event.completion is not None
+        with self._lock:
+            entry = self._queues.pop(request_id, None) if last else self._queues.get(request_id)
+        if entry is not None:
+            loop, queue = entry
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def _fail(self, message: str) -> list[Any]:
+        with self._lock:
+            ids = list(self._queues)
+        for request_id in ids:
+            self.server.cancel(request_id)
+        return [(request_id, _Failed(message)) for request_id in ids]
+
+
+def create_app(
+    server: Server,
+    tokenizer: Any,
+    name: str,
+    chat_template: ChatTemplate | None = None,
+    eos: list[int] | None = None,
+) -> Any:
+    """The ASGI application serving `server`'s model as `name` (see the module); `tokenizer`
+    decodes and encodes text, `chat_template` renders chats (none: the chat endpoint answers
+    400), `eos` the token ids that end every request (with each request's `stop_token_ids`)."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.routing import Route
+
+    engine = Engine(server)
+    metrics = Metrics(server, engine)
+    vocab = server.model.vocab
+    ends = list(eos or [])
+
+    def failure(error: ApiError) -> JSONResponse:
+        metrics.refused(error.status)
+        return JSONResponse(error_body(error), status_code=error.status)
+
+    async def complete(request: Request, chat: bool) -> Any:
+        try:
+            ask = _parse(await request.body(), chat, vocab, name)
+            prompt = _prompt_ids(ask, tokenizer, chat_template)
+            sampling, key, max_new = _rules(ask, len(prompt), server.capacity)
+            queue = engine.submit(
+                ask.id, prompt, max_new, sampling, key, sorted(set(ends + ask.stop_token_ids))
+            )
+        except ApiError as error:
+            return failure(error)
+        except QueueFull as error:
+            return failure(ApiError(str(error), None, 503, "server_overloaded", "queue_full"))
+        run = _Run(ask, prompt, queue, TextStream(tokenizer, ask.stop), engine, metrics)
+        if ask.stream:
+            return StreamingResponse(run.events(), media_type="text/event-stream")
+        answer = await run.whole(request)
+        if answer is None:  # the client left
+            return PlainTextResponse("", status_code=499)
+        if isinstance(answer, ApiError):
+            return failure(answer)
+        return JSONResponse(answer)
+
+    async def completions(request: Request) -> Any:
+        return await complete(request, chat=False)
+
+    async def chat_completions(request: Request) -> Any:
+        return await complete(request, chat=True)
+
+    async def models(request: Request) -> Any:
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [{"id": name, "object": "model", "created": 0, "owned_by": "dense_armor"}],
+            }
+        )
+
+    async def health(request: Request) -> Any:
+        return JSONResponse({"status": "ok", "queued": server.pending, "busy": server.busy})
+
+    async def scrape(request: Request) -> Any:
+        return PlainTextResponse(metrics.text(), media_type=metrics.content_type)
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", scrape, methods=["GET"]),
+    ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        yield
+        engine.close()
+
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.engine, app.state.metrics = engine, metrics
+    return app
+
+
+def _parse(raw: bytes, chat: bool, vocab: int, name: str) -> Ask:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ApiError(f"the request body is not JSON: {error}.") from None
+    ask = (parse_chat if chat else parse_completion)(body, vocab)
+    if ask.model != name:
+        raise ApiError(
+            f"the model `{ask.model}` does not exist; this server serves `{name}`.",
+            "model",
+            404,
+            "not_found_error",
+            "model_not_found",
+        )
+    return ask
+
+
+def _prompt_ids(ask: Ask, tokenizer: Any, template: ChatTemplate | None) -> list[int]:
+    if ask.chat:
+        if template is None:
+            raise ApiError("this model has no chat template: use /v1/completions.", "messages")
+        try:
+            text = template.render(ask.messages or [], add_generation_prompt=True)
+        except ChatError as error:
+            raise ApiError(str(error), "messages") from None
+        return list(tokenizer.encode(text, add_special_tokens=False).ids)
+    if isinstance(ask.prompt, list):
+        return list(ask.prompt)
+    return list(tokenizer.encode(ask.prompt).ids)
+
+
+def _rules(ask: Ask, prompt: int, capacity: int) -> tuple[Sampling, Any, int]:
+    """The request's sampling rules, key (its seed's, else None) and new tokens."""
+    room = capacity - prompt
+    if room < 1:
+        raise ApiError(
+            f"the prompt ({prompt} tokens) leaves no room in the context ({capacity} tokens).",
+            "prompt",
+        )
+    max_new = room if ask.max_tokens is None else ask.max_tokens
+    if max_new > room:
+        name = "max_tokens"
+        raise ApiError(
+            f"the prompt ({prompt} tokens) and `{name}={max_new}` pass the context "
+            f"({capacity} tokens).",
+            name,
+        )
+    sampling = Sampling(ask.temperature, ask.top_k, ask.top_p, ask.min_p)
+    key = None if ask.seed is None else jax.random.PRNGKey(ask.seed)
+    return sampling, key, max_new
+
+
+class _Run:
+    """One request's answer as it is generated: whole, or as server-sent events."""
+
+    def __init__(
+        self,
+        ask: Ask,
+        prompt: list[int],
+        queue: "asyncio.Queue[Any]",
+        text: TextStream,
+        engine: Engine,
+        metrics: Metrics,
+    ) -> None:
+        self.ask, self.prompt, self.queue, self.text = ask, prompt, queue, text
+        self.engine, self.metrics = engine, metrics
+        self.generated, self.started = 0, time.perf_counter()
+        self.first: float | None = None
+
+    async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
+        """`(new text, finish reason or None)` as tokens arrive; ends after the reason."""
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, _Failed):
+                raise RuntimeError(item.message)
+            self.generated += 1
+            self.metrics.token()
+            if self.first is None:
+                self.first = time.perf_counter()
+                self.metrics.first_token(self.first - self.started)
+            piece = self.text.push(item.token)
+            if self.text.stopped:  # a stop string: the request ends here
+                self.engine.cancel(self.ask.id)
+                yield piece, "stop"
+                return
+            if item.completion is not None:
+                yield piece + self.text.finish(), item.completion.reason
+                return
+            yield piece, None
+
+    def _finished(self) -> None:
+        self.metrics.finished(time.perf_counter() - self.started)
+
+    async def whole(self, request: Any) -> dict[str, Any] | ApiError | None:
+        """The whole answer; None if the client disconnected first."""
+
+        async def collect() -> tuple[str, str]:
+            parts, reason = [], "length"
+            async for piece, end in self.pieces():
+                parts.append(piece)
+                reason = end or reason
+            return "".join(parts), reason
+
+        done = await _unless_disconnected(request, collect())
+        if done is None:
+            self.engine.cancel(self.ask.id)
+            return None
+        if isinstance(done, BaseException):
+            return ApiError(f"generation failed: {done}", None, 500, "server_error")
+        self._finished()
+        text, reason = done
+        return response(self.ask, text, reason, (len(self.prompt), self.generated))
+
+    async def events(self) -> AsyncIterator[str]:
+        """Server-sent events: the role first (a chat), text chunks, the end, the usage if
+        asked, `[DONE]`; an error event then `[DONE]` if generation fails."""
+        ask = self.ask
+        try:
+            if ask.chat:
+                yield _sse(chunk(ask, None, role=True))
+            try:
+                async for piece, reason in self.pieces():
+                    if piece:
+                        yield _sse(chunk(ask, piece))
+                    if reason is not None:
+                        yield _sse(chunk(ask, None, reason))
+            except RuntimeError as error:
+                yield _sse(
+                    error_body(ApiError(f"generation failed: {error}", None, 500, "server_error"))
+                )
+                yield "data: [DONE]\n\n"
+                return
+            self._finished()
+            if ask.include_usage:
+                yield _sse(chunk(ask, None, counts=(len(self.prompt), self.generated)))
+            yield "data: [DONE]\n\n"
+        finally:  # a client that left mid-stream (the generator closed): free its slot
+            self.engine.cancel(ask.id)
+
+
+def _sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def _unless_disconnected(request: Any, work: Any) -> Any:
+    """`work`'s result, or None if the client disconnects first (an exception is returned)."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(gone())
+    done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    if task not in done:
+        task.cancel()
+        return None
+    watch.cancel()
+    error = task.exception()
+    return error if error is not None else task.result()
+
+
+def serve_http(app: Any, host: str, port: int, announce: Callable[[str], None]) -> None:
+    """Run `app` with uvicorn on `host:port` (0: a free port), calling `announce` with its URL
+    once the socket listens."""
+    import socket
+
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    bound = sock.getsockname()[1]
+    announce(f"http://{host}:{bound}")
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])

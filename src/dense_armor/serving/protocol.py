@@ -1,0 +1,284 @@
+"""OpenAI's completions and chat completions protocol: requests checked into `Ask`s, and the
+response, chunk and error objects.
+
+Every field a request may hold is checked by type and range, and a bad one is an `ApiError`
+naming it (`param`), which the HTTP application answers with OpenAI's error object and a 400.
+What is not built is refused the same way, never ignored: `n` above 1, `logprobs`, `echo`,
+`best_of` above 1, penalties, `logit_bias`, `suffix`, tools and non-text response formats.
+Fields no rule reads (`user`, `metadata`, ...) are accepted and ignored, as OpenAI's server does.
+"""
+
+import dataclasses
+import math
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["ApiError", "Ask", "chunk", "error_body", "parse_chat", "parse_completion", "response"]
+
+MAX_STOPS = 16  # stop strings per request (OpenAI allows 4; vLLM more)
+
+
+class ApiError(Exception):
+    """A request refused: the HTTP `status`, OpenAI's error `type`, the field (`param`)."""
+
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.kind, self.code = (
+            message,
+            param,
+            status,
+            kind,
+            code,
+        )
+
+
+def error_body(error: ApiError) -> dict[str, Any]:
+    """OpenAI's error object for `error`."""
+    return {
+        "error": {
+            "message": error.message,
+            "type": error.kind,
+            "param": error.param,
+            "code": error.code,
+        }
+    }
+
+
+@dataclasses.dataclass
+class Ask:
+    """A checked request: `prompt` (text, or token ids), or `messages` for a chat."""
+
+    chat: bool
+    model: str
+    prompt: str | list[int] | None
+    messages: list[dict[str, Any]] | None
+    max_tokens: int | None
+    temperature: float
+    top_p: float | None
+    top_k: int | None
+    min_p: float | None
+    seed: int | None
+    stop: list[str]
+    stop_token_ids: list[int]
+    stream: bool
+    include_usage: bool
+    id: str = dataclasses.field(default_factory=lambda: secrets.token_hex(12))
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _integer(body: Mapping[str, Any], name: str, low: int, default: Any = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_int(value) or value < low:
+        raise ApiError(f"`{name}` must be an integer >= {low}; received {value!r}.", name)
+    return value
+
+
+def _number(
+    body: Mapping[str, Any],
+    name: str,
+    low: float,
+    high: float,
+    default: Any,
+    open_low: bool = False,
+) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    bad = not _is_number(value) or value > high or (value <= low if open_low else value < low)
+    if bad:
+        span = f"({low}, {high}]" if open_low else f"[{low}, {high}]"
+        raise ApiError(f"`{name}` must be a number in {span}; received {value!r}.", name)
+    return float(value)
+
+
+def _refused(body: Mapping[str, Any]) -> None:
+    """The fields whose features are not built, refused unless at their neutral value."""
+    neutral: dict[str, tuple[Any, ...]] = {
+        "n": (None, 1),
+        "best_of": (None, 1),
+        "echo": (None, False),
+        "logprobs": (None, False),
+        "top_logprobs": (None, 0),
+        "presence_penalty": (None, 0, 0.0),
+        "frequency_penalty": (None, 0, 0.0),
+        "logit_bias": (None, {}),
+        "suffix": (None, ""),
+        "tools": (None, []),
+        "tool_choice": (None, "none"),
+    }
+    for name, allowed in neutral.items():
+        value = body.get(name)
+        if not any(value == a and type(value) is type(a) for a in allowed):
+            raise ApiError(
+                f"`{name}={value!r}` is not supported by this server (only the default).", name
+            )
+    form = body.get("response_format")
+    if form is not None and (not isinstance(form, Mapping) or form.get("type") != "text"):
+        raise ApiError('only `response_format` {"type": "text"} is supported.', "response_format")
+
+
+def _stops(body: Mapping[str, Any], vocab: int) -> tuple[list[str], list[int]]:
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop
+    if stops is None:
+        stops = []
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise ApiError("`stop` must be a non-empty string or a list of them.", "stop")
+    if len(stops) > MAX_STOPS:
+        raise ApiError(f"`stop` holds at most {MAX_STOPS} strings; received {len(stops)}.", "stop")
+    ids = body.get("stop_token_ids") or []
+    if not isinstance(ids, list) or not all(_is_int(i) and 0 <= i < vocab for i in ids):
+        raise ApiError(
+            f"`stop_token_ids` must be a list of token ids in [0, {vocab}).", "stop_token_ids"
+        )
+    return stops, ids
+
+
+def _common(body: Any, chat: bool, vocab: int) -> dict[str, Any]:
+    if not isinstance(body, Mapping):
+        raise ApiError("the request body must be a JSON object.")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError("`model` must be a non-empty string (GET /v1/models lists them).", "model")
+    _refused(body)
+    top_k = _integer(body, "top_k", -1)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(f"`stream` must be true or false; received {stream!r}.", "stream")
+    options = body.get("stream_options") or {}
+    usage = options.get("include_usage", False) if isinstance(options, Mapping) else None
+    if not isinstance(usage, bool):
+        raise ApiError(
+            "`stream_options` must be an object with a boolean `include_usage`.", "stream_options"
+        )
+    stop, stop_ids = _stops(body, vocab)
+    name = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    return dict(
+        chat=chat,
+        model=model,
+        max_tokens=_integer(body, name, 1),
+        temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
+        top_p=_number(body, "top_p", 0.0, 1.0, None, open_low=True),
+        top_k=None if top_k in (None, -1, 0) else top_k,
+        min_p=_number(body, "min_p", 0.0, 1.0, None),
+        seed=_integer(body, "seed", 0),
+        stop=stop,
+        stop_token_ids=stop_ids,
+        stream=stream,
+        include_usage=usage,
+    )
+
+
+def parse_completion(body: Any, vocab: int) -> Ask:
+    """A `POST /v1/completions` body as an `Ask` (`ApiError` for a bad field)."""
+    fields = _common(body, False, vocab)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list):
+        if not prompt or not all(_is_int(i) and 0 <= i < vocab for i in prompt):
+            raise ApiError(
+                f"`prompt` must be a string or a non-empty list of token ids in [0, {vocab}) "
+                "(one prompt per request).",
+                "prompt",
+            )
+    elif not isinstance(prompt, str) or not prompt:
+        raise ApiError("`prompt` must be a non-empty string or a list of token ids.", "prompt")
+    return Ask(prompt=prompt, messages=None, **fields)
+
+
+def parse_chat(body: Any, vocab: int) -> Ask:
+    """A `POST /v1/chat/completions` body as an `Ask` (`ApiError` for a bad field)."""
+    fields = _common(body, True, vocab)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("`messages` must be a non-empty list of messages.", "messages")
+    return Ask(prompt=None, messages=[_message(m, i) for i, m in enumerate(messages)], **fields)
+
+
+def _message(message: Any, i: int) -> dict[str, Any]:
+    where = f"messages[{i}]"
+    if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+        raise ApiError(f"`{where}` must be an object with a string `role`.", where)
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: text only
+        if not all(
+            isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content
+        ):
+            raise ApiError(f"`{where}.content` parts must be text parts.", f"{where}.content")
+        content = "".join(p["text"] for p in content)
+    if content is not None and not isinstance(content, str):
+        raise ApiError(f"`{where}.content` must be a string or text parts.", f"{where}.content")
+    return {**message, "content": content}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def response(ask: Ask, text: str, reason: str, counts: Sequence[int]) -> dict[str, Any]:
+    """The whole answer to `ask`: `text`, why it ended, `counts` (prompt, completion tokens)."""
+    if ask.chat:
+        choice: dict[str, Any] = {"message": {"role": "assistant", "content": text}}
+        head = {"id": f"chatcmpl-{ask.id}", "object": "chat.completion"}
+    else:
+        choice = {"text": text}
+        head = {"id": f"cmpl-{ask.id}", "object": "text_completion"}
+    return {
+        **head,
+        "created": ask.created,
+        "model": ask.model,
+        "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": reason}],
+        "usage": usage(*counts),
+    }
+
+
+def chunk(
+    ask: Ask,
+    text: str | None,
+    reason: str | None = None,
+    role: bool = False,
+    counts: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """One streamed chunk: new `text`, or the role (a chat's first), or the end (`reason`), or
+    the usage alone (`counts`, no choices)."""
+    if ask.chat:
+        head = {"id": f"chatcmpl-{ask.id}", "object": "chat.completion.chunk"}
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+        if text:
+            delta["content"] = text
+        choice: dict[str, Any] = {"delta": delta}
+    else:
+        head = {"id": f"cmpl-{ask.id}", "object": "text_completion"}
+        choice = {"text": text or ""}
+    body: dict[str, Any] = {**head, "created": ask.created, "model": ask.model}
+    if counts is not None:
+        return {**body, "choices": [], "usage": usage(*counts)}
+    body["choices"] = [{"index": 0, **choice, "logprobs": None, "finish_reason": reason}]
+    if ask.include_usage:
+        body["usage"] = None
+    return body

@@ -1,0 +1,413 @@
+"""The OpenAI-compatible HTTP server, through the official `openai` client against a real uvicorn
+process on 127.0.0.1 (`dense-armor serve --http`), serving the trained byte model of
+examples/language_model.py with the byte-level tokenizer and chat template of `tests/data/chat`.
+
+References: `generate` of the same checkpoint in this process (greedy and seeded), the decoded
+text cut by hand at a stop string, transformers' rendering of the chat template (committed by
+tests/torch_reference/make_chat_golden.py), OpenAI's error object. Every loop is bounded in count
+and in time; the server listens on loopback only.
+"""
+
+import concurrent.futures
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import jax
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai", reason="the test extra installs the openai client")
+
+from dense_armor.checkpoint import load_checkpoint  # noqa: E402
+from dense_armor.huggingface import load_tokenizer  # noqa: E402
+from dense_armor.nn.models.generation import generate  # noqa: E402
+
+DATA = pathlib.Path(__file__).parent / "data"
+BYTES, CHAT = DATA / "byte_lm", DATA / "chat"
+NAME, SLOTS, MAX_QUEUE, CONTEXT = "byte-lm", 4, 64, 148
+START_TIMEOUT, REQUEST_TIMEOUT = 240, 120
+PROMPTS = [
+    "def main(",
+    "import os\n",
+    "class Pa",
+    "    return ",
+    "for i in ",
+    "x = [",
+    "# The ",
+    "if __name__",
+    "    def __",
+    "try:\n    ",
+    "from . import",
+    "while Tr",
+]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A `dense-armor serve --http` process: (base URL, its pid); stopped after the module."""
+    command = [
+        sys.executable,
+        "-m",
+        "dense_armor.cli",
+        "serve",
+        str(BYTES),
+        "--http",
+        "--port",
+        "0",
+        "--slots",
+        str(SLOTS),
+        "--max-queue",
+        str(MAX_QUEUE),
+        "--name",
+        NAME,
+        "--capacity",
+        str(CONTEXT),
+        "--tokenizer",
+        str(CHAT),
+    ]
+    log = tmp_path_factory.mktemp("http") / "server.log"
+    with open(log, "w") as errors:
+        process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        line = _first_line(process, START_TIMEOUT)
+        match = re.search(r"on (http://127\.0\.0\.1:\d+)", line or "")
+        assert match is not None, f"the server did not start: {line!r} {log.read_text()[-3000:]}"
+        yield match.group(1), process.pid
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=30)
+        process.stdout.close()
+
+
+def _first_line(process, timeout):
+    box = []
+    reader = threading.Thread(target=lambda: box.append(process.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    return box[0] if box else None
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The checkpoint's model and the tokenizer, in this process."""
+    return load_checkpoint(BYTES).model, load_tokenizer(CHAT)
+
+
+def _client(url):
+    return openai.OpenAI(
+        base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=REQUEST_TIMEOUT
+    )
+
+
+def _solo(reference, prompts, new, **sampling):
+    """`generate`'s decoded text of each prompt (solo rows of one call)."""
+    model, tokenizer = reference
+    ids = [list(p.encode()) for p in prompts]
+    tokens = np.asarray(generate(model, ids, new, **sampling).tokens)
+    return [tokenizer.decode(row.tolist()) for row in tokens]
+
+
+def test_greedy_completions_are_generates_text_streamed_or_not(served, reference):
+    url, _ = served
+    client = _client(url)
+    want = _solo(reference, PROMPTS[:3], 24)
+    for prompt, text in zip(PROMPTS[:3], want, strict=True):
+        answer = client.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0)
+        assert answer.choices[0].text == text and answer.choices[0].finish_reason == "length"
+        assert answer.object == "text_completion" and answer.model == NAME
+        assert answer.usage.prompt_tokens == len(prompt.encode())
+        assert answer.usage.completion_tokens == 24 and answer.usage.total_tokens == 24 + len(
+            prompt.encode()
+        )
+        chunks = list(
+            client.completions.create(
+                model=NAME,
+                prompt=prompt,
+                max_tokens=24,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert streamed == text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    ids = list(PROMPTS[0].encode())  # a prompt of token ids
+    answer = client.completions.create(model=NAME, prompt=ids, max_tokens=24, temperature=0)
+    assert answer.choices[0].text == want[0]
+
+
+def test_stop_strings_end_the_text_across_token_boundaries(served, reference):
+    url, _ = served
+    client = _client(url)
+    (full,) = _solo(reference, [PROMPTS[1]], 40)
+    stop = full[10:13]  # three bytes: three tokens of the byte model
+    cut = full[: full.index(stop)]
+    for stream in (False, True):
+        made = client.completions.create(
+            model=NAME,
+            prompt=PROMPTS[1],
+            max_tokens=40,
+            temperature=0,
+            stop=[stop, "\x00never"],
+            stream=stream,
+        )
+        if stream:
+            chunks = list(made)
+            text = "".join(c.choices[0].text for c in chunks)
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            text, reason = made.choices[0].text, made.choices[0].finish_reason
+        assert (text, reason) == (cut, "stop")
+
+
+def test_a_chat_is_rendered_as_transformers_renders_it(served, reference):
+    url, _ = served
+    client = _client(url)
+    golden = json.loads((CHAT / "golden.json").read_text())["renders"]
+    for case in golden:
+        if not case["add_generation_prompt"] or any("meta" in m for m in case["messages"]):
+            continue  # the server renders with the generation prompt; meta is not OpenAI's
+        (want,) = _solo(reference, [case["text"]], 12)
+        answer = client.chat.completions.create(
+            model=NAME, messages=case["messages"], max_tokens=12, temperature=0
+        )
+        assert answer.choices[0].message.content == want
+        assert answer.choices[0].message.role == "assistant"
+        assert answer.usage.prompt_tokens == len(case["text"].encode())
+        chunks = list(
+            client.chat.completions.create(
+                model=NAME, messages=case["messages"], max_tokens=12, temperature=0, stream=True
+            )
+        )
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+        assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_a_seed_gives_generates_sampled_text_and_the_same_text_again(served, reference):
+    url, _ = served
+    client = _client(url)
+    rules = dict(temperature=0.8, top_k=40, top_p=0.95)
+    (want,) = _solo(reference, [PROMPTS[2]], 20, key=jax.random.PRNGKey(7), **rules)
+    texts = [
+        client.completions.create(
+            model=NAME,
+            prompt=PROMPTS[2],
+            max_tokens=20,
+            seed=7,
+            temperature=0.8,
+            top_p=0.95,
+            extra_body={"top_k": 40},
+        )
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
+    assert texts == [want, want]
+
+
+BAD = [  # (request body, status, the field named)
+    ({"model": NAME, "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"model": NAME, "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ({"model": NAME, "prompt": "x", "max_tokens": "8"}, 400, "max_tokens"),
+    ({"model": NAME, "prompt": "x", "max_tokens": True}, 400, "max_tokens"),
+    ({"model": NAME, "prompt": "x" * 100, "max_tokens": 60}, 400, "max_tokens"),
+    ({"model": NAME, "prompt": "x" * CONTEXT}, 400, "prompt"),
+    ({"model": NAME, "prompt": ""}, 400, "prompt"),
+    ({"model": NAME, "prompt": [1, 300]}, 400, "prompt"),
+    ({"model": NAME, "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": NAME, "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ({"model": NAME, "prompt": "x", "stop": 5}, 400, "stop"),
+    ({"model": NAME, "prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"model": NAME, "prompt": "x", "min_p": float("nan")}, 400, "min_p"),
+    ({"model": NAME, "prompt": "x", "top_k": 2.5}, 400, "top_k"),
+    ({"model": NAME, "prompt": "x", "seed": -1}, 400, "seed"),
+    ({"model": "gpt-9", "prompt": "x"}, 404, "model"),
+    ({"prompt": "x"}, 400, "model"),
+    ([1, 2], 400, None),
+]
+CHAT_BAD = [
+    ({"model": NAME, "messages": []}, 400, "messages"),
+    ({"model": NAME, "messages": [{"content": "x"}]}, 400, "messages[0]"),
+    ({"model": NAME, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages"),
+    ({"model": NAME, "messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
+]
+
+
+def _post(url, path, raw):
+    request = urllib.request.Request(f"{url}{path}", raw, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [("/v1/completions", *b) for b in BAD] + [("/v1/chat/completions", *b) for b in CHAT_BAD],
+)
+def test_a_bad_request_is_refused_naming_its_field_and_the_server_serves_on(
+    served, path, body, status, param
+):
+    url, _ = served
+    raw = json.dumps(body).replace("NaN", "NaN").encode()
+    got, answer = _post(url, path, raw)
+    assert got == status, answer
+    assert set(answer) == {"error"} and set(answer["error"]) == {"message", "type", "param", "code"}
+    assert answer["error"]["param"] == param and answer["error"]["message"]
+    assert (
+        _post(
+            url,
+            "/v1/completions",
+            json.dumps({"model": NAME, "prompt": "x", "max_tokens": 2}).encode(),
+        )[0]
+        == 200
+    )
+
+
+def test_malformed_json_and_the_openai_clients_errors(served):
+    url, _ = served
+    got, answer = _post(url, "/v1/completions", b'{"model": "byte-lm", "prompt": ')
+    assert got == 400 and answer["error"]["type"] == "invalid_request_error"
+    client = _client(url)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=NAME, prompt="x", temperature=-0.5)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+
+def test_models_health_and_metrics(served):
+    url, _ = served
+    assert [m.id for m in _client(url).models.list()] == [NAME]
+    with urllib.request.urlopen(f"{url}/health", timeout=30) as answer:
+        assert json.loads(answer.read())["status"] == "ok"
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as answer:
+        text = answer.read().decode()
+    for name in (
+        "dense_armor_queued_requests",
+        "dense_armor_busy_slots",
+        "dense_armor_generated_tokens_total",
+        "dense_armor_time_to_first_token_seconds",
+        "dense_armor_request_latency_seconds",
+    ):
+        assert re.search(rf"^{name}", text, re.M), name
+    tokens = float(re.search(r"^dense_armor_generated_tokens_total (\S+)", text, re.M).group(1))
+    assert tokens > 0
+
+
+def test_concurrent_streams_through_the_slots_each_get_their_solo_text(served, reference):
+    url, _ = served
+    prompts = [p + str(i % 3) for i in range(2) for p in PROMPTS]  # 24 streams, 4 slots
+    want = _solo(reference, prompts, 12)
+
+    def stream(prompt):
+        chunks = _client(url).completions.create(
+            model=NAME, prompt=prompt, max_tokens=12, temperature=0, stream=True
+        )
+        return "".join(c.choices[0].text for c in chunks)
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(stream, prompts, timeout=REQUEST_TIMEOUT * 2))
+    assert got == want
+
+
+def _rss(pid):
+    status = pathlib.Path(f"/proc/{pid}/status")
+    if not status.exists():
+        return None
+    return int(re.search(r"VmRSS:\s+(\d+)", status.read_text()).group(1)) * 1024
+
+
+def _generated(url):
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as answer:
+        text = answer.read().decode()
+    return float(re.search(r"^dense_armor_generated_tokens_total (\S+)", text, re.M).group(1))
+
+
+def _settled(url, deadline):
+    """The server's /health once nothing is queued or busy (None if not before `deadline`)."""
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{url}/health", timeout=30) as answer:
+            health = json.loads(answer.read())
+        if health["queued"] == 0 and health["busy"] == 0:
+            return health
+        time.sleep(0.05)
+    return None
+
+
+def _disconnect(url, body, stream):
+    """Send a request and leave: after its first event (streaming), or at once."""
+    import http.client
+
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=REQUEST_TIMEOUT)
+    connection.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({**body, "stream": stream}),
+        {"Content-Type": "application/json"},
+    )
+    if stream:
+        assert connection.getresponse().readline().startswith(b"data: ")
+    connection.close()
+
+
+def test_a_hundred_disconnects_leak_no_slot_queue_entry_or_memory(served):
+    url, pid = served
+    body = {"model": NAME, "prompt": "def f(", "max_tokens": 140, "temperature": 0}
+    _client(url).completions.create(model=NAME, prompt="x", max_tokens=4, stream=True)  # warm
+    generated, sizes = _generated(url), []
+    for half in range(2):
+        for i in range(50):
+            _disconnect(url, body, stream=i % 2 == 0)
+        assert _settled(url, time.monotonic() + 60) is not None, half
+        sizes.append(_rss(pid))
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as answer:
+        text = answer.read().decode()
+    assert re.search(r"^dense_armor_requests_in_flight 0\.0$", text, re.M)
+    # cancelled, not run to the end: 100 requests of 140 tokens would generate 14000
+    assert _generated(url) - generated < 100 * 140 / 2
+    if sizes[0] is not None:  # the second 50 grew the process by less than 32 MB
+        assert sizes[1] - sizes[0] < 32 * 2**20, sizes
+    answer = _client(url).completions.create(model=NAME, prompt="x", max_tokens=4, temperature=0)
+    assert answer.usage.completion_tokens == 4  # and it serves on
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ([], r"serve --http needs a tokenizer: pass --tokenizer"),
+        (["--tokenizer", str(CHAT), "--slots", "0"], r"`slots` must be a positive integer"),
+        (["--tokenizer", str(CHAT), "--max-queue", "-2"], r"`max_queue` must be an integer >= 0"),
+        (["--tokenizer", str(CHAT), "--capacity", "0"], r"`capacity` must be a positive integer"),
+    ],
+)
+def test_serve_http_refuses_a_bad_setup_in_one_line(capsys, extra, words):
+    from dense_armor.cli import main as cli
+
+    assert cli(["serve", str(BYTES), "--http", "--port", "0", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dense-armor serve: error: ") and err.count("\n") == 1
+    assert re.search(words, err), err
