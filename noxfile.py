@@ -97,9 +97,12 @@ def typecheck(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks against peer libraries (installed here only); prints tables, asserts nothing."""
     session.install("-e", ".[examples,iree,pjrt]", "flax>=0.10")
-    peers = {"lm", "precision"}  # the language-model benchmarks' peer: transformers on torch
-    if peers & set(session.posargs) or not [a for a in session.posargs if a != "--record"]:
+    peers = {"lm", "precision", "serve"}  # the language-model benchmarks' peer: transformers
+    everything = not [a for a in session.posargs if a != "--record"]
+    if peers & set(session.posargs) or everything:
         session.install("torch", "transformers")
+    if "serve" in session.posargs or everything:  # both servers, and transformers serve's needs
+        session.install("-e", ".[serve]", "openai", "fastapi", "pydantic", "accelerate")
     session.run("python", "-m", "tests.benchmarks.run", *session.posargs)
 
 

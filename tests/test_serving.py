@@ -15,6 +15,7 @@ from dense_armor.cli import main as cli
 from dense_armor.huggingface import import_hf
 from dense_armor.nn.models.generation import generate
 from dense_armor.serving import QueueFull, Sampling, Server
+from dense_armor.serving.engine import prefill_pieces
 from test_language_models import DATA, word_tokenizer
 
 # Prompts of lengths 1 to 21 (whole chunks of 4, and remainders) and the new tokens each asks.
@@ -73,11 +74,21 @@ def test_every_request_gets_its_solo_greedy_tokens_in_any_order_with_no_new_comp
     for completion in finished:
         n = int(completion.id[1:])
         np.testing.assert_array_equal(completion.tokens, greedy[n, : NEW[n]], err_msg=str(n))
-    # They leave as they finish: r2 (12 prompt tokens: 8 prefilled, 4 fed by ticks, then 9 new:
-    # 12 ticks) after r1, which came next (1 prompt token, 3 new: 3 ticks).
+    # They leave as they finish: r2 (12 prompt tokens: 11 prefilled in pieces of 4, 4, 2 and 1,
+    # the last fed by a tick, then 9 new: 9 ticks) after r1, which came next (1 prompt token, 3
+    # new: 3 ticks).
     assert [c.finished for c in finished] == sorted(c.finished for c in finished)
     position = {c.id: i for i, c in enumerate(finished)}
     assert position["r1"] < position["r2"]
+
+
+@pytest.mark.parametrize(
+    ("n", "chunk", "pieces"),
+    [(0, 16, []), (15, 16, [8, 4, 2, 1]), (16, 16, [16]), (40, 16, [16, 16, 8]),
+     (7, 5, [5, 2]), (13, 4, [4, 4, 4, 1]), (3, 1, [1, 1, 1]), (6, 3, [3, 3])],
+)  # fmt: skip
+def test_a_prompt_is_prefilled_in_chunks_then_halving_pieces(n, chunk, pieces):
+    assert prefill_pieces(n, chunk) == pieces
 
 
 def test_sampled_tokens_are_generates_rows_whatever_the_slot(served):

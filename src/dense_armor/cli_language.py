@@ -243,8 +243,8 @@ def _serve_http(args: argparse.Namespace, model: Any, tokenizer: Any) -> None:
         )  # fmt: skip
     except (ValueError, TypeError) as error:
         raise UsageError(str(error)) from None
-    warm = min(args.chunk + 1, server.capacity - 1)  # compile the prefill and the tick now,
-    if warm >= 1:  # before the first client waits for them
+    warm = min(2 * args.chunk, server.capacity - 1)  # compile every prefill piece and the
+    if warm >= 1:  # tick now, before the first client waits for them
         server.serve([([0] * warm, 1)])
     name = args.name or args.checkpoint.resolve().name
     app = create_app(server, tokenizer, name, template, _eos(args.checkpoint) + list(args.stop))

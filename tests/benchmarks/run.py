@@ -14,6 +14,7 @@ from . import (
     bench_long,
     bench_precision,
     bench_recurrent,
+    bench_serve,
     bench_sharding,
     bench_streaming,
     recorded,
@@ -31,6 +32,7 @@ BENCHMARKS = {
     "sharding": bench_sharding,
     "lm": bench_lm,
     "precision": bench_precision,
+    "serve": bench_serve,
 }
 
 

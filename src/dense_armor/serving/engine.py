@@ -4,8 +4,8 @@ A `Server` holds `slots` streams of a `TransformerLM` (`init_streams(slots, capa
 queue of requests. Each `tick` is one compiled batched `step` of every slot with the sampling in
 the graph, each slot with its own rules and key (arrays: one compilation whatever the mix of
 requests); a slot whose request finished is `reset` to the next request's prompt, prefilled in
-chunks of `chunk` tokens into a fresh cache, while the other slots keep decoding. Every function
-compiles once, at the first request (the prefill for a chunk of `chunk` tokens, the admission of a
+chunks of `chunk` tokens and pieces of halving sizes into a fresh cache, while the other slots
+keep decoding. Every function compiles once (the prefill once per piece size, the admission of a
 prefilled cache into a slot, the tick), whatever the prompts' lengths and the order of arrival.
 
 `step()` runs one round (admissions, a tick) and returns what it produced: each request's new
@@ -148,7 +148,7 @@ class Server:
     given their own), the default sampling rules of the requests (`temperature`, `top_k`,
     `top_p`, `min_p`, as `generate`'s), `stop_tokens` (every request's), `chunk` (the prefill's
     chunk of prompt tokens, default 16: a prompt's whole chunks go through one compiled
-    `prefill` each, the rest through the ticks), `kv_dtype` (the caches' keys and values in
+    `prefill` each, the rest in pieces of 8, 4, 2 and 1 tokens, its last token through a tick), `kv_dtype` (the caches' keys and values in
     another dtype, `"int8"` for a quarter of float32's memory: see `TransformerLM.init_cache`)
     and `max_queue` (requests waiting for a slot at most; `submit` past it raises `QueueFull`;
     default unbounded).
@@ -363,18 +363,17 @@ class Server:
         return events
 
     def _admit(self, i: int, request: _Request) -> _Slot:
-        """Slot `i` reset to `request`'s prompt: its whole chunks but the last token prefilled
-        into a fresh cache (the ticks feed the rest, the last token's logits giving the first
-        new token)."""
+        """Slot `i` reset to `request`'s prompt, all but its last token prefilled into a fresh
+        cache (`prefill_pieces`); the first tick feeds the last, its logits giving the first new
+        token."""
         admitted = time.perf_counter()
-        prompt, chunk = request.prompt, self.chunk
-        whole = (len(prompt) - 1) // chunk
-        cache = self._fresh
-        for c in range(whole):
+        prompt, cache, fed = request.prompt, self._fresh, 0
+        for size in prefill_pieces(len(prompt) - 1, self.chunk):
             with ids_checked():  # checked by `submit`
-                cache = prefill(self.model, jnp.asarray(prompt[c * chunk : (c + 1) * chunk]), cache)
+                cache = prefill(self.model, jnp.asarray(prompt[fed : fed + size]), cache)
+            fed += size
         self._caches = admit((jnp.arange(self.slots) == i, cache), self._caches)
-        return _Slot(request, whole * chunk, admitted)
+        return _Slot(request, fed, admitted)
 
     def _completion(self, slot: _Slot, reason: str, now: float) -> Completion:
         r = slot.request
@@ -382,6 +381,19 @@ class Server:
             r.id, r.number, r.prompt, np.array(slot.tokens, np.int32), reason, r.submitted,
             slot.admitted, slot.first_token, now,
         )  # fmt: skip
+
+
+def prefill_pieces(n: int, chunk: int) -> list[int]:
+    """The prefill calls for `n` prompt tokens: whole chunks of `chunk`, then the rest in pieces
+    of halving sizes (`chunk=16`: 16, ..., then 8, 4, 2, 1 as needed), so a prompt shorter than
+    a chunk is not fed one token per tick; each size compiles once."""
+    sizes = [chunk] + [1 << k for k in range((chunk - 1).bit_length() - 1, -1, -1)]
+    pieces = []
+    for size in sizes:
+        while n >= size:
+            pieces.append(size)
+            n -= size
+    return pieces
 
 
 def _capacity(model: TransformerLM, capacity: int | None) -> int:
