@@ -148,10 +148,10 @@ class Server:
     given their own), the default sampling rules of the requests (`temperature`, `top_k`,
     `top_p`, `min_p`, as `generate`'s), `stop_tokens` (every request's), `chunk` (the prefill's
     chunk of prompt tokens, default 16: a prompt's whole chunks go through one compiled
-    `prefill` each, the rest in pieces of 8, 4, 2 and 1 tokens, its last token through a tick), `kv_dtype` (the caches' keys and values in
-    another dtype, `"int8"` for a quarter of float32's memory: see `TransformerLM.init_cache`)
-    and `max_queue` (requests waiting for a slot at most; `submit` past it raises `QueueFull`;
-    default unbounded).
+    `prefill` each, the rest in pieces of 8, 4, 2 and 1 tokens, its last token through a
+    tick), `kv_dtype` (the caches' keys and values in another dtype, `"int8"` for a quarter of
+    float32's memory: see `TransformerLM.init_cache`) and `max_queue` (requests waiting for a
+    slot at most; `submit` past it raises `QueueFull`; default unbounded).
 
     `submit(prompt, max_new_tokens)` queues a request (its own `sampling`, `key` and
     `stop_tokens` if given); `run()` serves the queue, yielding each `Completion` as it
