@@ -110,16 +110,25 @@ def filter_logits(
         kth = jax.lax.top_k(logits, int(top_k))[0][..., -1:]
         logits = jnp.where(logits < kth, removed, logits)
     if top_p is not None and top_p < 1.0:
-        probs = _softmax(logits)
-        descending = -jnp.sort(-probs, axis=-1)
-        before = jnp.cumsum(descending, axis=-1) - descending  # the mass of the more probable
-        kept = jnp.where(before < top_p, descending, jnp.inf)
-        logits = jnp.where(probs < jnp.min(kept, axis=-1, keepdims=True), removed, logits)
+        logits = jnp.where(_top_p_removes(logits, top_p), removed, logits)
     if min_p is not None and min_p > 0.0:
-        probs = _softmax(logits)
-        floor = min_p * jnp.max(probs, axis=-1, keepdims=True)
-        logits = jnp.where(probs < floor, removed, logits)
+        logits = jnp.where(_min_p_removes(logits, min_p), removed, logits)
     return logits
+
+
+def _top_p_removes(logits: Array, top_p: Any) -> Array:
+    """Where top-p removes a token (`top_p` a number, or one per row as `(B, 1)`)."""
+    probs = _softmax(logits)
+    descending = -jnp.sort(-probs, axis=-1)
+    before = jnp.cumsum(descending, axis=-1) - descending  # the mass of the more probable
+    kept = jnp.where(before < top_p, descending, jnp.inf)
+    return probs < jnp.min(kept, axis=-1, keepdims=True)
+
+
+def _min_p_removes(logits: Array, min_p: Any) -> Array:
+    """Where min-p removes a token (`min_p` a number, or one per row as `(B, 1)`)."""
+    probs = _softmax(logits)
+    return probs < min_p * jnp.max(probs, axis=-1, keepdims=True)
 
 
 def sample(
@@ -171,8 +180,8 @@ def draw_tokens(
 
 
 # Per-row rules: each row of a batch its own temperature, top-k, top-p, min-p and key, as arrays
-# (one compilation whatever the mix; a serving tick's slots). Each rule is the formula of
-# `filter_logits`, the same operations in the same order, applied where a row has it on.
+# (one compilation whatever the mix; a serving tick's slots). Each rule is `filter_logits`'s
+# (top-k by a sort instead of `lax.top_k`, the same k-th value), applied where a row has it on.
 
 
 def _rows_top_k(logits: Array, top_k: Array) -> Array:
@@ -184,18 +193,13 @@ def _rows_top_k(logits: Array, top_k: Array) -> Array:
 
 
 def _rows_top_p(logits: Array, top_p: Array) -> Array:
-    probs = _softmax(logits)
-    descending = -jnp.sort(-probs, axis=-1)
-    before = jnp.cumsum(descending, axis=-1) - descending
-    kept = jnp.where(before < top_p[:, None], descending, jnp.inf)
-    cut = probs < jnp.min(kept, axis=-1, keepdims=True)
+    cut = _top_p_removes(logits, top_p[:, None])
     return jnp.where((top_p < 1.0)[:, None] & cut, -jnp.inf, logits)
 
 
 def _rows_min_p(logits: Array, min_p: Array) -> Array:
-    probs = _softmax(logits)
-    floor = min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
-    return jnp.where((min_p > 0.0)[:, None] & (probs < floor), -jnp.inf, logits)
+    cut = _min_p_removes(logits, min_p[:, None])
+    return jnp.where((min_p > 0.0)[:, None] & cut, -jnp.inf, logits)
 
 
 def _when_any(on: Array, rule: Any, logits: Array, setting: Array) -> Array:
