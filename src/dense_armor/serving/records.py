@@ -1,0 +1,99 @@
+"""The serving engine's records: a request's sampling rules, what it yields (`Event`,
+`Completion`), its own state in the queue and in a slot, and the queue's refusal."""
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from ..nn.sampling import check_sampling
+
+__all__ = ["Completion", "Event", "QueueFull", "Sampling"]
+
+
+class QueueFull(RuntimeError):
+    """`Server.submit` on a queue holding `max_queue` requests already."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """A request's sampling rules (`sample`'s): `temperature` (0: greedy), `top_k`, `top_p`,
+    `min_p` (each `None` for off). Checked when made."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+
+    def __post_init__(self) -> None:
+        check_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
+
+    def row(self) -> tuple[float, int, float, float]:
+        """The rules as one row of the tick's arrays (off: top-k 0, top-p 1, min-p 0)."""
+        k, p, m = self.top_k, self.top_p, self.min_p
+        return (
+            float(self.temperature), 0 if k is None else int(k),
+            1.0 if p is None else float(p), 0.0 if m is None else float(m),
+        )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """A finished request: `id` (its number in the order of submission, unless one was given),
+    `prompt` and the new `tokens` (int32 arrays), `reason` ("stop": it generated a stop token,
+    the last of `tokens`; "length": `max_new_tokens` of them), and its timings in
+    `time.perf_counter()` seconds."""
+
+    id: Any
+    number: int
+    prompt: np.ndarray
+    tokens: np.ndarray
+    reason: str
+    submitted: float
+    admitted: float
+    first_token: float
+    finished: float
+
+    @property
+    def time_to_first_token(self) -> float:
+        """Seconds from submission to the first new token (the wait for a slot included)."""
+        return self.first_token - self.submitted
+
+    @property
+    def latency(self) -> float:
+        """Seconds from submission to the last token."""
+        return self.finished - self.submitted
+
+
+@dataclasses.dataclass
+class _Request:
+    id: Any
+    number: int
+    prompt: np.ndarray
+    max_new_tokens: int
+    submitted: float
+    rules: tuple[float, int, float, float]
+    key: np.ndarray  # (2,) uint32: the request's key data, `fold_in`ed with each position
+    stop_tokens: frozenset[int]
+
+
+@dataclasses.dataclass
+class _Slot:
+    """A slot's request and where it stands: `fed` of its prompt's tokens are in the cache, then
+    `tokens` it generated."""
+
+    request: _Request
+    fed: int
+    admitted: float
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    first_token: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """What one `step` produced for a request: its new `token`, and its `completion` when the
+    token ended it (else None)."""
+
+    id: Any
+    token: int
+    completion: Completion | None
