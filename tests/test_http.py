@@ -243,6 +243,7 @@ BAD = [  # (request body, status, the field named)
     ({"model": NAME, "prompt": "x", "min_p": float("nan")}, 400, "min_p"),
     ({"model": NAME, "prompt": "x", "top_k": 2.5}, 400, "top_k"),
     ({"model": NAME, "prompt": "x", "seed": -1}, 400, "seed"),
+    ({"model": NAME, "prompt": "x", "seed": 2**70}, 400, "seed"),
     ({"model": "gpt-9", "prompt": "x"}, 404, "model"),
     ({"prompt": "x"}, 400, "model"),
     ([1, 2], 400, None),
@@ -272,7 +273,7 @@ def test_a_bad_request_is_refused_naming_its_field_and_the_server_serves_on(
     served, path, body, status, param
 ):
     url, _ = served
-    raw = json.dumps(body).encode()  # NaN as JSON5 writes it: not strict JSON
+    raw = json.dumps(body).encode()  # Python's json writes NaN bare; the server reads, refuses it
     got, answer = _post(url, path, raw)
     assert got == status, answer
     assert set(answer) == {"error"} and set(answer["error"]) == {"message", "type", "param", "code"}
@@ -285,6 +286,15 @@ def test_a_bad_request_is_refused_naming_its_field_and_the_server_serves_on(
         )[0]
         == 200
     )
+
+
+def test_a_top_k_past_any_vocabulary_keeps_every_token(served, reference):
+    url, _ = served
+    (want,) = _solo(reference, [PROMPTS[3]], 8)
+    answer = _client(url).completions.create(
+        model=NAME, prompt=PROMPTS[3], max_tokens=8, temperature=0, extra_body={"top_k": 10**30}
+    )
+    assert answer.choices[0].text == want
 
 
 def test_malformed_json_and_the_openai_clients_errors(served):
@@ -411,3 +421,26 @@ def test_serve_http_refuses_a_bad_setup_in_one_line(capsys, extra, words):
     err = capsys.readouterr().err
     assert err.startswith("dense-armor serve: error: ") and err.count("\n") == 1
     assert re.search(words, err), err
+
+
+def test_serve_http_refuses_a_taken_port_and_a_corrupted_config(tmp_path, capsys):
+    import shutil
+    import socket
+
+    from dense_armor.cli import main as cli
+
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(BYTES, checkpoint)
+    (checkpoint / "generation_config.json").write_text('{"eos_token_id": [1, ')  # cut short
+    base = ["serve", str(checkpoint), "--http", "--tokenizer", str(CHAT), "--capacity", "40"]
+    assert cli([*base, "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"generation_config.json is not a JSON object", err) and err.count("\n") == 1
+    (checkpoint / "generation_config.json").unlink()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        assert cli([*base, "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(rf"cannot listen on 127.0.0.1:{port}: Address already in use", err), err

@@ -248,7 +248,12 @@ def _serve_http(args: argparse.Namespace, model: Any, tokenizer: Any) -> None:
         server.serve([([0] * warm, 1)])
     name = args.name or args.checkpoint.resolve().name
     app = create_app(server, tokenizer, name, template, _eos(args.checkpoint) + list(args.stop))
-    serve_http(app, args.host, args.port, lambda url: print(f"serving {name} on {url}", flush=True))
+    try:
+        serve_http(
+            app, args.host, args.port, lambda url: print(f"serving {name} on {url}", flush=True)
+        )
+    except OSError as error:  # the address is taken, or not this machine's
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {error.strerror}") from None
 
 
 def _eos(checkpoint: pathlib.Path) -> list[int]:
@@ -256,7 +261,10 @@ def _eos(checkpoint: pathlib.Path) -> list[int]:
     source config's): every HTTP request ends at them."""
     for path in (checkpoint / "generation_config.json", checkpoint / "huggingface" / "config.json"):
         if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
+            try:
+                eos = json.loads(path.read_text()).get("eos_token_id")
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
+                raise UsageError(f"{path} is not a JSON object: {error}") from None
             if eos is not None:
                 return [eos] if isinstance(eos, int) else [int(e) for e in eos]
     return []

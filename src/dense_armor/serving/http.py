@@ -377,9 +377,13 @@ def serve_http(app: Any, host: str, port: int, announce: Callable[[str], None]) 
     import uvicorn
 
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
     bound = sock.getsockname()[1]
     announce(f"http://{host}:{bound}")
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)

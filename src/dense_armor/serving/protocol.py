@@ -110,6 +110,13 @@ def _number(
     return float(value)
 
 
+def _seed(body: Mapping[str, Any]) -> int | None:
+    seed = _integer(body, "seed", 0)
+    if seed is not None and seed >= 2**63:
+        raise ApiError(f"`seed` must be below 2**63; received {seed}.", "seed")
+    return seed
+
+
 def _refused(body: Mapping[str, Any]) -> None:
     """The fields whose features are not built, refused unless at their neutral value."""
     neutral: dict[str, tuple[Any, ...]] = {
@@ -180,7 +187,7 @@ def _common(body: Any, chat: bool, vocab: int) -> dict[str, Any]:
         top_p=_number(body, "top_p", 0.0, 1.0, None, open_low=True),
         top_k=None if top_k in (None, -1, 0) else top_k,
         min_p=_number(body, "min_p", 0.0, 1.0, None),
-        seed=_integer(body, "seed", 0),
+        seed=_seed(body),
         stop=stop,
         stop_token_ids=stop_ids,
         stream=stream,

@@ -29,10 +29,11 @@ class Sampling:
         check_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
 
     def row(self) -> tuple[float, int, float, float]:
-        """The rules as one row of the tick's arrays (off: top-k 0, top-p 1, min-p 0)."""
+        """The rules as one row of the tick's arrays (off: top-k 0, top-p 1, min-p 0; a top-k
+        past int32's range keeps every token, as any top-k past the vocabulary does)."""
         k, p, m = self.top_k, self.top_p, self.min_p
         return (
-            float(self.temperature), 0 if k is None else int(k),
+            float(self.temperature), 0 if k is None else min(int(k), 2**31 - 1),
             1.0 if p is None else float(p), 0.0 if m is None else float(m),
         )  # fmt: skip
 
