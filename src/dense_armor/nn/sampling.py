@@ -239,10 +239,14 @@ def draw_rows(
     drawn with `fold_in(keys[b], positions[b])` (`keys (B, 2)` uint32 key data), greedy where
     its temperature is 0. `draw_tokens` with one key is this with `keys[b] = fold_in(key,
     rows[b])`: the same tokens."""
-    kept = filter_rows(logits, temperature, top_k, top_p, min_p)
 
     def draw(row_logits: Array, key: Array, position: Array) -> Array:
         return jax.random.categorical(jax.random.fold_in(key, position), row_logits, axis=-1)
 
-    drawn = jax.vmap(draw)(kept, keys, positions).astype(jnp.int32)
-    return jnp.where(temperature == 0, greedy(logits), drawn)
+    def sampled(logits: Array) -> Array:
+        kept = filter_rows(logits, temperature, top_k, top_p, min_p)
+        drawn = jax.vmap(draw)(kept, keys, positions).astype(jnp.int32)
+        return jnp.where(temperature == 0, greedy(logits), drawn)
+
+    # a batch of greedy rows only (the common case) skips the filters and the draws
+    return jax.lax.cond(jnp.any(temperature > 0), sampled, greedy, logits)
