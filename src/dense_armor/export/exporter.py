@@ -63,7 +63,7 @@ from ..nn.sampling import check_sampling
 from . import standalone
 from .golden import golden
 from .lowering import GREEDY, Lowering
-from .manifest import created
+from .manifest import created, half_tolerance
 from .manifest import manifest as describe
 from .modules import write_portable, write_runner, write_static
 from .standalone import MANIFEST, ArtifactError
@@ -169,6 +169,8 @@ def export_model(
             lowering, functions, exported, config, causal_config, platforms, static_entries
         )
         manifest["golden"] = golden_plan
+        precision = manifest["precision"]
+        precision["tolerance"] = half_tolerance(precision, golden_arrays)
         manifest["pjrt"] = pjrt
         manifest["matmul_precision"] = matmul_precision
         manifest["debug_locations"] = "stripped" if stripped and static_stripped else "kept"
