@@ -22,34 +22,36 @@ enable_compilation_cache()
 
 
 # The test files that take longest, longest first (seconds of one worker with empty compilation
-# caches, measured on the 2-core AMD EPYC with tests/profile_suite.py, 2026-12-03): the suite's
+# caches, measured on the 2-core Intel Xeon with tests/profile_suite.py, 2026-12-05): the suite's
 # workers take whole files (`--dist=loadfile`) in collection order (with
 # `--no-loadscope-reorder`, as the noxfile runs it; xdist otherwise sorts files by their number
 # of tests), so when the longest go first the last files to run are short ones and neither worker
 # waits on the other at the end.
-LONGEST_FIRST = [  # worker-seconds of each file with empty caches (2026-12-03, evening)
-    "test_architecture_artifacts.py",  # 506 (17 exports, each in JAX, IREE and C)
-    "test_docs.py",  # 361
-    "test_language_models.py",  # 252
-    "test_hf_architectures.py",  # 184
-    "test_index_safety.py",  # 132
-    "test_examples.py",  # 122
-    "test_prefill.py",  # 120
-    "test_export.py",  # 104
-    "test_iree.py",  # 92
-    "test_recurrent.py",  # 86
-    "test_distributed.py",  # 85
-    "test_attention.py",  # 78
-    "test_runner.py",  # 76
-    "test_bad_inputs.py",  # 72
-    "test_sequences.py",  # 65
-    "test_scan.py",  # 58
-    "test_gqa.py",  # 51
-    "test_blocked.py",  # 50
-    "test_sharded_checkpoint.py",  # 47
-    "test_rotary.py",  # 41
-    "test_training.py",  # 39
-    "test_streaming.py",  # 33
+LONGEST_FIRST = [  # worker-seconds of each file with empty caches (2026-12-05)
+    "test_architecture_artifacts.py",  # 321 (17 exports, each in JAX, IREE and C)
+    "test_docs.py",  # 258
+    "test_language_models.py",  # 161
+    "test_index_safety.py",  # 113
+    "test_hf_architectures.py",  # 100
+    "test_examples.py",  # 99
+    "test_export.py",  # 78
+    "test_iree.py",  # 70
+    "test_precision.py",  # 54
+    "test_prefill.py",  # 44
+    "test_distributed.py",  # 42
+    "test_bad_inputs.py",  # 41
+    "test_recurrent.py",  # 40
+    "test_sequences.py",  # 38
+    "test_runner.py",  # 36
+    "test_attention.py",  # 36
+    "test_scan.py",  # 26
+    "test_sharded_checkpoint.py",  # 25
+    "test_blocked.py",  # 24
+    "test_serving.py",  # 22
+    "test_gqa.py",  # 20
+    "test_training.py",  # 20
+    "test_streaming.py",  # 18
+    "test_rotary.py",  # 17
 ]
 
 
