@@ -169,6 +169,7 @@ def _continuous_batching(model: TransformerLM, rng: np.random.Generator) -> str:
     for batch in batches:
         generate(model, [p for p, _ in batch], max(m for _, m in batch), capacity=128)
     fixed = time.perf_counter() - start
+    paged = _paged(model, requests, rng)
     record("lm serving/continuous, per new token", served / total)
     record("lm serving/fixed batches, per new token", fixed / total)
     return "\n".join(
@@ -178,5 +179,49 @@ def _continuous_batching(model: TransformerLM, rng: np.random.Generator) -> str:
             f"{'Server, 8 slots':<40}{total / served:>10.1f}{served:>10.1f}",
             f"{'generate, fixed batches of 8 (warm)':<40}{total / fixed:>10.1f}{fixed:>10.1f}",
             f"{'  first pass (compiles new shapes)':<40}{total / cold:>10.1f}{cold:>10.1f}",
+            paged,
         ]
     )
+
+
+def _served(server: Server, requests: list) -> tuple[float, float]:
+    """Tokens per second of a warm server over `requests`, and its mean busy slots."""
+    server.serve(requests)  # compile every width and batch
+    busy, start = [], time.perf_counter()
+    for prompt, new in requests:
+        server.submit(prompt, new)
+    while not server.idle:
+        server.step()
+        busy.append(server.busy)
+    seconds = time.perf_counter() - start
+    return sum(m for _, m in requests) / seconds, float(np.mean(busy))
+
+
+def _paged(model: TransformerLM, requests: list, rng: np.random.Generator) -> str:
+    """The same workload at the cache memory of 8 slots x 1024 positions: fixed slots against
+    pages (512 pages of 16, the null page apart), and a shared 512-token system prompt."""
+    lines = [
+        "\npaged cache: the same 64 requests at the memory of 8 slots x 1024 positions",
+        f"{'system':<40}{'tokens/s':>10}{'mean busy':>12}",
+    ]
+    servers = {
+        "Server, 8 fixed slots of 1024": Server(model, 8, 1024),
+        "Server, 32 slots, 513 pages of 16": Server(model, 32, 1024, pages=513),
+        "Server, 64 slots, 513 pages of 16": Server(model, 64, 1024, pages=513),
+    }
+    for name, server in servers.items():
+        rate, busy = _served(server, requests)
+        record(f"lm serving/{name}, per new token", 1 / rate)
+        lines.append(f"{name:<40}{rate:>10.1f}{busy:>12.1f}")
+    system = rng.integers(0, GPT2_SMALL["vocab"], 512).tolist()
+    asks = [system + rng.integers(0, GPT2_SMALL["vocab"], 16).tolist() for _ in range(6)]
+    for share in (False, True):
+        server = Server(model, 8, 1024, pages=513, share_prefixes=share)
+        server.serve([(asks[0], 1)])  # the first request computes (and keys) the prefix
+        first = [server.serve([(ask, 1)])[0].time_to_first_token for ask in asks[1:]]
+        record(f"lm serving/shared prompt, sharing {share}, first token", float(np.median(first)))
+        lines.append(
+            f"{'528-token prompts, 512 shared, ' + ('shared' if share else 'not shared'):<40}"
+            f"{'first token ' + format(np.median(first) * 1e3, '.0f') + ' ms':>22}"
+        )
+    return "\n".join(lines)

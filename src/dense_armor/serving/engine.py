@@ -31,13 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..nn.core import require_int, require_key
-from ..nn.layers.language import ids_checked
 from ..nn.models.generation import _prompts, check_kv_dtype, check_stop_tokens
 from ..nn.models.language_model import TransformerLM
-from .compiled import admit, prefill, tick
 from .records import Completion, Event, QueueFull, Sampling, _Request, _Slot
+from .storage import FixedSlots, PagedSlots, prefill_pieces
 
-__all__ = ["Completion", "Event", "QueueFull", "Sampling", "Server"]
+__all__ = ["Completion", "Event", "QueueFull", "Sampling", "Server", "prefill_pieces"]
 
 
 def _key_data(key: jax.Array) -> jax.Array:
@@ -85,6 +84,9 @@ class Server:
         chunk: int = 16,
         kv_dtype: str | None = None,
         max_queue: int | None = None,
+        pages: int | None = None,
+        page_size: int = 16,
+        share_prefixes: bool | None = None,
     ) -> None:
         if not isinstance(model, TransformerLM):
             raise TypeError(
@@ -107,8 +109,8 @@ class Server:
         self._cancelled: set[Any] = set()
         self._active: list[_Slot | None] = [None] * self.slots
         self._submitted = 0
-        self._caches: Any = None
-        self._fresh: Any = None
+        self._paging = _paging(pages, page_size, share_prefixes)
+        self._store: FixedSlots | PagedSlots | None = None
 
     def submit(
         self,
@@ -132,6 +134,15 @@ class Server:
                 f"{max_new_tokens}` need {needed} cache slots; each slot holds "
                 f"capacity={self.capacity}."
             )
+        if self._paging is not None:
+            pages, size, _ = self._paging
+            rows = needed - 1  # the last new token is not written
+            if -(-rows // size) > pages - 1:
+                raise ValueError(
+                    f"Server.submit: the prompt and `max_new_tokens={max_new_tokens}` write "
+                    f"{rows} positions, {-(-rows // size)} pages of {size}; the pool has "
+                    f"{pages - 1} (`pages={pages}`, less the null page)."
+                )
         rules = (self.sampling if sampling is None else sampling).row()
         stops = self.stop_tokens if stop_tokens is None else check_stop_tokens(
             "Server.submit", self.model, stop_tokens
@@ -200,24 +211,32 @@ class Server:
         """One round: drop cancelled requests, admit queued ones into free slots, one tick of
         every slot. Each request's new token (none for a slot still feeding its prompt) as an
         `Event`, with its `Completion` if it finished."""
+        store = self._slots()
         self._drop_cancelled()
-        if self._caches is None:
-            kv = self.kv_dtype
-            self._fresh = self.model.init_cache(self.capacity, on_overflow="nan", kv_dtype=kv)
-            self._caches = self.model.init_streams(
-                self.slots, self.capacity, on_overflow="nan", kv_dtype=kv
-            )
         for i in range(self.slots):
             if self._active[i] is None:
-                with self._lock:
-                    request = self._queue.popleft() if self._queue else None
-                if request is not None:
-                    self._active[i] = self._admit(i, request)
+                with self._lock:  # the oldest request first; it waits for pages if it must
+                    fits = bool(self._queue) and store.fits(self._queue[0])
+                    request = self._queue.popleft() if fits else None
+                if request is None:
+                    break
+                admitted = time.perf_counter()
+                self._active[i] = _Slot(request, store.admit(i, request), admitted)
         if self.busy == 0:
             return []
-        with ids_checked():  # prompts were checked by `submit`; the rest are sampled ids
-            chosen, self._caches = tick(self.model, self._caches, *self._inputs())
-        return self._advance(np.asarray(chosen), time.perf_counter())
+        return self._advance(store.tick(self._inputs()), time.perf_counter())
+
+    def _slots(self) -> FixedSlots | PagedSlots:
+        """The slots' caches, made at the first step."""
+        if self._store is None:
+            model, slots, capacity, kv, chunk = (
+                self.model, self.slots, self.capacity, self.kv_dtype, self.chunk
+            )  # fmt: skip
+            if self._paging is None:
+                self._store = FixedSlots(model, slots, capacity, kv, chunk)
+            else:
+                self._store = PagedSlots(model, slots, capacity, kv, chunk, *self._paging)
+        return self._store
 
     def _drop_cancelled(self) -> None:
         with self._lock:
@@ -226,9 +245,14 @@ class Server:
                 self._queue = collections.deque(r for r in self._queue if r.id not in gone)
         for i, slot in enumerate(self._active):
             if slot is not None and slot.request.id in gone:
-                self._active[i] = None
+                self._free(i)
 
-    def _inputs(self) -> tuple[jax.Array, ...]:
+    def _free(self, i: int) -> None:
+        self._active[i] = None
+        if self._store is not None:
+            self._store.release(i)
+
+    def _inputs(self) -> tuple[np.ndarray, ...]:
         """The tick's arrays: each slot's token, the position of the token its logits choose,
         its key and its rules (an idle slot steps on token 0, greedy; its output is unused)."""
         slots = self.slots
@@ -245,10 +269,10 @@ class Server:
             else:
                 tokens[i], positions[i] = slot.tokens[-1], slot.fed + len(slot.tokens)
             keys[i], rules[i] = r.key, r.rules
-        return (
-            jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(keys),
-            jnp.asarray(rules[:, 0], jnp.float32), jnp.asarray(rules[:, 1], jnp.int32),
-            jnp.asarray(rules[:, 2], jnp.float32), jnp.asarray(rules[:, 3], jnp.float32),
+        return (  # NumPy arrays: a jitted function takes them with no conversion of its own
+            tokens, positions, keys, rules[:, 0].astype(np.float32),
+            rules[:, 1].astype(np.int32), rules[:, 2].astype(np.float32),
+            rules[:, 3].astype(np.float32),
         )  # fmt: skip
 
     def _advance(self, chosen: np.ndarray, now: float) -> list[Event]:
@@ -268,23 +292,10 @@ class Server:
             stopped = token in r.stop_tokens
             done = None
             if stopped or len(slot.tokens) == r.max_new_tokens:
-                self._active[i] = None
+                self._free(i)
                 done = self._completion(slot, "stop" if stopped else "length", now)
             events.append(Event(r.id, token, done))
         return events
-
-    def _admit(self, i: int, request: _Request) -> _Slot:
-        """Slot `i` reset to `request`'s prompt, all but its last token prefilled into a fresh
-        cache (`prefill_pieces`); the first tick feeds the last, its logits giving the first new
-        token."""
-        admitted = time.perf_counter()
-        prompt, cache, fed = request.prompt, self._fresh, 0
-        for size in prefill_pieces(len(prompt) - 1, self.chunk):
-            with ids_checked():  # checked by `submit`
-                cache = prefill(self.model, jnp.asarray(prompt[fed : fed + size]), cache)
-            fed += size
-        self._caches = admit((jnp.arange(self.slots) == i, cache), self._caches)
-        return _Slot(request, fed, admitted)
 
     def _completion(self, slot: _Slot, reason: str, now: float) -> Completion:
         r = slot.request
@@ -292,19 +303,6 @@ class Server:
             r.id, r.number, r.prompt, np.array(slot.tokens, np.int32), reason, r.submitted,
             slot.admitted, slot.first_token, now,
         )  # fmt: skip
-
-
-def prefill_pieces(n: int, chunk: int) -> list[int]:
-    """The prefill calls for `n` prompt tokens: whole chunks of `chunk`, then the rest in pieces
-    of halving sizes (`chunk=16`: 16, ..., then 8, 4, 2, 1 as needed), so a prompt shorter than
-    a chunk is not fed one token per tick; each size compiles once."""
-    sizes = [chunk] + [1 << k for k in range((chunk - 1).bit_length() - 1, -1, -1)]
-    pieces = []
-    for size in sizes:
-        while n >= size:
-            pieces.append(size)
-            n -= size
-    return pieces
 
 
 def _capacity(model: TransformerLM, capacity: int | None) -> int:
@@ -317,3 +315,18 @@ def _capacity(model: TransformerLM, capacity: int | None) -> int:
             "(its learned positions' max_len, or LongRoPE's pretrained length)."
         )
     return int(capacity)
+
+
+def _paging(pages: Any, page_size: Any, share: Any) -> tuple[int, int, bool | None] | None:
+    """The paged cache's settings, checked (None: fixed slots)."""
+    if pages is None:
+        if share:
+            raise ValueError("Server: `share_prefixes` shares pages: give `pages` too.")
+        return None
+    require_int(2, caller="Server", pages=pages)
+    require_int(1, caller="Server", page_size=page_size)
+    if share is not None and not isinstance(share, bool):
+        raise TypeError(
+            f"Server: `share_prefixes` must be True, False or None; received {share!r}."
+        )
+    return int(pages), int(page_size), share

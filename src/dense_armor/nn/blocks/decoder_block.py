@@ -21,6 +21,7 @@ from ..mixers.heads import _check_heads
 from ..mixers.options import attention_options
 from ..mixers.self_attention import MultiHeadSelfAttention
 from ..state.cache import FixedKVCache, KVCache, RingKVCache
+from ..state.paged import PagedKVCache
 from .mixer_block import Block, Gate, _check_block, _check_remat, _rematerialised
 
 __all__ = ["DecoderCache", "TransformerDecoderBlock"]
@@ -29,7 +30,7 @@ __all__ = ["DecoderCache", "TransformerDecoderBlock"]
 class DecoderCache(NamedTuple):
     """A decoder block's caches: its causal self-attention's and its projected context."""
 
-    self_attention: KVCache | FixedKVCache | RingKVCache
+    self_attention: KVCache | FixedKVCache | RingKVCache | PagedKVCache
     context: ContextCache
 
 

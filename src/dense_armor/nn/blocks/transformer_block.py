@@ -13,6 +13,7 @@ from ..mixers.heads import _check_heads
 from ..mixers.options import attention_options
 from ..mixers.self_attention import MultiHeadSelfAttention
 from ..state.cache import FixedKVCache, KVCache, RingKVCache
+from ..state.paged import PagedKVCache
 from .mixer_block import Feed, Gate, MixerBlock, Norm, _check_block
 
 __all__ = ["TransformerBlock"]
@@ -130,7 +131,9 @@ class TransformerBlock(MixerBlock):
 
     @shape_checked
     def prefill(
-        self, x: Float[Array, "K d_model"], cache: KVCache | FixedKVCache | RingKVCache
-    ) -> tuple[Float[Array, "K d_model"], KVCache | FixedKVCache | RingKVCache]:
+        self,
+        x: Float[Array, "K d_model"],
+        cache: KVCache | FixedKVCache | RingKVCache | PagedKVCache,
+    ) -> tuple[Float[Array, "K d_model"], KVCache | FixedKVCache | RingKVCache | PagedKVCache]:
         """`K` causal steps of the block at once; see `MultiHeadSelfAttention.prefill`."""
         return self._prefill(x, cache)

@@ -28,6 +28,7 @@ from ..kernels.rotary import Rotary, check_rope_scaling
 from ..layers.language import RMSNorm
 from ..state.cache import FixedKVCache, KVCache, RingKVCache
 from ..state.counter import Counter, validate_overflow_mode
+from ..state.paged import PagedKVCache
 from .heads import (
     MultiHeadAttention,
     _check_heads,
@@ -40,7 +41,7 @@ from .heads import (
 __all__ = ["MultiHeadSelfAttention"]
 
 # The caches a self-attention streams through (`init_cache`'s three kinds).
-Cache = KVCache | FixedKVCache | RingKVCache
+Cache = KVCache | FixedKVCache | RingKVCache | PagedKVCache
 
 
 def _check_rope(rope_base: float | None, d_head: int, fraction: float = 1.0) -> None:

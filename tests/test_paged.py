@@ -1,0 +1,179 @@
+"""The paged key/value cache (`nn.state.paged`) and the `Server` on it (`pages=`): a stream over
+scattered pages equals the fixed cache whatever the pages held before, a batch of streams shares
+one pool, and every request's tokens equal its solo `generate`, with and without prefix sharing,
+with every page back in the pool after each workload."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dense_armor.huggingface import import_hf
+from dense_armor.nn.models.generation import generate
+from dense_armor.nn.state.paged import (
+    PagedKVCache,
+    paged_cache,
+    paged_streams,
+    stream_axes,
+    with_tables,
+)
+from dense_armor.serving import Server
+from dense_armor.serving.pages import PageBook
+from test_language_models import DATA
+
+LENGTHS = [5, 1, 12, 3, 21, 8, 2, 16, 9]
+NEW = [6, 3, 9, 4, 2, 7, 5, 4, 8]
+
+
+def _poisoned(cache):
+    """Every pool full of NaN (int8 pools: their scales): rows a stream never wrote."""
+
+    def one(node):
+        if not isinstance(node, PagedKVCache):
+            return node
+        if node.key_scale is not None:
+            nan = jnp.full_like(node.key_scale, jnp.nan)
+            return eqx.tree_at(lambda c: (c.key_scale, c.value_scale), node, (nan, nan))
+        nan = jnp.full_like(node.keys, jnp.nan)
+        return eqx.tree_at(lambda c: (c.keys, c.values), node, (nan, nan))
+
+    return jax.tree.map(one, cache, is_leaf=lambda n: isinstance(n, PagedKVCache))
+
+
+@pytest.mark.parametrize(
+    "name, kv_dtype", [("gpt2", None), ("llama_gqa", None), ("llama_gqa", "int8"), ("gemma2", None)]
+)
+def test_a_stream_over_scattered_pages_equals_the_fixed_cache(name, kv_dtype):
+    model, _ = import_hf(DATA / name)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, model.vocab, 20))
+    expected, _ = model.prefill(ids, model.init_cache(32, on_overflow="nan", kv_dtype=kv_dtype))
+    one = model.init_cache(32, on_overflow="nan", kv_dtype=kv_dtype)
+    cache = _poisoned(paged_cache(one, pages=9, page_size=4, width=8))
+    cache = with_tables(cache, jnp.array([5, 2, 7, 1, 3, 8, 4, 6]))
+    first, cache = model.prefill(ids[:13], cache)  # a chunk across pages, then steps
+    steps = []
+    for token in ids[13:]:
+        logits, cache = model.step(token, cache)
+        steps.append(logits)
+    got = jnp.concatenate([first, jnp.stack(steps)])
+    assert bool(jnp.isfinite(got).all())
+    np.testing.assert_allclose(got, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_a_batch_of_streams_shares_one_pool():
+    model, _ = import_hf(DATA / "llama_gqa")
+    ids = np.random.default_rng(1).integers(0, model.vocab, 16)
+    caches = paged_streams(paged_cache(model.init_cache(16, on_overflow="nan"), 9, 4, 4), 2)
+    caches = with_tables(caches, jnp.array([[1, 2, 3, 4], [8, 7, 6, 5]]))
+    axes = stream_axes(caches)
+    step = jax.jit(jax.vmap(model.step, in_axes=(0, axes), out_axes=(0, axes)))
+    outputs = []
+    for t in range(8):
+        logits, caches = step(jnp.asarray([ids[t], ids[t + 8]]), caches)
+        outputs.append(logits)
+    paged = [n for n in jax.tree.leaves(caches, is_leaf=lambda n: isinstance(n, PagedKVCache))]
+    pools = [n.keys.shape for n in paged if isinstance(n, PagedKVCache)]
+    assert pools and all(shape[0] == 9 for shape in pools)  # one pool each, no batch axis
+    for row, start in enumerate((0, 8)):
+        solo, _ = model.prefill(jnp.asarray(ids[start : start + 8]), model.init_cache(16))
+        np.testing.assert_allclose(jnp.stack(outputs)[:, row], solo, atol=2e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module", params=["gpt2", "gemma2"])
+def requests(request):
+    model, _ = import_hf(DATA / request.param)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, model.vocab, n).tolist() for n in LENGTHS]
+    prompts[7], prompts[8] = prompts[4][:16], prompts[4][:9]  # prefixes of request 4's prompt
+    greedy = np.asarray(generate(model, prompts, max(NEW)).tokens)
+    return model, prompts, greedy
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_paged_requests_get_their_solo_tokens_and_every_page_comes_back(requests, share):
+    model, prompts, greedy = requests
+    server = Server(model, 4, 32, chunk=4, pages=12, page_size=4, share_prefixes=share)
+    done = server.serve(zip(prompts, NEW, strict=True))
+    for n, completion in enumerate(done):
+        np.testing.assert_array_equal(completion.tokens, greedy[n, : NEW[n]], err_msg=str(n))
+    book = server._store.book
+    assert (book.available, book.held) == (11, 0)  # 12 pages less the null page
+
+
+def test_a_shared_prefix_is_computed_once_and_a_full_prompt_copies_its_last_page(requests):
+    model, prompts, greedy = requests
+    server = Server(model, 4, 32, chunk=4, pages=16, page_size=4, share_prefixes=True)
+    server.serve([(prompts[4], NEW[4])])  # 21 tokens: 20 prefilled, 5 full pages keyed
+    store = server._store
+    plans = []
+    take = store.book.take
+    store.book.take = lambda *a: plans.append(take(*a)) or plans[-1]
+    done = server.serve([(prompts[n], NEW[n]) for n in (7, 8, 4)])
+    for completion, n in zip(done, (7, 8, 4), strict=True):
+        np.testing.assert_array_equal(completion.tokens, greedy[n, : NEW[n]], err_msg=str(n))
+    # 16 tokens, all in 4 keyed pages: it starts at its last token, in a copy of page 4;
+    # 9 tokens: 2 keyed pages (8 tokens); the 21 tokens again: 5 pages (20 tokens).
+    assert [p.start for p in plans] == [15, 8, 20]
+    assert plans[0].copy is not None and plans[0].copy[0] not in plans[0].pages
+    assert plans[1].copy is None and plans[1].pages[:2] == plans[0].pages[:2]
+    assert (store.book.available, store.book.held) == (15, 0)
+
+
+def test_requests_wait_for_pages_and_one_larger_than_the_pool_is_refused(requests):
+    model, prompts, greedy = requests
+    server = Server(model, 4, 32, chunk=4, pages=8, page_size=4, share_prefixes=False)
+    busiest = 0
+    for n in range(7):
+        server.submit(prompts[n], NEW[n])
+    done = {}
+    for _ in range(500):  # bounded: the workload takes well under 200 rounds
+        for event in server.step():
+            if event.completion is not None:
+                done[event.completion.number] = event.completion.tokens
+        busiest = max(busiest, sum(len(h) for h in server._store.held))
+        if server.idle:
+            break
+    assert server.idle and busiest <= 7
+    for n in range(7):
+        np.testing.assert_array_equal(done[n], greedy[n, : NEW[n]], err_msg=str(n))
+    with pytest.raises(ValueError, match="8 pages of 4; the pool has 7"):
+        server.submit(prompts[4], 11)  # 21 + 11 - 1 = 31 positions
+
+
+def test_sampled_paged_tokens_equal_the_fixed_slot_servers(requests):
+    model, prompts, _ = requests
+    key = jax.random.PRNGKey(3)
+    rules = dict(temperature=0.9, top_k=20)
+    fixed = Server(model, 3, 32, key, chunk=4, **rules).serve(zip(prompts, NEW, strict=True))
+    paged = Server(model, 4, 32, key, chunk=4, pages=40, page_size=4, **rules)
+    for a, b in zip(fixed, paged.serve(zip(prompts, NEW, strict=True)), strict=True):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+
+
+def test_page_keys_chain_over_the_prefix():
+    book = PageBook(8, 2)
+    a, b = book.digests(np.array([1, 2, 3, 4])), book.digests(np.array([3, 4, 3, 4]))
+    assert len(a) == 2 and a[0] != b[0] and a[1] != b[1]  # page [3, 4] after different pages
+    plan = book.take(np.array([1, 2, 3, 4, 5]), 6, share=True)
+    book.register(np.array([1, 2, 3, 4, 5]), plan.pages, 4)
+    book.release(plan.pages)
+    assert (book.available, book.held) == (7, 0)
+    again = book.take(np.array([1, 2, 3, 4, 9]), 5, share=True)
+    assert again.pages[:2] == plan.pages[:2] and again.start == 4
+
+
+@pytest.mark.parametrize(
+    "options, error",
+    [
+        (dict(pages=1), ValueError),
+        (dict(pages="8"), TypeError),
+        (dict(pages=8, page_size=0), ValueError),
+        (dict(pages=8, share_prefixes="yes"), TypeError),
+        (dict(share_prefixes=True), ValueError),
+    ],
+)
+def test_bad_paging_options_are_refused(options, error):
+    model, _ = import_hf(DATA / "gpt2")
+    with pytest.raises(error):
+        Server(model, 2, 16, **options)
