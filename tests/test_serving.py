@@ -165,9 +165,14 @@ def test_the_cli_serves_json_lines_and_text_as_they_finish(tmp_path, capsys, ser
     requests.write_text("\n".join([*lines, "", json.dumps({"ids": prompts[1]})]) + "\n")
     argv = ["serve", str(checkpoint), "--input", str(requests), "--slots", "2", "--chunk", "4"]
     assert cli([*argv, "--capacity", "40", "--max-new-tokens", "3"]) == 0
-    answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    paged = ["--pages", "12", "--page-size", "4", "--share-prefixes"]
+    assert cli([*argv, "--capacity", "40", "--max-new-tokens", "3", *paged]) == 0
+    twice = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(twice) == 6  # the fixed slots' answers, then the paged ones
+    answers = twice[:3]
     by_id = {a["id"]: a for a in answers}
     assert set(by_id) == {"q0", "q3", 2}
+    assert {a["id"]: a["ids"] for a in twice[3:]} == {a["id"]: a["ids"] for a in answers}
     assert by_id["q0"]["ids"] == greedy[0, : NEW[0]].tolist()
     assert by_id["q3"]["ids"] == greedy[3, : NEW[3]].tolist()
     assert by_id[2]["ids"] == greedy[1, :3].tolist()  # the default --max-new-tokens

@@ -107,6 +107,16 @@ def _add_serve(commands: Any) -> None:
     se.add_argument("--slots", type=int, default=8, help="streams decoded together")
     se.add_argument("--capacity", type=int, help="cache slots per stream")
     se.add_argument("--chunk", type=int, default=16, help="prompt tokens per prefill call")
+    se.add_argument(
+        "--pages", type=int, help="a paged cache of this many pages shared by the slots (default: "
+        "a whole cache of --capacity per slot)",
+    )  # fmt: skip
+    se.add_argument("--page-size", type=int, default=16, help="positions per page")
+    se.add_argument(
+        "--share-prefixes", action=argparse.BooleanOptionalAction, default=None,
+        help="requests with a common prompt prefix share its pages (default: where the model's "
+        "state is all keys and values)",
+    )  # fmt: skip
     http = se.add_argument_group("HTTP (OpenAI's API; pip install 'dense-armor[serve]')")
     http.add_argument("--http", action="store_true", help="serve HTTP instead of standard input")
     http.add_argument("--host", default="127.0.0.1", help="the address to listen on")
@@ -194,6 +204,7 @@ def _serve(args: argparse.Namespace) -> None:
             model, args.slots, args.capacity, jax.random.PRNGKey(args.seed),
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
             min_p=args.min_p, stop_tokens=args.stop, chunk=args.chunk, kv_dtype=args.kv_dtype,
+            **_paging(args),
         )  # fmt: skip
         for i, request in enumerate(requests):
             try:
@@ -239,7 +250,7 @@ def _serve_http(args: argparse.Namespace, model: Any, tokenizer: Any) -> None:
     try:
         server = Server(
             model, args.slots, args.capacity, jax.random.PRNGKey(args.seed),
-            chunk=args.chunk, kv_dtype=args.kv_dtype, max_queue=args.max_queue,
+            chunk=args.chunk, kv_dtype=args.kv_dtype, max_queue=args.max_queue, **_paging(args),
         )  # fmt: skip
     except (ValueError, TypeError) as error:
         raise UsageError(str(error)) from None
@@ -306,3 +317,8 @@ COMMANDS = {
     "generate": _generate,
     "serve": _serve,
 }
+
+
+def _paging(args: Any) -> dict[str, Any]:
+    """The `Server`'s paged cache options from `serve`'s arguments."""
+    return dict(pages=args.pages, page_size=args.page_size, share_prefixes=args.share_prefixes)
