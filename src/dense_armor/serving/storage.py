@@ -110,9 +110,9 @@ class PagedSlots:
                 "or running means), which pages do not hold."
             )
         self.share = shareable(one) if share is None else bool(share)
-        self.mask = pool_mask(one)
-        self.pools, self.fresh = eqx.partition(one, self.mask)
-        self.own = eqx.partition(paged_streams(one, slots), pool_mask(one))[1]
+        mask = pool_mask(one)  # the same tree for one stream and for the batch
+        self.pools, self.fresh = eqx.partition(one, mask)
+        self.own = eqx.partition(paged_streams(one, slots), mask)[1]
         self.book = PageBook(pages, page_size)
         self.tables = np.zeros((slots, self.width), np.int32)
         self.held: list[list[int]] = [[] for _ in range(slots)]
