@@ -273,12 +273,23 @@ def torch_state(**changes):
 
 
 def cli_error(tmp, capsys, argv):
-    """A CLI call that must fail cleanly: exit 2, an `error:` line, no traceback."""
-    code = cli([str(a) for a in argv])
+    """A CLI call that must fail cleanly: exit 2, an `error:` line, no traceback (argparse's own
+    refusals exit by `SystemExit`)."""
+    try:
+        code = cli([str(a) for a in argv])
+    except SystemExit as exit:
+        code = exit.code
     err = capsys.readouterr().err
     if code == 2 and "error" in err and "Traceback" not in err:
         raise SystemExit(err)
     raise AssertionError(f"exit {code}: {err}")
+
+
+def cli_serve(tmp, capsys, *options):
+    """`dense-armor serve` of the committed byte model on one request of token ids."""
+    (tmp / "requests.jsonl").write_text('{"ids": [1, 2], "max_new_tokens": 2}\n')
+    byte_lm = pathlib.Path(__file__).parent / "data" / "byte_lm"
+    cli_error(tmp, capsys, ["serve", byte_lm, "--input", tmp / "requests.jsonl", *options])
 
 
 def cli_import_config(tmp, capsys, data):
@@ -666,6 +677,11 @@ BAD = [
     ("import-torch-config-lacks-an-argument", lambda: import_torch(TORCH_STATE, ModelConfig("transformer_encoder", {k: v for k, v in TORCH_CONFIG.arguments.items() if k != "d_ff"})), InteropError, r"does not build a model: .*d_ff"),
     ("import-torch-tensor-a-string", lambda: import_torch({**torch_state(), "embed.weight": "abc"}, TORCH_CONFIG), InteropError, r"'embed.weight' must be an array; received str"),
     ("import-torch-config-a-dict", lambda: import_torch(TORCH_STATE, dict(TORCH_CONFIG.arguments)), InteropError, r"`config` must be a ModelConfig.*received dict"),
+    ("cli-serve-pages-one", lambda tmp, capsys: cli_serve(tmp, capsys, "--pages", "1"), SystemExit, r"dense-armor serve: error: Server: `pages` must be an integer >= 2; received `pages=1`"),
+    ("cli-serve-pages-not-a-number", lambda tmp, capsys: cli_serve(tmp, capsys, "--pages", "x"), SystemExit, r"dense-armor serve: error: argument --pages: invalid int value: 'x'"),
+    ("cli-serve-page-size-zero", lambda tmp, capsys: cli_serve(tmp, capsys, "--pages", "8", "--page-size", "0"), SystemExit, r"dense-armor serve: error: Server: `page_size` must be a positive integer; received `page_size=0`"),
+    ("cli-serve-share-prefixes-without-pages", lambda tmp, capsys: cli_serve(tmp, capsys, "--share-prefixes"), SystemExit, r"dense-armor serve: error: Server: `share_prefixes` shares pages: give `pages` too"),
+    ("cli-serve-request-larger-than-the-pool", lambda tmp, capsys: cli_serve(tmp, capsys, "--pages", "2", "--page-size", "1"), SystemExit, r"dense-armor serve: error: request 1 \(0\): Server.submit: .* 3 pages of 1; the pool has 1"),
     ("cli-import-torch-config-lacks-arguments", lambda tmp, capsys: cli_import_config(tmp, capsys, {"factory": "transformer_encoder"}), SystemExit, r"dense-armor import-torch: error: .*config.json: the config lacks 'arguments'"),
     ("cli-import-torch-d-model-not-a-number", lambda tmp, capsys: cli_import_config(tmp, capsys, {"factory": "transformer_encoder", "arguments": {**TORCH_CONFIG.arguments, "d_model": "abc"}}), SystemExit, r"import-torch: error: .*does not build a model.*`d_model`.*'abc'"),
     ("cli-import-torch-unknown-factory", lambda tmp, capsys: cli_import_config(tmp, capsys, {"factory": "mlp", "arguments": {}}), SystemExit, r"import-torch: error: .*unknown model factory 'mlp'"),
@@ -768,6 +784,14 @@ BAD = [
     ("server-submit-key-not-a-key", lambda: Server(TINY_LM).submit([1], 2, key=3), TypeError, r"`key` must be a JAX PRNG key"),
     ("server-submit-stop-outside-the-vocabulary", lambda: Server(TINY_LM).submit([1], 2, stop_tokens=[99]), ValueError, r"Server.submit: `stop_tokens` \(99,\) must lie in \[0, 16\)"),
     ("server-queue-full", lambda: _full_server().submit([1], 2), QueueFull, r"Server.submit: 1 requests wait already \(max_queue=1\)"),
+    ("server-pages-one", lambda: Server(TINY_LM, pages=1), ValueError, r"Server: `pages` must be an integer >= 2; received `pages=1` \(int\)"),
+    ("server-pages-a-string", lambda: Server(TINY_LM, pages="8"), (TypeError, ValueError), r"Server: `pages` must be an integer >= 2; received `pages='8'` \(str\)"),
+    ("server-pages-a-bool", lambda: Server(TINY_LM, pages=True), (TypeError, ValueError), r"`pages` must be an integer >= 2; received `pages=True` \(bool\)"),
+    ("server-page-size-zero", lambda: Server(TINY_LM, pages=8, page_size=0), ValueError, r"Server: `page_size` must be a positive integer; received `page_size=0`"),
+    ("server-page-size-a-float", lambda: Server(TINY_LM, pages=8, page_size=2.5), (TypeError, ValueError), r"`page_size` must be a positive integer; received `page_size=2.5` \(float\)"),
+    ("server-share-prefixes-a-string", lambda: Server(TINY_LM, pages=8, share_prefixes="yes"), TypeError, r"Server: `share_prefixes` must be True, False or None; received 'yes'"),
+    ("server-share-prefixes-without-pages", lambda: Server(TINY_LM, share_prefixes=True), ValueError, r"Server: `share_prefixes` shares pages: give `pages` too"),
+    ("server-request-larger-than-the-pool", lambda: Server(TINY_LM, capacity=8, pages=3, page_size=2).submit([1, 2, 3], 3), ValueError, r"Server.submit: the prompt and `max_new_tokens=3` write 5 positions, 3 pages of 2; the pool has 2 \(`pages=3`, less the null page\)"),
     ("server-run-on-an-empty-queue", lambda: next(Server(TINY_LM).run()), ValueError, r"Server.run: the queue is empty; `submit` requests"),
     ("generate-not-a-language-model", lambda: generate(MODEL, [[1]], 3), TypeError, r"generate: `model` must be a TransformerLM; received Sequential"),
     ("greedy-a-list", lambda: greedy([1.0, 2.0]), ShapeError, r"`logits`: expected Float"),

@@ -33,7 +33,7 @@ from dense_armor.nn.models.generation import generate  # noqa: E402
 
 DATA = pathlib.Path(__file__).parent / "data"
 BYTES, CHAT = DATA / "byte_lm", DATA / "chat"
-NAME, SLOTS, MAX_QUEUE, CONTEXT = "byte-lm", 4, 64, 148
+NAME, SLOTS, MAX_QUEUE, CONTEXT, PAGES = "byte-lm", 4, 64, 148, 40
 START_TIMEOUT, REQUEST_TIMEOUT = 240, 120
 PROMPTS = [
     "def main(",
@@ -73,6 +73,10 @@ def served(tmp_path_factory):
         str(CONTEXT),
         "--tokenizer",
         str(CHAT),
+        "--pages",  # the paged cache, prefixes shared: 39 pages of 16, 624 positions
+        str(PAGES),
+        "--page-size",
+        "16",
     ]
     log = tmp_path_factory.mktemp("http") / "server.log"
     with open(log, "w") as errors:
@@ -155,6 +159,23 @@ def test_greedy_completions_are_generates_text_streamed_or_not(served, reference
     ids = list(PROMPTS[0].encode())  # a prompt of token ids
     answer = client.completions.create(model=NAME, prompt=ids, max_tokens=24, temperature=0)
     assert answer.choices[0].text == want[0]
+
+
+def test_a_repeated_prompt_reports_its_shared_tokens_as_cached(served, reference):
+    # pages of 16: a first 40-byte prompt computes all; the same again finds its first 32
+    # tokens in shared pages; one that shares the first 20 bytes finds one page, 16 tokens.
+    url, _ = served
+    client = _client(url)
+    prompt = "The cached pages of a prompt that repeats"[:40]
+    (want,) = _solo(reference, [prompt], 8)
+    cached = []
+    for text in (prompt, prompt, prompt[:20] + "X" * 20):
+        answer = client.completions.create(model=NAME, prompt=text, max_tokens=8, temperature=0)
+        assert answer.usage.prompt_tokens == 40
+        cached.append(answer.usage.prompt_tokens_details.cached_tokens)
+        if text == prompt:
+            assert answer.choices[0].text == want
+    assert cached == [0, 32, 16]
 
 
 def test_stop_strings_end_the_text_across_token_boundaries(served, reference):
@@ -321,8 +342,11 @@ def test_models_health_and_metrics(served):
         "dense_armor_generated_tokens_total",
         "dense_armor_time_to_first_token_seconds",
         "dense_armor_request_latency_seconds",
+        "dense_armor_held_pages",
     ):
         assert re.search(rf"^{name}", text, re.M), name
+    free = float(re.search(r"^dense_armor_free_pages (\S+)", text, re.M).group(1))
+    assert free == PAGES - 1  # every page back (nothing in flight), the null page aside
     tokens = float(re.search(r"^dense_armor_generated_tokens_total (\S+)", text, re.M).group(1))
     assert tokens > 0
 

@@ -24,6 +24,7 @@ from test_language_models import DATA
 
 LENGTHS = [5, 1, 12, 3, 21, 8, 2, 16, 9]
 NEW = [6, 3, 9, 4, 2, 7, 5, 4, 8]
+LONG = [9, 9, 9, 9, 8, 9, 9, 9, 9]  # request 4 writes 21 + 8 - 1 = 28 positions: 7 pages of 4
 
 
 def _poisoned(cache):
@@ -86,7 +87,7 @@ def requests(request):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, model.vocab, n).tolist() for n in LENGTHS]
     prompts[7], prompts[8] = prompts[4][:16], prompts[4][:9]  # prefixes of request 4's prompt
-    greedy = np.asarray(generate(model, prompts, max(NEW)).tokens)
+    greedy = np.asarray(generate(model, prompts, max(LONG)).tokens)
     return model, prompts, greedy
 
 
@@ -115,39 +116,69 @@ def test_a_shared_prefix_is_computed_once_and_a_full_prompt_copies_its_last_page
     # 16 tokens, all in 4 keyed pages: it starts at its last token, in a copy of page 4;
     # 9 tokens: 2 keyed pages (8 tokens); the 21 tokens again: 5 pages (20 tokens).
     assert [p.start for p in plans] == [15, 8, 20]
+    assert [c.cached_tokens for c in done] == [15, 8, 20]
     assert plans[0].copy is not None and plans[0].copy[0] not in plans[0].pages
     assert plans[1].copy is None and plans[1].pages[:2] == plans[0].pages[:2]
     assert (store.book.available, store.book.held) == (15, 0)
 
 
-def test_requests_wait_for_pages_and_one_larger_than_the_pool_is_refused(requests):
-    model, prompts, greedy = requests
-    server = Server(model, 4, 32, chunk=4, pages=8, page_size=4, share_prefixes=False)
-    busiest = 0
-    for n in range(7):
-        server.submit(prompts[n], NEW[n])
-    done = {}
-    for _ in range(500):  # bounded: the workload takes well under 200 rounds
+def _stepped(server, rounds):
+    """Serve the queue by `step` (at most `rounds`): the completions by number, and the most
+    pages held at once."""
+    done, busiest = {}, 0
+    for _ in range(rounds):
         for event in server.step():
             if event.completion is not None:
-                done[event.completion.number] = event.completion.tokens
-        busiest = max(busiest, sum(len(h) for h in server._store.held))
+                done[event.completion.number] = event.completion
+        busiest = max(busiest, server._store.book.held)  # pages, each counted once
         if server.idle:
             break
-    assert server.idle and busiest <= 7
-    for n in range(7):
-        np.testing.assert_array_equal(done[n], greedy[n, : NEW[n]], err_msg=str(n))
+    assert server.idle
+    return done, busiest
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_a_short_pool_preempts_the_youngest_and_recomputes_it(requests, share):
+    # 7 pages of 4 positions for 4 slots whose requests grow to 3-7 pages each: the pool runs
+    # short while they decode; the youngest gives its pages back and is recomputed later.
+    model, prompts, greedy = requests
+    server = Server(model, 4, 32, chunk=4, pages=8, page_size=4, share_prefixes=share)
+    for n in range(9):
+        server.submit(prompts[n], LONG[n])
+    done, busiest = _stepped(server, 600)  # bounded: the workload takes under 300 rounds
+    assert busiest <= 7 and sum(c.preempted for c in done.values()) > 0
+    for n in range(9):
+        np.testing.assert_array_equal(done[n].tokens, greedy[n, : LONG[n]], err_msg=str(n))
+    assert (server._store.book.available, server._store.book.held) == (7, 0)
     with pytest.raises(ValueError, match="8 pages of 4; the pool has 7"):
         server.submit(prompts[4], 11)  # 21 + 11 - 1 = 31 positions
+
+
+def test_requests_wait_for_the_pages_of_their_prompts(requests):
+    # 3 pages of 4: request 4 (21 tokens) would need 6 to start; it is refused at `submit`,
+    # and a 9-token prompt waits at the head of the queue until the 12-token one ends.
+    model, prompts, greedy = requests
+    server = Server(model, 2, 32, chunk=4, pages=4, page_size=4, share_prefixes=False)
+    with pytest.raises(ValueError, match="pages of 4; the pool has 3"):
+        server.submit(prompts[4], 1)
+    server.submit(prompts[2], 1)  # 12 tokens: 3 pages
+    server.submit(prompts[8], 1)  # 9 tokens: 3 pages, after the first
+    (first,) = server.step()  # the first admitted and finished, the second still waiting
+    assert first.completion.number == 0 and server.pending == 1
+    done, _ = _stepped(server, 20)
+    np.testing.assert_array_equal(first.completion.tokens, greedy[2, :1])
+    np.testing.assert_array_equal(done[1].tokens, greedy[8, :1])
 
 
 def test_sampled_paged_tokens_equal_the_fixed_slot_servers(requests):
     model, prompts, _ = requests
     key = jax.random.PRNGKey(3)
     rules = dict(temperature=0.9, top_k=20)
-    fixed = Server(model, 3, 32, key, chunk=4, **rules).serve(zip(prompts, NEW, strict=True))
-    paged = Server(model, 4, 32, key, chunk=4, pages=40, page_size=4, **rules)
-    for a, b in zip(fixed, paged.serve(zip(prompts, NEW, strict=True)), strict=True):
+    fixed = Server(model, 3, 32, key, chunk=4, **rules).serve(zip(prompts, LONG, strict=True))
+    paged = Server(model, 4, 32, key, chunk=4, pages=8, page_size=4, **rules)  # preempts
+    served = paged.serve(zip(prompts, LONG, strict=True))
+    assert sum(c.preempted for c in served) > 0
+    for a, b in zip(fixed, served, strict=True):
         np.testing.assert_array_equal(a.tokens, b.tokens)
 
 
@@ -161,6 +192,16 @@ def test_page_keys_chain_over_the_prefix():
     assert (book.available, book.held) == (7, 0)
     again = book.take(np.array([1, 2, 3, 4, 9]), 5, share=True)
     assert again.pages[:2] == plan.pages[:2] and again.start == 4
+
+
+def test_the_longest_request_is_bounded_by_the_context_and_the_pool():
+    model, _ = import_hf(DATA / "gpt2")
+    assert Server(model, 2, 32).longest_request == 32
+    server = Server(model, 2, 32, pages=4, page_size=4)  # 3 pages: 12 positions written
+    assert server.longest_request == 13 and server.page_counts == (3, 0)
+    server.submit([1] * 5, 8)  # 13 positions, the last new token not written
+    with pytest.raises(ValueError, match="4 pages of 4; the pool has 3"):
+        server.submit([1] * 5, 9)
 
 
 @pytest.mark.parametrize(

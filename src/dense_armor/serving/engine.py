@@ -60,8 +60,13 @@ class Server:
     chunk of prompt tokens, default 16: a prompt's whole chunks go through one compiled
     `prefill` each, the rest in pieces of 8, 4, 2 and 1 tokens, its last token through a
     tick), `kv_dtype` (the caches' keys and values in another dtype, `"int8"` for a quarter of
-    float32's memory: see `TransformerLM.init_cache`) and `max_queue` (requests waiting for a
-    slot at most; `submit` past it raises `QueueFull`; default unbounded).
+    float32's memory: see `TransformerLM.init_cache`), `max_queue` (requests waiting for a
+    slot at most; `submit` past it raises `QueueFull`; default unbounded), and `pages`,
+    `page_size`, `share_prefixes` (a paged cache: one pool of `pages` pages of `page_size`
+    positions per layer instead of a whole cache per slot, taken as requests grow, the
+    youngest request preempted and recomputed when the pool runs short; full pages of prompt
+    tokens shared between requests by default where every state is keys and values; see
+    `serving.storage` and `serving.pages`).
 
     `submit(prompt, max_new_tokens)` queues a request (its own `sampling`, `key` and
     `stop_tokens` if given); `run()` serves the queue, yielding each `Completion` as it
@@ -108,6 +113,7 @@ class Server:
         self._lock = threading.Lock()
         self._cancelled: set[Any] = set()
         self._active: list[_Slot | None] = [None] * self.slots
+        self._preempted: dict[int, _Slot] = {}  # by request number, waiting in the queue
         self._submitted = 0
         self._paging = _paging(pages, page_size, share_prefixes)
         self._store: FixedSlots | PagedSlots | None = None
@@ -183,6 +189,25 @@ class Server:
         return sum(slot is not None for slot in self._active)
 
     @property
+    def longest_request(self) -> int:
+        """The most positions that a request's prompt and new tokens may take: `capacity`, and
+        for a paged server the pool's pages too (the last new token is not written)."""
+        if self._paging is None:
+            return self.capacity
+        pages, size, _ = self._paging
+        return min(self.capacity, (pages - 1) * size + 1)
+
+    @property
+    def page_counts(self) -> tuple[int, int] | None:
+        """A paged server's pages that requests could take and pages held; None for fixed
+        slots."""
+        if self._paging is None:
+            return None
+        if not isinstance(self._store, PagedSlots):
+            return self._paging[0] - 1, 0  # before the first step: all but the null page
+        return self._store.book.available, self._store.book.held
+
+    @property
     def idle(self) -> bool:
         """True when no request waits and no slot is busy."""
         return not self._queue and self.busy == 0
@@ -213,18 +238,54 @@ class Server:
         `Event`, with its `Completion` if it finished."""
         store = self._slots()
         self._drop_cancelled()
-        for i in range(self.slots):
-            if self._active[i] is None:
-                with self._lock:  # the oldest request first; it waits for pages if it must
-                    fits = bool(self._queue) and store.fits(self._queue[0])
-                    request = self._queue.popleft() if fits else None
-                if request is None:
-                    break
-                admitted = time.perf_counter()
-                self._active[i] = _Slot(request, store.admit(i, request), admitted)
+        self._admit(store)
         if self.busy == 0:
             return []
+        self._grow(store)
         return self._advance(store.tick(self._inputs()), time.perf_counter())
+
+    def _admit(self, store: FixedSlots | PagedSlots) -> None:
+        """Queued requests into the free slots, the oldest first; it waits for pages if it
+        must. A preempted request comes back with its tokens, recomputed by the prefill."""
+        for i in range(self.slots):
+            if self._active[i] is not None:
+                continue
+            with self._lock:
+                if not self._queue:
+                    return
+                request = self._queue[0]
+                slot = self._preempted.get(request.number)
+                context = request.prompt if slot is None else slot.context()
+                if not store.fits(context):
+                    return
+                self._queue.popleft()
+                self._preempted.pop(request.number, None)
+            start = store.admit(i, context)
+            if slot is None:
+                slot = _Slot(request, 0, time.perf_counter(), cached=start)
+            slot.fed = min(len(context) - 1, len(request.prompt))
+            self._active[i] = slot
+
+    def _grow(self, store: FixedSlots | PagedSlots) -> None:
+        """Each busy slot's pages for the row its tick writes, the oldest request first; when
+        the pool is short, the youngest request is preempted: it gives its pages back and waits
+        at the head of the queue to be recomputed (its tokens do not change: each is drawn with
+        its key and position). The oldest alone always fits (`submit` refuses a request larger
+        than the pool), so every request ends."""
+        busy = sorted((s.request.number, i) for i, s in enumerate(self._active) if s is not None)
+        for _, i in busy:
+            while (slot := self._active[i]) is not None and not store.grow(i, slot.position() + 1):
+                running = [(s.request.number, j) for j, s in enumerate(self._active) if s]
+                self._preempt(max(running)[1])
+
+    def _preempt(self, i: int) -> None:
+        slot = self._active[i]
+        assert slot is not None
+        self._free(i)
+        slot.preempted += 1
+        with self._lock:
+            self._preempted[slot.request.number] = slot
+            self._queue.appendleft(slot.request)
 
     def _slots(self) -> FixedSlots | PagedSlots:
         """The slots' caches, made at the first step."""
@@ -243,14 +304,19 @@ class Server:
             gone, self._cancelled = self._cancelled, set()
             if gone:
                 self._queue = collections.deque(r for r in self._queue if r.id not in gone)
+                self._preempted = {
+                    n: s for n, s in self._preempted.items() if s.request.id not in gone
+                }  # fmt: skip
         for i, slot in enumerate(self._active):
             if slot is not None and slot.request.id in gone:
                 self._free(i)
 
     def _free(self, i: int) -> None:
-        self._active[i] = None
-        if self._store is not None:
-            self._store.release(i)
+        """Slot `i` given back; the rows its request wrote are kept by key where pages are
+        shared (a preempted request, or a later prompt that repeats this one, finds them)."""
+        slot, self._active[i] = self._active[i], None
+        if self._store is not None and slot is not None:
+            self._store.release(i, slot.context()[: slot.position()])
 
     def _inputs(self) -> tuple[np.ndarray, ...]:
         """The tick's arrays: each slot's token, the position of the token its logits choose,
@@ -264,10 +330,9 @@ class Server:
             if slot is None:
                 continue
             r = slot.request
-            if slot.fed < len(r.prompt):  # still feeding its prompt
-                tokens[i], positions[i] = r.prompt[slot.fed], slot.fed + 1
-            else:
-                tokens[i], positions[i] = slot.tokens[-1], slot.fed + len(slot.tokens)
+            feeding = slot.fed < len(r.prompt)  # still feeding its prompt
+            tokens[i] = r.prompt[slot.fed] if feeding else slot.tokens[-1]
+            positions[i] = slot.position() + 1
             keys[i], rules[i] = r.key, r.rules
         return (  # NumPy arrays: a jitted function takes them with no conversion of its own
             tokens, positions, keys, rules[:, 0].astype(np.float32),
@@ -294,14 +359,14 @@ class Server:
             if stopped or len(slot.tokens) == r.max_new_tokens:
                 self._free(i)
                 done = self._completion(slot, "stop" if stopped else "length", now)
-            events.append(Event(r.id, token, done))
+            events.append(Event(r.id, token, done, slot.cached))
         return events
 
     def _completion(self, slot: _Slot, reason: str, now: float) -> Completion:
         r = slot.request
         return Completion(
             r.id, r.number, r.prompt, np.array(slot.tokens, np.int32), reason, r.submitted,
-            slot.admitted, slot.first_token, now,
+            slot.admitted, slot.first_token, now, slot.cached, slot.preempted,
         )  # fmt: skip
 
 

@@ -151,7 +151,7 @@ def create_app(
         try:
             ask = _parse(await request.body(), chat, vocab, name)
             prompt = _prompt_ids(ask, tokenizer, chat_template)
-            sampling, key, max_new = _rules(ask, len(prompt), server.capacity)
+            sampling, key, max_new = _rules(ask, len(prompt), server.longest_request)
             queue = engine.submit(
                 ask.id, prompt, max_new, sampling, key, sorted(set(ends + ask.stop_token_ids))
             )
@@ -273,7 +273,7 @@ class _Run:
     ) -> None:
         self.ask, self.prompt, self.queue, self.text = ask, prompt, queue, text
         self.engine, self.metrics = engine, metrics
-        self.generated, self.started = 0, time.perf_counter()
+        self.generated, self.cached, self.started = 0, 0, time.perf_counter()
         self.first: float | None = None
 
     async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
@@ -282,7 +282,7 @@ class _Run:
             item = await self.queue.get()
             if isinstance(item, _Failed):
                 raise RuntimeError(item.message)
-            self.generated += 1
+            self.generated, self.cached = self.generated + 1, item.cached_tokens
             self.metrics.token()
             if self.first is None:
                 self.first = time.perf_counter()
@@ -296,6 +296,10 @@ class _Run:
                 yield piece + self.text.finish(), item.completion.reason
                 return
             yield piece, None
+
+    def _counts(self) -> tuple[int, int, int]:
+        """The usage's prompt, completion and cached tokens."""
+        return len(self.prompt), self.generated, self.cached
 
     def _finished(self) -> None:
         self.metrics.finished(time.perf_counter() - self.started)
@@ -318,7 +322,7 @@ class _Run:
             return ApiError(f"generation failed: {done}", None, 500, "server_error")
         self._finished()
         text, reason = done
-        return response(self.ask, text, reason, (len(self.prompt), self.generated))
+        return response(self.ask, text, reason, self._counts())
 
     async def events(self) -> AsyncIterator[str]:
         """Server-sent events: the role first (a chat), text chunks, the end, the usage if
@@ -341,7 +345,7 @@ class _Run:
                 return
             self._finished()
             if ask.include_usage:
-                yield _sse(chunk(ask, None, counts=(len(self.prompt), self.generated)))
+                yield _sse(chunk(ask, None, counts=self._counts()))
             yield "data: [DONE]\n\n"
         finally:  # a client that left mid-stream (the generator closed): free its slot
             self.engine.cancel(ask.id)

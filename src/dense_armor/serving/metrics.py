@@ -8,8 +8,9 @@ SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class Metrics:
-    """Queued requests and busy slots (read from the engine when scraped), requests by outcome,
-    tokens generated, and histograms of the time to the first token and of whole requests."""
+    """Queued requests and busy slots (read from the engine when scraped), a paged cache's free
+    and held pages, requests by outcome, tokens generated, and histograms of the time to the
+    first token and of whole requests."""
 
     def __init__(self, server: Any, engine: Any) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -27,6 +28,15 @@ class Metrics:
             "dense_armor_requests_in_flight", "Requests queued or in a slot.", registry=registry
         )
         flight.set_function(lambda: engine.in_flight)
+        if server.page_counts is not None:  # a paged cache: its pages
+            free = Gauge(
+                "dense_armor_free_pages",
+                "Pages of the paged cache that requests could take.",
+                registry=registry,
+            )
+            free.set_function(lambda: server.page_counts[0])
+            held = Gauge("dense_armor_held_pages", "Pages held by requests.", registry=registry)
+            held.set_function(lambda: server.page_counts[1])
         self.tokens = Counter(
             "dense_armor_generated_tokens", "New tokens generated.", registry=registry
         )

@@ -2,9 +2,10 @@
 prefixes that full pages hold (`PageBook`).
 
 Page 0 is the null page (`nn.state.paged`): never handed out, so a pool of `pages` pages has
-`pages - 1` to give. A request takes, at admission, every page it can need (its prompt and
-`max_new_tokens`: reserve at admission, so a running request never runs short and nothing is
-preempted); it returns them when it ends.
+`pages - 1` to give. A request takes, at admission, the pages of its prompt, then one page
+more each time its tokens pass the last (`grow`); it returns them when it ends, or when it is
+preempted (the engine's policy: the youngest request gives its pages back and waits to be
+recomputed, see `serving.engine`).
 
 Prefix sharing: a full page of prompt tokens is keyed by a digest of its tokens and of its
 predecessors' (BLAKE2b over the chain, so equal keys mean equal prefixes, positions included).
@@ -98,6 +99,15 @@ class PageBook:
             pages[len(hits) - 1] = target = self._fresh()
             copy = (source, target)
         return Plan(pages, start, copy)
+
+    def grow(self, pages: list[int], rows: int) -> bool:
+        """Append to a request's `pages` the new ones that `rows` positions need; False (and
+        nothing taken) when the pool has too few."""
+        new = self.needed(rows) - len(pages)
+        if new > self.available:
+            return False
+        pages.extend(self._fresh() for _ in range(new))
+        return True
 
     def register(self, prompt: np.ndarray, pages: list[int], written: int) -> None:
         """Key the request's full pages of prompt tokens that hold `written` positions."""

@@ -239,16 +239,19 @@ def _message(message: Any, i: int) -> dict[str, Any]:
     return {**message, "content": content}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """The token counts; `cached_tokens`: the prompt's tokens found in shared pages."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
 def response(ask: Ask, text: str, reason: str, counts: Sequence[int]) -> dict[str, Any]:
-    """The whole answer to `ask`: `text`, why it ended, `counts` (prompt, completion tokens)."""
+    """The whole answer to `ask`: `text`, why it ended, `counts` (prompt, completion and cached
+    tokens)."""
     if ask.chat:
         choice: dict[str, Any] = {"message": {"role": "assistant", "content": text}}
         head = {"id": f"chatcmpl-{ask.id}", "object": "chat.completion"}

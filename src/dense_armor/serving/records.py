@@ -42,8 +42,10 @@ class Sampling:
 class Completion:
     """A finished request: `id` (its number in the order of submission, unless one was given),
     `prompt` and the new `tokens` (int32 arrays), `reason` ("stop": it generated a stop token,
-    the last of `tokens`; "length": `max_new_tokens` of them), and its timings in
-    `time.perf_counter()` seconds."""
+    the last of `tokens`; "length": `max_new_tokens` of them), its timings in
+    `time.perf_counter()` seconds, `cached_tokens` (its prompt's tokens found in shared pages,
+    not computed again) and `preempted` (how many times it gave its pages back and was
+    recomputed; a paged server's only)."""
 
     id: Any
     number: int
@@ -54,6 +56,8 @@ class Completion:
     admitted: float
     first_token: float
     finished: float
+    cached_tokens: int = 0
+    preempted: int = 0
 
     @property
     def time_to_first_token(self) -> float:
@@ -81,20 +85,33 @@ class _Request:
 @dataclasses.dataclass
 class _Slot:
     """A slot's request and where it stands: `fed` of its prompt's tokens are in the cache, then
-    `tokens` it generated."""
+    `tokens` it generated; `cached` prompt tokens were found in shared pages at its first
+    admission; `preempted` times it gave its slot back (it then waits in the queue, this record
+    kept, until its tokens are recomputed into a slot)."""
 
     request: _Request
     fed: int
     admitted: float
     tokens: list[int] = dataclasses.field(default_factory=list)
     first_token: float = 0.0
+    cached: int = 0
+    preempted: int = 0
+
+    def context(self) -> np.ndarray:
+        """Its prompt and the tokens it generated: what a slot must hold for it to go on."""
+        return np.concatenate([self.request.prompt, np.asarray(self.tokens, np.int32)])
+
+    def position(self) -> int:
+        """The position of the token that its next tick feeds."""
+        return self.fed if self.fed < len(self.request.prompt) else self.fed + len(self.tokens) - 1
 
 
 @dataclasses.dataclass(frozen=True)
 class Event:
     """What one `step` produced for a request: its new `token`, and its `completion` when the
-    token ended it (else None)."""
+    token ended it (else None); `cached_tokens`: its prompt's tokens found in shared pages."""
 
     id: Any
     token: int
     completion: Completion | None
+    cached_tokens: int = 0

@@ -1,11 +1,15 @@
 """Where the `Server`'s slots keep their caches: a whole fixed cache per slot (`FixedSlots`), or
 pages of one shared pool per layer (`PagedSlots`, `nn.state.paged`), with prefix sharing.
 
-Both answer the engine the same way: `fits(request)` (can it be admitted now), `admit(i,
-request)` (its prompt but the last token prefilled into slot `i`; how many tokens that is),
-`tick(arrays)` (every slot's step and draw), `release(i)` (slot `i`'s request ended or was
-cancelled). Every function compiles once whatever the requests: the prefill once per piece size,
-the paged tick once per power of two of pages that the longest request in the batch holds.
+Both answer the engine the same way, for a request's `context` (its prompt, and the tokens it
+made before it was preempted): `fits(context)` (can it be admitted now), `admit(i, context)` (all
+but its last token prefilled into slot `i`; the position where the prefill began, past the rows
+found in shared pages), `grow(i, rows)` (slot `i` holds `rows` positions, False when the pool is
+short), `tick(arrays)` (every slot's step and draw), `release(i, written)` (slot `i`'s request
+ended, was cancelled or preempted; `written`: the tokens whose rows it holds, for their pages to
+be kept by key). Every function compiles once whatever the requests: the prefill once per piece
+size, the paged tick once per power of two of pages that the longest request in the batch
+holds.
 """
 
 from collections.abc import Iterator
@@ -22,7 +26,6 @@ from ..nn.state.cache import PositionCache
 from ..nn.state.paged import PagedKVCache, copy_page, paged_cache, paged_streams, pool_mask
 from .compiled import admit, paged_prefill, paged_tick, prefill, start_stream, tick
 from .pages import PageBook
-from .records import _Request
 
 __all__ = ["FixedSlots", "PagedSlots", "prefill_pieces"]
 
@@ -62,23 +65,26 @@ class FixedSlots:
         self.fresh = model.init_cache(capacity, on_overflow="nan", kv_dtype=kv_dtype)
         self.caches = model.init_streams(slots, capacity, on_overflow="nan", kv_dtype=kv_dtype)
 
-    def fits(self, request: _Request) -> bool:
+    def fits(self, context: np.ndarray) -> bool:
         return True
 
-    def admit(self, i: int, request: _Request) -> int:
+    def admit(self, i: int, context: np.ndarray) -> int:
         cache = self.fresh
-        for piece in _pieces(request.prompt, 0, self.chunk):
+        for piece in _pieces(context, 0, self.chunk):
             with ids_checked():  # checked by `submit`
                 cache = prefill(self.model, piece, cache)
         self.caches = admit((jnp.arange(self.slots) == i, cache), self.caches)
-        return len(request.prompt) - 1
+        return 0
+
+    def grow(self, i: int, rows: int) -> bool:
+        return True
 
     def tick(self, arrays: tuple[np.ndarray, ...]) -> np.ndarray:
         with ids_checked():  # prompts were checked by `submit`; the rest are sampled ids
             chosen, self.caches = tick(self.model, self.caches, *arrays)
         return np.asarray(chosen)
 
-    def release(self, i: int) -> None:
+    def release(self, i: int, written: np.ndarray | None = None) -> None:
         pass
 
 
@@ -117,15 +123,13 @@ class PagedSlots:
         self.tables = np.zeros((slots, self.width), np.int32)
         self.held: list[list[int]] = [[] for _ in range(slots)]
 
-    def rows(self, request: _Request) -> int:
-        """The positions a request writes: its prompt and all its new tokens but the last."""
-        return len(request.prompt) + request.max_new_tokens - 1
+    def fits(self, context: np.ndarray) -> bool:
+        """Whether the pages of the context (its last token's row, written by the first tick,
+        included) can be taken now."""
+        return self.book.fits(context, len(context), self.share)
 
-    def fits(self, request: _Request) -> bool:
-        return self.book.fits(request.prompt, self.rows(request), self.share)
-
-    def admit(self, i: int, request: _Request) -> int:
-        plan = self.book.take(request.prompt, self.rows(request), self.share)
+    def admit(self, i: int, context: np.ndarray) -> int:
+        plan = self.book.take(context, len(context), self.share)
         if plan.copy is not None:
             self.pools = copy_page(self.pools, *map(np.int32, plan.copy))
             self.book.release([plan.copy[0]])
@@ -134,13 +138,21 @@ class PagedSlots:
         self.tables[i, : len(plan.pages)] = plan.pages
         own = start_stream(self.fresh, self.tables[i], np.int32(plan.start))
         table = self.tables[i, : _bucket(len(plan.pages), self.width)]
-        for piece in _pieces(request.prompt, plan.start, self.chunk):
+        for piece in _pieces(context, plan.start, self.chunk):
             with ids_checked():  # checked by `submit`
                 self.pools, own = paged_prefill(self.model, piece, self.pools, own, table)
         self.own = admit((jnp.arange(self.slots) == i, own), self.own)
         if self.share:
-            self.book.register(request.prompt, plan.pages, len(request.prompt) - 1)
-        return len(request.prompt) - 1
+            self.book.register(context, plan.pages, len(context) - 1)
+        return plan.start
+
+    def grow(self, i: int, rows: int) -> bool:
+        """Slot `i`'s pages for `rows` positions, a page more when its tokens pass the last."""
+        before = len(self.held[i])
+        if not self.book.grow(self.held[i], rows):
+            return False
+        self.tables[i, before : len(self.held[i])] = self.held[i][before:]
+        return True
 
     def tick(self, arrays: tuple[np.ndarray, ...]) -> np.ndarray:
         """The busy slots' step (padded with idle ones to a power of two: a batch of 4 busy
@@ -158,7 +170,9 @@ class PagedSlots:
         every[rows] = np.asarray(chosen)
         return every
 
-    def release(self, i: int) -> None:
+    def release(self, i: int, written: np.ndarray | None = None) -> None:
+        if self.share and written is not None:  # its full pages, kept by key for its return
+            self.book.register(written, self.held[i], len(written))
         self.book.release(self.held[i])
         self.held[i] = []
         self.tables[i] = 0
