@@ -36,8 +36,13 @@ DATA = pathlib.Path(__file__).parent / "data" / "hf"
 CASES = [
     "gpt2", "llama_gqa", "llama_tied", "qwen2", "llama32", "qwen2_yarn", "qwen3", "mistral",
     "phi3", "phi4_mini", "olmo2", "gemma", "gemma2", "gemma3", "starcoder2", "mixtral",
-    "qwen3_moe",
+    "qwen3_moe", "lfm2", "qwen3_5",
 ]  # fmt: skip
+# The logits' agreement with the reference (transformers' float32 logits; the hybrids':
+# transformers' float64 logits), 1e-5 but for Qwen3.5's eight layers, whose tiny random model
+# amplifies float32 round-off: its forward here lies 5e-5 from transformers' float64 logits, the
+# step-by-step form 1.2e-4, transformers' own float32 forward 1.5e-4.
+TOLERANCE = {"qwen3_5": 1e-4}
 CAPACITY = 48
 
 
@@ -63,8 +68,9 @@ def case(request):
 def test_the_logits_are_transformers_within_1e_5(case):
     name, model, _, golden = case
     np.testing.assert_allclose(
-        logits_of(model, golden["ids"]), golden["logits"], atol=1e-5, rtol=0, err_msg=name
-    )
+        logits_of(model, golden["ids"]), golden["logits"], atol=TOLERANCE.get(name, 1e-5),
+        rtol=0, err_msg=name,
+    )  # fmt: skip
 
 
 def greedy_stream(model, prompt, new_tokens, prefill=True):
@@ -116,10 +122,10 @@ def test_greedy_generation_through_prefill_and_step_is_transformers_token_for_to
 
 
 def test_scan_over_layers_gives_the_same_logits(case):
-    _, model, _, golden = case
+    name, model, _, golden = case
     scanned = eqx.tree_at(lambda m: m.blocks, model, stacked(model.blocks))
     np.testing.assert_allclose(
-        logits_of(scanned, golden["ids"]), golden["logits"], atol=1e-5, rtol=0
+        logits_of(scanned, golden["ids"]), golden["logits"], atol=TOLERANCE.get(name, 1e-5), rtol=0
     )
     want = golden["generated"][0][:8]
     np.testing.assert_array_equal(greedy_stream(scanned, golden["prompt"][0], len(want)), want)
@@ -362,7 +368,7 @@ def test_the_cli_refuses_a_damaged_directory_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "ckpt").exists()
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama_gqa"])
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa", "qwen3_5"])
 def test_the_exported_artifact_gives_transformers_logits_and_greedy_tokens(tmp_path, name):
     """A checkpoint of an imported model exported like any family: its forward gives
     transformers' logits, its prefill and step generate transformers' greedy tokens from the
@@ -383,8 +389,9 @@ def test_the_exported_artifact_gives_transformers_logits_and_greedy_tokens(tmp_p
     assert [i["dtype"] for i in artifact.inputs("step") if i["name"] == "x_t"] == ["int32"]
     assert max(check_golden(artifact).values()) < 1e-4
     np.testing.assert_allclose(
-        np.asarray(artifact.forward(golden["ids"])), golden["logits"], atol=1e-5, rtol=0
-    )
+        np.asarray(artifact.forward(golden["ids"])), golden["logits"],
+        atol=TOLERANCE.get(name, 1e-5), rtol=0,
+    )  # fmt: skip
     prompt, want = golden["prompt"], golden["generated"][0]
     logits, cache, overflow = artifact.prefill(prompt, artifact.init_cache(1))
     token, out = np.argmax(np.asarray(logits)[:, -1], axis=-1).astype(np.int32), []

@@ -15,6 +15,9 @@ import transformers
 from safetensors.numpy import load_file
 
 HERE = pathlib.Path(__file__).resolve().parent.parent / "data" / "hf"
+# Qwen3.5's golden logits are transformers' float64 ones, from which its float32 forward lies
+# 1.5e-4 (make_hf_golden.py): the written directory is held to that
+TOLERANCE = {"qwen3_5": 2e-4}
 
 if __name__ == "__main__":
     root = pathlib.Path(sys.argv[1])
@@ -25,4 +28,4 @@ if __name__ == "__main__":
             logits = model(torch.from_numpy(golden["ids"]).long()).logits.numpy()
         error = float(np.abs(logits - golden["logits"]).max())
         print(f"{directory.name}: {type(model).__name__}, largest logit difference {error:.2e}")
-        assert error < 1e-5, directory.name
+        assert error < TOLERANCE.get(directory.name, 1e-5), directory.name

@@ -288,7 +288,59 @@ CASES = {
         ),
         None,
     ),
+    # LFM2 (LFM2-350M's layer pattern, shrunk): short gated convolutions (kernel 3) with full
+    # attention on some layers, per-head query/key norms, the feed-forward width adjusted as
+    # LFM2 adjusts it (two thirds of 72, up to a multiple of 16: 48), a tied head
+    "lfm2": (
+        transformers.Lfm2Config,
+        transformers.Lfm2ForCausalLM,
+        dict(
+            LLAMA,
+            num_hidden_layers=4,
+            num_key_value_heads=2,
+            intermediate_size=72,
+            block_multiple_of=16,
+            layer_types=["conv", "conv", "full_attention", "conv"],
+            norm_eps=1e-5,
+            conv_L_cache=3,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        ),
+        None,
+    ),
+    # Qwen3.5's text model (Qwen3.5-9B's layout, shrunk): Gated DeltaNet layers (4 value heads
+    # over 2 key heads, widths 8, kernel 4) with full attention every fourth layer (gated
+    # output, 1 + w query/key norms, a quarter of each head rotated), eight layers
+    "qwen3_5": (
+        transformers.Qwen3_5TextConfig,
+        transformers.Qwen3_5ForCausalLM,
+        dict(
+            LLAMA,
+            num_hidden_layers=8,
+            num_key_value_heads=2,
+            head_dim=16,
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+            tie_word_embeddings=False,
+            initializer_range=0.1,  # eight layers at 0.2 amplify float32 round-off past 1e-5
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000000.0,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [1, 1, 0],
+                "mrope_interleaved": True,
+            },
+        ),
+        None,
+    ),
 }
+# Cases whose vectors (norm gains, decay rates, biases) start away from their initial values
+# (a gain of ones or a bias of zeros hides a wrong index), and whose reference logits are
+# transformers' in float64
+PERTURBED = ("lfm2", "qwen3_5")
 LONG_IDS = 24  # sequences past the windows (4) and the YaRN model's 16 pretrained positions
 
 
@@ -296,6 +348,11 @@ def make(name: str) -> None:
     config_class, model_class, arguments, shard_size = CASES[name]
     torch.manual_seed(sum(map(ord, name)))
     model = model_class(config_class(**arguments)).to(torch.float32).eval()
+    if name in PERTURBED:
+        with torch.no_grad():
+            for parameter in model.parameters():
+                if parameter.ndim == 1:
+                    parameter.add_(0.3 * torch.randn_like(parameter))
     directory = HERE / name
     shutil.rmtree(directory, ignore_errors=True)
     if shard_size is None:
@@ -322,6 +379,9 @@ def make(name: str) -> None:
             following = model(uncached).logits[:, -1].argmax(-1, keepdim=True)
             uncached = torch.cat([uncached, following], dim=1)
         assert torch.equal(generated, uncached), name
+    if name in PERTURBED:  # the reference in float64: transformers' float32 path of these
+        with torch.no_grad():  # models is itself 1e-4 from it (the delta rule's chunked form)
+            logits = model.to(torch.float64)(ids).logits
     outputs = {
         "ids": ids.numpy().astype(np.int32),
         "logits": logits.numpy().astype(np.float32),

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..nn import precision
 from ..nn.models.language_model import TransformerLM
-from . import gemma, gpt2, llama
+from . import gemma, gpt2, hybrid, llama
 from ._files import HuggingFaceError, Tensors, load_tokenizer, read_config, read_tensors
 from ._tables import Entry, Table, fill
 from .writing import export_hf
@@ -31,7 +31,7 @@ from .writing import export_hf
 __all__ = ["ARCHITECTURES", "HuggingFaceError", "export_hf", "import_hf", "load_tokenizer"]
 
 FAMILIES: dict[str, ModuleType] = {
-    name: family for family in (gpt2, llama, gemma) for name in family.ARCHITECTURES
+    name: family for family in (gpt2, llama, gemma, hybrid) for name in family.ARCHITECTURES
 }
 ARCHITECTURES = tuple(FAMILIES)
 

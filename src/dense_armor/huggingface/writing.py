@@ -24,6 +24,7 @@ from .._atomic import write_directory
 from ..nn.models.language_model import TransformerLM
 from ..nn.models.sequential import Sequential
 from ..nn.models.stack import Stack
+from . import hybrid
 from ._files import HuggingFaceError
 from ._tables import gather
 
@@ -43,6 +44,7 @@ MODEL_TYPES = {
     "Olmo2ForCausalLM": "olmo2", "Starcoder2ForCausalLM": "starcoder2",
     "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
     "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Lfm2ForCausalLM": "lfm2", "Qwen3_5ForCausalLM": "qwen3_5_text",
 }  # fmt: skip
 ACTIVATION_NAMES = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}
 
@@ -73,6 +75,8 @@ def _layers(a: Mapping[str, Any]) -> tuple[list[str], int | None, dict[str, Any]
 def hf_config(arguments: Mapping[str, Any], architecture: str) -> dict[str, Any]:
     """The `config.json` that says `arguments` for `architecture`."""
     a = arguments
+    if architecture in hybrid.ARCHITECTURES:
+        return hybrid.config(a, architecture)
     if architecture == "GPT2LMHeadModel":
         gelu = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
         return {

@@ -71,6 +71,7 @@ class MultiHeadCrossAttention(MultiHeadAttention):
     rotary_fraction: float = eqx.field(static=True)
     q_norm: None
     k_norm: None
+    W_G: None
     query_scale: None = eqx.field(static=True)
     logit_softcap: None = eqx.field(static=True)
 
@@ -95,7 +96,7 @@ class MultiHeadCrossAttention(MultiHeadAttention):
         self.d_model, self.n_heads, self.d_context = d_model, n_heads, d_context
         self.n_kv_heads = n_kv_heads
         self.rope_base = self.rope_scaling = self.query_scale = self.logit_softcap = None
-        self.q_norm = self.k_norm = None
+        self.q_norm = self.k_norm = self.W_G = None
         self.rotary_fraction = 1.0
         require_rate(attention_dropout=attention_dropout)
         self.attention_dropout = float(attention_dropout)

@@ -73,6 +73,7 @@ HEAD_SPLIT: dict[str, tuple[int, str | None]] = {
     "W_V": (-1, "n_kv_heads"),
     "b_V": (-1, "n_kv_heads"),
     "W_O": (-2, "n_heads"),
+    "W_G": (-1, "n_heads"),
 }
 
 
@@ -134,6 +135,7 @@ class MultiHeadAttention(Layer):
     b_K: eqx.AbstractVar[Param | None]
     b_V: eqx.AbstractVar[Param | None]
     b_O: eqx.AbstractVar[Param | None]
+    W_G: eqx.AbstractVar[Param | None]
     d_model: eqx.AbstractVar[int]
     n_heads: eqx.AbstractVar[int]
     n_kv_heads: eqx.AbstractVar[int]
@@ -236,9 +238,13 @@ class MultiHeadAttention(Layer):
             positions = (jnp.arange(q.shape[-2]), jnp.arange(keys.shape[-2]))
         return rotary(q, positions[0]), rotary(keys, positions[1])
 
-    def _output(self, out: Array) -> Array:
-        """Heads `(n_heads, T, d_head)` joined to `(T, d_model)` and projected by `W_O`."""
+    def _output(self, out: Array, x: Array) -> Array:
+        """Heads `(n_heads, T, d_head)` joined to `(T, d_model)`, gated by `sigmoid(x W_G)` where
+        the layer has an output gate (Qwen3.5's), and projected by `W_O`."""
         joined = out.transpose(1, 0, 2).reshape(out.shape[1], self.n_heads * self.d_head)
+        if self.W_G is not None:
+            gate = jax.nn.sigmoid(self.W_G.project(x, jnp.float32))
+            joined = (joined.astype(jnp.float32) * gate).astype(joined.dtype)
         return self._affine(joined, self.W_O, self.b_O)
 
     def attend_heads(
@@ -261,7 +267,7 @@ class MultiHeadAttention(Layer):
         q, keys = self._query_heads(x, keys, positions)
         kernel = choose_kernel(self.implementation, None, None)  # lengths: not blocked here
         if scales is not None:
-            return self._output(self._scaled(q, keys, values, mask, scales))
+            return self._output(self._scaled(q, keys, values, mask, scales), x)
         if kernel in ("xla", "cudnn"):  # jax.nn takes fewer key/value heads itself
             out = _dot_product_attention(q, keys, values, mask, kernel)
         elif keys.shape[0] == q.shape[0]:  # a key/value head per query head: no group axis, whose
@@ -271,7 +277,7 @@ class MultiHeadAttention(Layer):
             folded, mask = _folded(q, keys, mask)
             out = _attention(folded, keys, values, mask, hidden_zeros, self.logit_softcap)
             out = out.reshape(q.shape)
-        return self._output(out)
+        return self._output(out, x)
 
     def _scaled(
         self, q: Array, keys: Array, values: Array, mask: Array | None, scales: tuple[Array, Array]
@@ -313,7 +319,7 @@ class MultiHeadAttention(Layer):
             window=window,
             key_mask=key_mask,
         )
-        return self._output(out.reshape(q.shape))
+        return self._output(out.reshape(q.shape), x)
 
     def weights(self, x: Array, keys: Array, mask: Array | None) -> Array:
         """The attention weights `(n_kv_heads, group, T, S)` in float32 of the queries of `x`
@@ -336,4 +342,4 @@ class MultiHeadAttention(Layer):
         weights = jnp.where(keep, weights * scale, 0.0)
         v = _heads(values, self.n_kv_heads).astype(jnp.float32)
         out = jnp.einsum("kgts,ksd->kgtd", weights, v)
-        return self._output(out.reshape(self.n_heads, *out.shape[2:]).astype(x.dtype))
+        return self._output(out.reshape(self.n_heads, *out.shape[2:]).astype(x.dtype), x)

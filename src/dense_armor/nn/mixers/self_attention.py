@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jax.random as jr
 import numpy as np
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
@@ -161,7 +162,9 @@ class MultiHeadSelfAttention(MultiHeadAttention):
     `"projection"`, over the whole projection, OLMo 2's; `qk_norm_eps=1e-6`,
     `qk_norm_plus_one=False`: Gemma's `1 + w` gain), `query_scale=None` (the scores' scale, apart
     from `d_head ** -0.5`: Gemma's `query_pre_attn_scalar ** -0.5`) and `logit_softcap=None`
-    (scores `cap * tanh(s / cap)` before the mask, Gemma 2's `attn_logit_softcapping`).
+    (scores `cap * tanh(s / cap)` before the mask, Gemma 2's `attn_logit_softcapping`) and
+    `output_gate=False` (Qwen3.5's: the heads' outputs times `sigmoid(x W_G)` before `W_O`,
+    `W_G (d_model, n_heads * d_head)`).
 
     `forward(x, mask=None)` maps `(T, d_model) -> (T, d_model)`, `mask` the padding mask of
     `Layer`.
@@ -196,6 +199,7 @@ class MultiHeadSelfAttention(MultiHeadAttention):
     rotary_fraction: float = eqx.field(static=True, converter=python_scalar)
     q_norm: RMSNorm | None
     k_norm: RMSNorm | None
+    W_G: Param | None
     query_scale: float | None = eqx.field(static=True, converter=python_scalar)
     logit_softcap: float | None = eqx.field(static=True, converter=python_scalar)
     accepts_mask: ClassVar[bool] = True
@@ -221,8 +225,10 @@ class MultiHeadSelfAttention(MultiHeadAttention):
         qk_norm_plus_one: bool = False,
         query_scale: float | None = None,
         logit_softcap: float | None = None,
+        output_gate: bool = False,
     ):
         require_key(key)
+        require_bool(output_gate=output_gate)
         n_kv_heads = _check_heads(d_model, n_heads, n_kv_heads, head_dim)
         d_head = d_model // n_heads if head_dim is None else int(head_dim)
         _check_rope(rope_base, d_head, rotary_fraction)
@@ -240,6 +246,13 @@ class MultiHeadSelfAttention(MultiHeadAttention):
             qk_norm, n_heads, n_kv_heads, d_head, qk_norm_eps, qk_norm_plus_one
         )
         self._build_projections(key, d_model, n_heads, n_kv_heads, d_model, use_bias, d_head)
+        bound = 1.0 / math.sqrt(d_model)
+        gate_key = jr.fold_in(key, 5)  # apart from the projections' keys: they stay as they were
+        self.W_G = (
+            Param(jr.uniform(gate_key, (d_model, n_heads * d_head), minval=-bound, maxval=bound))
+            if output_gate
+            else None
+        )
         self.d_model = d_model
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads

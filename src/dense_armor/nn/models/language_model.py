@@ -16,6 +16,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .. import precision
 from ..blocks.mixer_block import Norm, make_norm
+from ..blocks.recurrent_block import MIXERS, RecurrentBlock
 from ..blocks.transformer_block import TransformerBlock
 from ..core import (
     Layer,
@@ -53,7 +54,11 @@ class TransformerLM(Layer):
     GPT-2's MLP), `eps=1e-6` (every norm's), `tie_embeddings=True`, `scan_layers=False` (the
     blocks in one `Stack`), `remat=None`, `on_invalid="raise"` (`Embedding`'s rule for ids outside
     the vocabulary) and, as for every block, the attention's options (`**attention`:
-    `n_kv_heads`, `use_bias`, `window`, `implementation`, ...). The defaults are Llama's;
+    `n_kv_heads`, `use_bias`, `window`, `implementation`, ...). `mixers` (one name per block,
+    default all `"attention"`) makes a hybrid: a block named otherwise is a `RecurrentBlock`
+    around that mixer (`"short_conv"`: LFM2's, `"gated_deltanet"`: Qwen3.5's, or a classic
+    recurrent layer) with the same norms and feed-forward, its options in `mixer_options[name]`;
+    its state is its cache, beside the attention blocks' keys and values. The defaults are Llama's;
     GPT-2 is `positions="learned", norm="layer", feed_forward="mlp", activation="gelu_tanh",
     eps=1e-5, use_bias=True`.
 
@@ -64,7 +69,7 @@ class TransformerLM(Layer):
 
     embed: Embedding
     positions: LearnedPositions | None
-    blocks: tuple[TransformerBlock | Stack | Sequential, ...] | Stack
+    blocks: tuple[TransformerBlock | RecurrentBlock | Stack | Sequential, ...] | Stack
     norm: Norm
     head: LMHead | None
     vocab: int = eqx.field(static=True, converter=python_scalar)
@@ -108,6 +113,8 @@ class TransformerLM(Layer):
         compute_dtype: str | None = None,
         quantize: str | None = None,
         quantize_embeddings: bool = False,
+        mixers: Sequence[str] | None = None,
+        mixer_options: Mapping[str, Mapping[str, Any]] | None = None,
         **attention: Any,
     ):
         require_key(key)
@@ -141,9 +148,15 @@ class TransformerLM(Layer):
             norm_placement=norm_placement, n_experts=n_experts, top_k=top_k,
             normalize_top_k=normalize_top_k,
         )  # fmt: skip
+        kinds = _mixer_kinds(mixers, mixer_options, depth, per_layer)
+        recurrent = {key: value for key, value in block.items() if key != "causal"}
         blocks = tuple(
             TransformerBlock(d_model, n_heads, d_ff, k, **block, **{**options, **layer})
-            for k, layer in zip(block_keys, per_layer, strict=True)
+            if kind == "attention"
+            else RecurrentBlock(
+                d_model, d_ff, k, kind, **recurrent, **dict((mixer_options or {}).get(kind, {}))
+            )
+            for k, layer, kind in zip(block_keys, per_layer, kinds, strict=True)
         )
         parts = dict(
             embed=embed, positions=learned, blocks=scanned(blocks) if scan_layers else blocks,
@@ -340,6 +353,39 @@ def longrope_limit(
         and dict(scaling)["rope_type"] == "longrope"
     ]
     return min(limits, default=None)
+
+
+def _mixer_kinds(
+    mixers: Sequence[str] | None,
+    options: Mapping[str, Mapping[str, Any]] | None,
+    depth: int,
+    per_layer: Sequence[Mapping[str, Any]],
+) -> list[str]:
+    """Each block's mixer, checked: `"attention"` or a `RecurrentBlock` mixer (`MIXERS`), with
+    the options of each recurrent kind used (`mixer_options[kind]`, a mapping) and no attention
+    options of its own."""
+    kinds = ["attention"] * depth if mixers is None else mixers
+    if isinstance(kinds, str | bytes) or not isinstance(kinds, Sequence) or len(kinds) != depth:
+        raise ValueError(
+            f"`mixers` must be a sequence of {depth} names (one per block); received {mixers!r}."
+        )
+    known = ("attention", *MIXERS)
+    for i, kind in enumerate(kinds):
+        require_choice(f"mixers[{i}]", kind, known)
+        if kind != "attention" and per_layer[i]:
+            raise ValueError(
+                f"`layer_options[{i}]` sets attention options on a {kind} block: give them to "
+                "the attention blocks only (an empty mapping for the others)."
+            )
+    if options is not None and not isinstance(options, Mapping):
+        raise TypeError(f"`mixer_options` must be a mapping by mixer; received {options!r}.")
+    for kind in set(kinds) - {"attention"}:
+        if not isinstance((options or {}).get(kind, {}), Mapping):
+            raise TypeError(f"`mixer_options[{kind!r}]` must be a mapping of the mixer's options.")
+    unused = set(options or {}) - set(kinds)
+    if unused:
+        raise ValueError(f"`mixer_options` for mixers no block uses: {sorted(unused)}.")
+    return list(kinds)
 
 
 def _layer_options(
