@@ -54,6 +54,7 @@ SAMPLES = {
     "qk_norm_plus_one": ({"qk_norm": "head", "qk_norm_plus_one": True}, "q_norm.plus_one", True),
     "query_scale": (0.5, "query_scale", 0.5),
     "logit_softcap": (20.0, "logit_softcap", 20.0),
+    "output_gate": (True, "W_G", "a bias"),  # present: "a bias" reads "not None"
 }
 
 

@@ -557,7 +557,7 @@ BAD = [
     ("gru-size-zero", lambda: GRU(0, 4, KEY), ValueError, r"`n_in` must be a positive integer; received `n_in=0`"),
     ("lstm-key-int", lambda: LSTM(3, 4, 0), TypeError, r"`key` must be a JAX PRNG key"),
     ("mingru-hidden-string", lambda: MinGRU(3, "4", KEY), ValueError, r"`d_hidden` must be a positive integer.*'4'"),
-    ("recurrent-block-mixer-unknown", lambda: RecurrentBlock(8, 16, KEY, mixer="rnn"), ValueError, r"`mixer` of a RecurrentBlock must be one of \('gru', 'lstm', 'mingru'\).*'rnn'"),
+    ("recurrent-block-mixer-unknown", lambda: RecurrentBlock(8, 16, KEY, mixer="rnn"), ValueError, r"`mixer` of a RecurrentBlock must be one of \('gru', 'lstm', 'mingru', 'short_conv', 'gated_deltanet'\).*'rnn'"),
     ("mixers-unknown", lambda: transformer_encoder(3, 8, 2, 16, 1, 2, KEY, 6, mixers="rnn"), ValueError, r"`mixers` must be one of \('attention', 'gru', 'lstm', 'mingru'\).*'rnn'"),
     ("mixers-wrong-length", lambda: transformer_encoder(3, 8, 2, 16, 1, 2, KEY, 6, mixers=("gru", "attention")), ValueError, r"a sequence of 1 of them.*`depth=1`"),
     ("mixers-mixed-and-scanned", lambda: transformer_encoder(3, 8, 2, 16, 2, 2, KEY, 6, mixers=("gru", "attention"), scan_layers=True), ValueError, r"`scan_layers=True` stacks copies of one block"),

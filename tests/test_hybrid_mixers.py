@@ -10,7 +10,7 @@ import pytest
 
 from dense_armor.nn.core import ShapeError
 from dense_armor.nn.mixers.convolution import ShortConv
-from dense_armor.nn.mixers.deltanet import GatedDeltaNet
+from dense_armor.nn.mixers.deltanet import GatedDeltaNet, unit_lower_inverse
 
 KEY = jax.random.PRNGKey(0)
 
@@ -138,3 +138,12 @@ def test_bad_mixer_arguments_are_refused():
     with pytest.raises(ShapeError, match=r"expected \(4, 4, 4\)"):
         state = m.init_cache()
         m.prefill(jnp.zeros((2, 16)), eqx.tree_at(lambda s: s.memory, state, jnp.zeros((4, 4))))
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 16, 64])
+def test_the_unit_lower_inverse_is_numpys(size):
+    rng = np.random.default_rng(size)
+    t = np.tril(rng.normal(0.0, 0.5, (3, 2, size, size)), -1) + np.eye(size)
+    want = np.linalg.inv(t)
+    got = np.asarray(unit_lower_inverse(jnp.asarray(t, jnp.float32)), np.float64)
+    np.testing.assert_allclose(got, want, atol=1e-6 * np.abs(want).max() * size)

@@ -8,7 +8,8 @@ is the layer's cache, with the state of the short convolution in front of it: on
 long the stream.
 
 `forward` and `prefill` compute a sequence in chunks of `chunk` steps (the WY form of the delta
-rule: within a chunk, a triangular solve and products; across chunks, a scan of the memory), and
+rule: within a chunk, the inverse of a unit lower-triangular matrix and products; across chunks,
+a scan of the memory), and
 `step` in the recurrent form; they agree to float32 round-off. A sequence of symbolic length
 (under `jax.export`) runs in the recurrent form.
 """
@@ -66,7 +67,7 @@ def delta_rule_chunked(
     q: Array, k: Array, v: Array, beta: Array, g: Array, memory: Array, chunk: int
 ) -> tuple[Array, Array]:
     """`delta_rule_recurrent` in chunks of `chunk` steps (the WY form): within a chunk the
-    steps' updates are one unit lower-triangular solve and products; a scan carries the memory
+    steps' updates are one unit lower-triangular inverse and products; a scan carries the memory
     from chunk to chunk. Padded steps (`beta = 0`, `g = 0`) change nothing."""
     steps = q.shape[0]
     pad = (-steps) % chunk
@@ -85,12 +86,9 @@ def delta_rule_chunked(
     system = jnp.einsum("nhcd,nhed->nhce", k_beta, k) * decay
     system = jnp.where(jnp.tril(lower, -1), system, 0.0) + jnp.eye(chunk)[None, None]
 
-    def solve(b: Array) -> Array:
-        return jax.lax.linalg.triangular_solve(
-            system, b, left_side=True, lower=True, unit_diagonal=True
-        )
-
-    u, w = solve(v * beta[..., None]), solve(k_beta * jnp.exp(cum)[..., None])
+    inverse = unit_lower_inverse(system)
+    u = jnp.einsum("nhce,nhed->nhcd", inverse, v * beta[..., None])
+    w = jnp.einsum("nhce,nhed->nhcd", inverse, k_beta * jnp.exp(cum)[..., None])
     inner = jnp.einsum("nhcd,nhed->nhce", q, k) * decay
     q_decayed = q * jnp.exp(cum)[..., None]
     k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]
@@ -107,6 +105,26 @@ def delta_rule_chunked(
     out = jnp.moveaxis(out, 2, 1)  # (N, C, H, dv)
     out = out.reshape(-1, out.shape[2], out.shape[3])
     return out[:steps], memory
+
+
+def unit_lower_inverse(t: Array) -> Array:
+    """The inverse of unit lower-triangular matrices `t (..., C, C)`, by doubling blocks: with
+    `X` the inverse of `t`'s block-diagonal part in blocks of `s` and `E` the part of `t` that
+    joins pairs of them into blocks of `2 s` (`(X E)^2 = 0`), the inverse in blocks of `2 s` is
+    `X - X E X`: `log2 C` rounds of products over whole matrices and masks (no triangular solve,
+    which IREE does not compile, and no block reshapes)."""
+    size = t.shape[-1]
+    row = jnp.arange(size)[:, None]
+    col = jnp.arange(size)[None, :]
+    lead = (1,) * (t.ndim - 2)
+    inverse = jnp.broadcast_to(jnp.eye(size, dtype=t.dtype).reshape(*lead, size, size), t.shape)
+    span = 1
+    while span < size:
+        joins = (row // (2 * span) == col // (2 * span)) & (row // span != col // span)
+        e = jnp.where(joins.reshape(*lead, size, size), t, 0.0)
+        inverse = inverse - jnp.einsum("...ab,...bc,...cd->...ad", inverse, e, inverse)
+        span *= 2
+    return inverse
 
 
 def _l2normalised(x: Array) -> Array:
