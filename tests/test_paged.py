@@ -218,3 +218,22 @@ def test_bad_paging_options_are_refused(options, error):
     model, _ = import_hf(DATA / "gpt2")
     with pytest.raises(error):
         Server(model, 2, 16, **options)
+
+
+def test_a_hybrid_serves_from_pages_with_its_states_beside_them():
+    # Qwen3.5: Gated DeltaNet states stay per slot, the attention layers' keys and values go to
+    # the pool; a prefix cannot be shared (its pages are not the whole state), and a short pool
+    # preempts and recomputes, every request still its solo tokens.
+    model, _ = import_hf(DATA / "qwen3_5")
+    with pytest.raises(ValueError, match="share_prefixes=True` needs a model whose every state"):
+        Server(model, 2, 32, pages=8, page_size=4, share_prefixes=True).serve([([1, 2], 1)])
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, model.vocab, n).tolist() for n in (9, 3, 14, 6)]
+    greedy = np.asarray(generate(model, prompts, 8).tokens)
+    server = Server(model, 3, 32, chunk=4, pages=8, page_size=4)
+    assert not server._slots().share
+    done = server.serve([(p, 8) for p in prompts])
+    for n, completion in enumerate(done):
+        np.testing.assert_array_equal(completion.tokens, greedy[n], err_msg=str(n))
+    assert sum(c.preempted for c in done) > 0
+    assert (server._store.book.available, server._store.book.held) == (7, 0)
