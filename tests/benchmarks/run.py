@@ -10,6 +10,7 @@ from . import (
     bench_depth,
     bench_encoder,
     bench_gqa,
+    bench_hybrid,
     bench_lm,
     bench_long,
     bench_precision,
@@ -31,6 +32,7 @@ BENCHMARKS = {
     "recurrent": bench_recurrent,
     "sharding": bench_sharding,
     "lm": bench_lm,
+    "hybrid": bench_hybrid,
     "precision": bench_precision,
     "serve": bench_serve,
 }
