@@ -4,19 +4,17 @@ GPT-2's tanh GELU, biases, a tied head) and Llama / Qwen2 (rotary positions, RMS
 grouped-query attention, an untied or tied head, Qwen2's query/key/value biases)."""
 
 import math
-import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import equinox as eqx
 import jax.numpy as jnp
 import jax.random as jr
-import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .. import precision
 from ..blocks.mixer_block import Norm, make_norm
-from ..blocks.recurrent_block import MIXERS, RecurrentBlock
+from ..blocks.recurrent_block import RecurrentBlock
 from ..blocks.transformer_block import TransformerBlock
 from ..core import (
     Layer,
@@ -27,17 +25,17 @@ from ..core import (
     require_positive,
     shape_checked,
 )
-from ..kernels.rotary import check_rope_scaling
 from ..layers.language import Embedding, LMHead
 from ..layers.positions import LearnedPositions
 from ..mixers.options import attention_options
 from ..state.cache import PositionCache
 from ..state.counter import Counter
 from ..state.streams import batch_streams
+from .language_options import check_softcap, layer_options_checked, longrope_limit, mixer_kinds
 from .sequential import Sequential
 from .stack import Stack, scanned
 
-__all__ = ["LM_POSITIONS", "TransformerLM"]
+__all__ = ["LM_POSITIONS", "TransformerLM", "longrope_limit"]
 
 LM_POSITIONS = ("rope", "learned")
 
@@ -125,7 +123,7 @@ class TransformerLM(Layer):
         require_choice("positions", positions, LM_POSITIONS)
         options = attention_options("TransformerLM", attention)
         options["rope_base"] = rope_base if positions == "rope" else None
-        per_layer = _layer_options(layer_options, depth, positions)
+        per_layer = layer_options_checked(layer_options, depth, positions)
         embed_key, position_key, head_key, *block_keys = jr.split(key, 3 + depth)
         require_choice("param_dtype", param_dtype, precision.PARAM_DTYPES)
         if compute_dtype is not None:
@@ -148,7 +146,7 @@ class TransformerLM(Layer):
             norm_placement=norm_placement, n_experts=n_experts, top_k=top_k,
             normalize_top_k=normalize_top_k,
         )  # fmt: skip
-        kinds = _mixer_kinds(mixers, mixer_options, depth, per_layer)
+        kinds = mixer_kinds(mixers, mixer_options, depth, per_layer)
         recurrent = {key: value for key, value in block.items() if key != "causal"}
         blocks = tuple(
             TransformerBlock(d_model, n_heads, d_ff, k, **block, **{**options, **layer})
@@ -175,7 +173,7 @@ class TransformerLM(Layer):
         self.compute_dtype = compute_dtype
         self.vocab, self.d_model = vocab, d_model
         self.embed_scale = embed_scale
-        self.final_logit_softcap = _check_softcap(final_logit_softcap)
+        self.final_logit_softcap = check_softcap(final_logit_softcap)
         self.position_limit = longrope_limit(options, per_layer)
 
     @property
@@ -328,89 +326,3 @@ class TransformerLM(Layer):
                 new.append(block_cache)
             block_caches = tuple(new)
         return h, (position_cache, block_caches)
-
-
-def _check_softcap(cap: Any) -> float | None:
-    if cap is None:
-        return None
-    real = isinstance(cap, numbers.Real) and not isinstance(cap, bool | np.bool_)
-    if not real or not math.isfinite(cap) or cap <= 0:
-        raise ValueError(
-            f"`final_logit_softcap` must be a positive finite number or None; received {cap!r}."
-        )
-    return float(cap)
-
-
-def longrope_limit(
-    options: Mapping[str, Any], per_layer: Sequence[Mapping[str, Any]]
-) -> int | None:
-    """The smallest pretrained length of the blocks' LongRoPE scalings (`Rotary.position_limit`),
-    or None: where the model's positions end."""
-    limits = [
-        int(dict(scaling)["original_max_position_embeddings"])
-        for layer in per_layer
-        if (scaling := check_rope_scaling({**options, **layer}.get("rope_scaling")))
-        and dict(scaling)["rope_type"] == "longrope"
-    ]
-    return min(limits, default=None)
-
-
-def _mixer_kinds(
-    mixers: Sequence[str] | None,
-    options: Mapping[str, Mapping[str, Any]] | None,
-    depth: int,
-    per_layer: Sequence[Mapping[str, Any]],
-) -> list[str]:
-    """Each block's mixer, checked: `"attention"` or a `RecurrentBlock` mixer (`MIXERS`), with
-    the options of each recurrent kind used (`mixer_options[kind]`, a mapping) and no attention
-    options of its own."""
-    kinds = ["attention"] * depth if mixers is None else mixers
-    if isinstance(kinds, str | bytes) or not isinstance(kinds, Sequence) or len(kinds) != depth:
-        raise ValueError(
-            f"`mixers` must be a sequence of {depth} names (one per block); received {mixers!r}."
-        )
-    known = ("attention", *MIXERS)
-    for i, kind in enumerate(kinds):
-        require_choice(f"mixers[{i}]", kind, known)
-        if kind != "attention" and per_layer[i]:
-            raise ValueError(
-                f"`layer_options[{i}]` sets attention options on a {kind} block: give them to "
-                "the attention blocks only (an empty mapping for the others)."
-            )
-    if options is not None and not isinstance(options, Mapping):
-        raise TypeError(f"`mixer_options` must be a mapping by mixer; received {options!r}.")
-    for kind in set(kinds) - {"attention"}:
-        if not isinstance((options or {}).get(kind, {}), Mapping):
-            raise TypeError(f"`mixer_options[{kind!r}]` must be a mapping of the mixer's options.")
-    unused = set(options or {}) - set(kinds)
-    if unused:
-        raise ValueError(f"`mixer_options` for mixers no block uses: {sorted(unused)}.")
-    return list(kinds)
-
-
-def _layer_options(
-    layer_options: Sequence[Mapping[str, Any]] | None, depth: int, positions: str
-) -> list[dict[str, Any]]:
-    """Each block's own attention options (over the model's), checked: one mapping per block, each
-    of attention options (Gemma's sliding and global layers: `window` and `rope_base` apart)."""
-    if layer_options is None:
-        return [{} for _ in range(depth)]
-    if isinstance(layer_options, str | bytes | Mapping) or not isinstance(layer_options, Sequence):
-        raise TypeError(
-            f"`layer_options` must be a sequence of {depth} mappings (one per block); received "
-            f"{type(layer_options).__name__}."
-        )
-    if len(layer_options) != depth:
-        raise ValueError(
-            f"`layer_options` must hold one mapping per block ({depth}); received "
-            f"{len(layer_options)}."
-        )
-    out = []
-    for i, layer in enumerate(layer_options):
-        if not isinstance(layer, Mapping):
-            raise TypeError(f"`layer_options[{i}]` must be a mapping; received {layer!r}.")
-        layer = attention_options(f"TransformerLM layer_options[{i}]", layer)
-        if positions != "rope" and "rope_base" in layer:
-            raise ValueError(f"`layer_options[{i}]` sets `rope_base` on a model without rotary.")
-        out.append(dict(layer))
-    return out
