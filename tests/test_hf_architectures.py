@@ -14,10 +14,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 from dense_armor.cli import main as cli
-from dense_armor.huggingface import ARCHITECTURES, HuggingFaceError, export_hf, import_hf
+from dense_armor.huggingface import (
+    ARCHITECTURES,
+    WRAPPERS,
+    HuggingFaceError,
+    export_hf,
+    import_hf,
+)
 from dense_armor.losses import next_token_loss_balanced
 from dense_armor.nn.layers.experts import MixtureOfExperts, balance_loss
 from dense_armor.nn.layers.language import ids_checked
@@ -25,7 +31,13 @@ from dense_armor.nn.models.language_model import TransformerLM
 from dense_armor.nn.models.stack import scanned
 
 DATA = pathlib.Path(__file__).parent / "data" / "hf"
-CASES = sorted(p.name for p in DATA.iterdir() if p.is_dir())
+EVERY = sorted(p.name for p in DATA.iterdir() if p.is_dir())
+# the text models' cases; a multimodal wrapper's (read as its text model) has tests of its own
+CASES = [
+    name
+    for name in EVERY
+    if json.loads((DATA / name / "config.json").read_text())["architectures"][0] in ARCHITECTURES
+]
 FORWARD = eqx.filter_jit(lambda m, ids: jax.vmap(m)(ids))
 
 
@@ -39,7 +51,8 @@ def logits_of(model, ids):
 
 
 def test_every_case_is_an_architecture_the_importer_lists():
-    assert {config_of(name)["architectures"][0] for name in CASES} == set(ARCHITECTURES)
+    found = {config_of(name)["architectures"][0] for name in EVERY}
+    assert found == set(ARCHITECTURES) | set(WRAPPERS)
 
 
 def without(**changes):
@@ -82,6 +95,7 @@ MATTERS = [
     ("starcoder-window", "starcoder2", without(sliding_window=None)),
     ("renormalised-top-k", "qwen3_moe", without(norm_topk_prob=True)),
     ("top-k", "mixtral", without(num_experts_per_tok=1)),
+    ("hybrid-top-k", "qwen3_5_moe", without(num_experts_per_tok=1)),
 ]  # fmt: skip
 
 
@@ -222,7 +236,7 @@ def test_the_cli_writes_an_imported_checkpoint_back_with_its_tokenizer(tmp_path,
 # Mixtures of experts
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "qwen3_5_moe"])
 def test_the_load_balancing_loss_is_transformers(name):
     model, arguments = import_hf(DATA / name)
     golden = load_file(str(DATA / f"{name}.io.safetensors"))
@@ -233,7 +247,8 @@ def test_the_load_balancing_loss_is_transformers(name):
 
 
 def experts_in_float64(layer, x):
-    """The mixture's output by hand in float64: softmax, top k, renormalised or not, SwiGLU."""
+    """The mixture's output by hand in float64: softmax, top k, renormalised or not, SwiGLU; a
+    shared expert's SwiGLU times the sigmoid of its gate added."""
     w = {
         n: np.asarray(getattr(layer, n).value, np.float64)
         for n in ("router", "W_gate", "W_up", "W_down")
@@ -251,14 +266,21 @@ def experts_in_float64(layer, x):
             out[t] += (
                 weight * ((gate / (1 + np.exp(-gate))) * (x[t] @ w["W_up"][e])) @ w["W_down"][e]
             )
+    if layer.shared is not None:
+        s = {n: np.asarray(getattr(layer.shared, n).value, np.float64) for n in ("W_gate", "W_up")}
+        down = np.asarray(layer.shared.W_down.value, np.float64)
+        gate = x @ s["W_gate"]
+        shared = ((gate / (1 + np.exp(-gate))) * (x @ s["W_up"])) @ down
+        out += shared / (1 + np.exp(-(x @ np.asarray(layer.shared_gate.value, np.float64))))
     return out
 
 
-@pytest.mark.parametrize("normalize", [True, False])
-def test_routed_and_dense_experts_are_the_float64_mixture(normalize):
+@pytest.mark.parametrize("normalize, shared", [(True, None), (False, None), (True, 9)])
+def test_routed_and_dense_experts_are_the_float64_mixture(normalize, shared):
     layer = MixtureOfExperts(
-        12, 20, jax.random.PRNGKey(2), n_experts=6, top_k=2, normalize_top_k=normalize
-    )
+        12, 20, jax.random.PRNGKey(2), n_experts=6, top_k=2, normalize_top_k=normalize,
+        shared_d_ff=shared,
+    )  # fmt: skip
     layer = jax.tree.map(
         lambda a: a * 20 if isinstance(a, jax.Array) else a, layer
     )  # routers apart
@@ -425,3 +447,72 @@ def test_a_longrope_model_streams_to_its_pretrained_length_and_no_further(tmp_pa
         generate(model, [[3] * 40], 9)
     with pytest.raises(ArtifactError, match="capacity"):
         export_model(model, ModelConfig("transformer_lm", arguments), tmp_path / "a", capacity=49)
+
+
+# Multimodal checkpoints read as their text model
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_vl", "qwen3_5_moe_vl"])
+def test_a_multimodal_checkpoint_imports_as_its_text_model_and_writes_back_as_it(tmp_path, name):
+    """Qwen3.5 as published (`Qwen3_5ForConditionalGeneration`, and its mixture of experts'):
+    the text model's logits are transformers' (its float64 ones, within 2e-5: its own float32
+    forward lies 1.3e-5 and 0.9e-5 from them), the vision tower's tensors are not read, and the
+    model writes back as the text architecture, transformers' tensors renamed bit for bit."""
+    model, arguments = import_hf(DATA / name)
+    wrapper = config_of(name)["architectures"][0]
+    text = WRAPPERS[wrapper][0]
+    golden = load_file(str(DATA / f"{name}.io.safetensors"))
+    np.testing.assert_allclose(logits_of(model, golden["ids"]), golden["logits"], atol=2e-5, rtol=0)
+    assert arguments["mixers"].count("attention") == 1 and arguments["output_gate"]
+    with pytest.raises(HuggingFaceError, match=rf"pass `architecture='{text}'`"):
+        export_hf(model, arguments, tmp_path / "no", architecture=wrapper)
+    written = export_hf(model, arguments, tmp_path / "text", architecture=text)
+    source, got = stored_tensors(DATA / name), stored_tensors(written)
+    prefix = "model.language_model."
+    want = {
+        ("model." + name[len(prefix) :] if name.startswith(prefix) else name): tensor
+        for name, tensor in source.items()
+        if not name.startswith("model.visual.")
+    }
+    assert sorted(got) == sorted(want) and any(n.startswith("model.visual.") for n in source)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert import_hf(written)[1] == arguments
+
+
+def test_the_cli_writes_a_multimodal_import_back_as_its_text_model(tmp_path, capsys):
+    assert cli(["import-hf", str(DATA / "qwen3_5_vl"), "--out", str(tmp_path / "ckpt")]) == 0
+    out = tmp_path / "out"
+    assert cli(["export-hf", str(tmp_path / "ckpt"), "--out", str(out)]) == 0
+    assert "wrote Qwen3_5ForCausalLM" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5ForCausalLM"] and config["bos_token_id"] == 1
+
+
+def _with_extra_tensor(tmp_path, name, extra):
+    target = tmp_path / name
+    shutil.copytree(DATA / name, target)
+    tensors = load_file(str(target / "model.safetensors"))
+    save_file({**tensors, extra: np.ones((2, 3), np.float32)}, str(target / "model.safetensors"))
+    return target
+
+
+def test_qwen3_5s_multi_token_prediction_layers_are_not_read_and_nothing_else_is_dropped(tmp_path):
+    plain, _ = import_hf(DATA / "qwen3_5")
+    model, _ = import_hf(_with_extra_tensor(tmp_path, "qwen3_5", "mtp.fc.weight"))
+    for a, b in zip(plain.params(), model.params(), strict=True):
+        np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value))
+    for name, extra in (("qwen3_5_vl", "model.language_model.extra.weight"),
+                        ("qwen3_5", "model.visual.blocks.0.weight")):  # fmt: skip
+        with pytest.raises(HuggingFaceError, match=r"1 tensors of the checkpoint have no place"):
+            import_hf(_with_extra_tensor(tmp_path / "refused", name, extra))
+
+
+def test_a_wrapper_without_its_text_config_is_refused(tmp_path):
+    target = tmp_path / "qwen3_5_vl"
+    shutil.copytree(DATA / "qwen3_5_vl", target)
+    config = config_of("qwen3_5_vl")
+    config["text_config"] = "qwen3_5"
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HuggingFaceError, match=r"holds its text model's as `text_config`"):
+        import_hf(target)

@@ -150,7 +150,7 @@ def _import_hf(args: argparse.Namespace) -> None:
 
 def _export_hf(args: argparse.Namespace) -> None:
     from .checkpoint import load_checkpoint
-    from .huggingface import HuggingFaceError, export_hf
+    from .huggingface import WRAPPERS, HuggingFaceError, export_hf, text_model
 
     checkpoint = load_checkpoint(args.checkpoint)
     if checkpoint.config.factory != "transformer_lm":
@@ -159,7 +159,10 @@ def _export_hf(args: argparse.Namespace) -> None:
         )
     source_path = args.checkpoint / "huggingface" / "config.json"
     source = json.loads(source_path.read_text()) if source_path.is_file() else None
-    architecture = args.architecture or ((source or {}).get("architectures") or [None])[0]
+    found = ((source or {}).get("architectures") or [None])[0]
+    if source is not None and found in WRAPPERS:  # a multimodal source: its text model
+        found, source = text_model(source)
+    architecture = args.architecture or found
     if architecture is None:
         raise HuggingFaceError(
             f"{args.checkpoint} was not imported from Hugging Face: pass --architecture."

@@ -16,8 +16,8 @@ from safetensors.numpy import load_file
 
 HERE = pathlib.Path(__file__).resolve().parent.parent / "data" / "hf"
 # Qwen3.5's golden logits are transformers' float64 ones, from which its float32 forward lies
-# 1.5e-4 (make_hf_golden.py): the written directory is held to that
-TOLERANCE = {"qwen3_5": 2e-4}
+# 1.5e-4 (its mixture of experts: 1.4e-5; make_hf_golden.py): the written directory is held to that
+TOLERANCE = {"qwen3_5": 2e-4, "qwen3_5_moe": 2e-5}
 
 if __name__ == "__main__":
     root = pathlib.Path(sys.argv[1])

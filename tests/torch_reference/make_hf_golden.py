@@ -336,18 +336,98 @@ CASES = {
         ),
         None,
     ),
+    # Qwen3.5's mixture-of-experts text model (Qwen3.5-35B-A3B's layout, shrunk): the layers of
+    # qwen3_5 above, each feed-forward 8 experts (top 2, renormalised) and a shared expert of its
+    # own width behind a sigmoid gate
+    "qwen3_5_moe": (
+        transformers.Qwen3_5MoeTextConfig,
+        transformers.Qwen3_5MoeForCausalLM,
+        dict(
+            LLAMA,
+            num_hidden_layers=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            tie_word_embeddings=False,
+            initializer_range=0.1,
+            output_router_logits=False,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000000.0,
+                "partial_rotary_factor": 0.25,
+            },
+        ),
+        None,
+    ),
+    # Qwen3.5 as published: the multimodal wrapper (`Qwen3_5ForConditionalGeneration`, the text
+    # model's config its `text_config`, its tensors under `model.language_model.`) with a one-block
+    # vision tower, which a text prompt leaves idle; four text layers
+    "qwen3_5_vl": (
+        transformers.Qwen3_5Config,
+        transformers.Qwen3_5ForConditionalGeneration,
+        dict(
+            text_config=dict(
+                LLAMA,
+                num_hidden_layers=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                linear_num_value_heads=4,
+                linear_num_key_heads=2,
+                linear_key_head_dim=8,
+                linear_value_head_dim=8,
+                initializer_range=0.1,
+                rope_parameters={
+                    "rope_type": "default",
+                    "rope_theta": 10000000.0,
+                    "partial_rotary_factor": 0.25,
+                    "mrope_section": [1, 1, 0],
+                    "mrope_interleaved": True,
+                },
+            ),
+            vision_config=dict(
+                depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32
+            ),
+            tie_word_embeddings=False,
+        ),
+        None,
+    ),
 }
+# Qwen3.5's mixture of experts as published (`Qwen3_5MoeForConditionalGeneration`)
+CASES["qwen3_5_moe_vl"] = (
+    transformers.Qwen3_5MoeConfig,
+    transformers.Qwen3_5MoeForConditionalGeneration,
+    dict(
+        text_config={
+            k: v for k, v in CASES["qwen3_5_moe"][2].items() if k != "output_router_logits"
+        },
+        vision_config=dict(
+            depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32
+        ),
+        tie_word_embeddings=False,
+    ),
+    None,
+)
 # Cases whose vectors (norm gains, decay rates, biases) start away from their initial values
 # (a gain of ones or a bias of zeros hides a wrong index), and whose reference logits are
 # transformers' in float64
-PERTURBED = ("lfm2", "qwen3_5")
+PERTURBED = ("lfm2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl")
 LONG_IDS = 24  # sequences past the windows (4) and the YaRN model's 16 pretrained positions
 
 
 def make(name: str) -> None:
     config_class, model_class, arguments, shard_size = CASES[name]
     torch.manual_seed(sum(map(ord, name)))
-    model = model_class(config_class(**arguments)).to(torch.float32).eval()
+    config = config_class(**arguments)
+    config._experts_implementation = "eager"  # the experts' loop, which float64 runs too
+    model = model_class(config).to(torch.float32).eval()
     if name in PERTURBED:
         with torch.no_grad():
             for parameter in model.parameters():

@@ -1,9 +1,11 @@
 """The hybrids: LFM2 (`Lfm2ForCausalLM`: short gated convolutions among attention layers) and
-Qwen3.5's text model (`Qwen3_5ForCausalLM`: Gated DeltaNet layers, full attention every
-`full_attention_interval`-th). Each is options of the one model: `mixers` (one per layer, from
-the config's `layer_types`) and `mixer_options`, beside the attention's options (LFM2's per-head
-query/key norms; Qwen3.5's `1 + w` norms, output gate and partial rotary positions), and a
-table of tensors per kind of layer. `config` writes the arguments back as a config."""
+Qwen3.5's text models (`Qwen3_5ForCausalLM`: Gated DeltaNet layers, full attention every
+`full_attention_interval`-th; `Qwen3_5MoeForCausalLM`: the same layers, each feed-forward a
+mixture of experts with a gated shared expert). Each is options of the one model: `mixers` (one
+per layer, from the config's `layer_types`) and `mixer_options`, beside the attention's options
+(LFM2's per-head query/key norms; Qwen3.5's `1 + w` norms, output gate and partial rotary
+positions), and a table of tensors per kind of layer. `config` writes the arguments back as a
+config."""
 
 import math
 from collections.abc import Mapping
@@ -15,13 +17,14 @@ from .rope import rotary_options
 
 __all__ = ["ARCHITECTURES", "arguments", "config", "table"]
 
-ARCHITECTURES = ("Lfm2ForCausalLM", "Qwen3_5ForCausalLM")
-LFM2, QWEN35 = ARCHITECTURES
+ARCHITECTURES = ("Lfm2ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+LFM2, QWEN35, QWEN35_MOE = ARCHITECTURES
 # Each architecture's layer types, and the mixer of each.
 KINDS = {
     LFM2: {"conv": "short_conv", "full_attention": "attention"},
     QWEN35: {"linear_attention": "gated_deltanet", "full_attention": "attention"},
 }
+KINDS[QWEN35_MOE] = KINDS[QWEN35]
 
 
 def _layer_types(config: dict[str, Any], architecture: str, depth: int) -> list[str]:
@@ -63,7 +66,7 @@ def _lfm2_d_ff(config: dict[str, Any]) -> int:
 def _rope(config: dict[str, Any], architecture: str) -> dict[str, Any]:
     """The rotary options; Qwen3.5's multimodal sections are dropped: a text's positions are the
     same on the three axes, so its rotation is the plain one."""
-    if architecture == QWEN35 and isinstance(config.get("rope_parameters"), dict):
+    if architecture != LFM2 and isinstance(config.get("rope_parameters"), dict):
         parameters = dict(config["rope_parameters"])
         for name in ("mrope_section", "mrope_interleaved"):
             parameters.pop(name, None)
@@ -114,9 +117,24 @@ def arguments(config: dict[str, Any], architecture: str) -> dict[str, Any]:
             result["mixer_options"] = {"short_conv": {"kernel": kernel, "use_bias": bias}}
         return result
     result.update(qk_norm_plus_one=True, output_gate=True)
+    if architecture == QWEN35_MOE:
+        result.update(_experts(config))
     if "gated_deltanet" in result["mixers"]:
         result["mixer_options"] = {"gated_deltanet": _delta_net(config, eps)}
     return result
+
+
+def _experts(config: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5-MoE's feed-forward: every layer's a mixture of experts (renormalised over the
+    chosen) and a shared expert gated by a sigmoid."""
+    refuse(config, "norm_topk_prob", True.__eq__, "experts' weights not renormalised")
+    return {
+        "feed_forward": "moe",
+        "d_ff": option(config, "moe_intermediate_size", int, 512),
+        "n_experts": option(config, "num_experts", int, 256),
+        "top_k": option(config, "num_experts_per_tok", int, 8),
+        "shared_d_ff": option(config, "shared_expert_intermediate_size", int, 512),
+    }
 
 
 def _delta_net(config: dict[str, Any], eps: float) -> dict[str, Any]:
@@ -169,6 +187,17 @@ def _mixer_rows(a: dict[str, Any], architecture: str) -> Rows:
     ]
 
 
+def _expert_rows() -> Rows:
+    p, m = "model.layers.{i}.mlp.", "blocks.{i}.feed_forward."
+    names = ("gate", "up", "down")
+    return [
+        (p + "gate.weight", m + "router", "linear"),
+        *((p + f"experts.{{j}}.{n}_proj.weight", m + f"W_{n}", "linear") for n in names),
+        *((p + f"shared_expert.{n}_proj.weight", m + f"shared.W_{n}", "linear") for n in names),
+        (p + "shared_expert_gate.weight", m + "shared_gate", "linear"),
+    ]
+
+
 def table(a: dict[str, Any], architecture: str) -> Table:
     """The checkpoint's tensor names, and the model weights each holds, layer by layer."""
     lfm2 = architecture == LFM2
@@ -184,6 +213,8 @@ def table(a: dict[str, Any], architecture: str) -> Table:
         shared += [
             (p + f"feed_forward.{n}.weight", b + f"feed_forward.{w}", "linear") for n, w in names
         ]
+    elif architecture == QWEN35_MOE:
+        shared += _expert_rows()
     else:
         shared += [
             (p + f"mlp.{n}_proj.weight", b + f"feed_forward.W_{n}", "linear")
@@ -196,7 +227,7 @@ def table(a: dict[str, Any], architecture: str) -> Table:
             if kind == "attention"
             else _mixer_rows(a, architecture)
         )
-        rows += per_layer(a["depth"], own + shared, only=(i,))
+        rows += per_layer(a["depth"], own + shared, a.get("n_experts") or 0, only=(i,))
     final = "model.embedding_norm.weight" if lfm2 else "model.norm.weight"
     return [
         *per_layer(1, [("model.embed_tokens.weight", "embed.table", "plain")]),
@@ -230,8 +261,16 @@ def config(a: Mapping[str, Any], architecture: str) -> dict[str, Any]:
         return out
     delta = dict(options.get("gated_deltanet") or {})
     d_head = a["d_model"] // delta.get("n_heads", 1) if delta else 128
+    if architecture == QWEN35_MOE:
+        out.update(
+            moe_intermediate_size=a["d_ff"], num_experts=a.get("n_experts"),
+            num_experts_per_tok=a.get("top_k"), norm_topk_prob=a.get("normalize_top_k", True),
+            shared_expert_intermediate_size=a.get("shared_d_ff"),
+        )  # fmt: skip
+    else:
+        out["intermediate_size"] = a["d_ff"]
     out.update(
-        intermediate_size=a["d_ff"], rms_norm_eps=a.get("eps"),
+        rms_norm_eps=a.get("eps"),
         head_dim=a.get("head_dim") or a["d_model"] // a["n_heads"],
         linear_num_value_heads=delta.get("n_heads", 32),
         linear_num_key_heads=delta.get("n_key_heads", delta.get("n_heads", 16)),

@@ -45,6 +45,7 @@ MODEL_TYPES = {
     "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
     "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe",
     "Lfm2ForCausalLM": "lfm2", "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
 }  # fmt: skip
 ACTIVATION_NAMES = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}
 
@@ -215,8 +216,13 @@ def export_hf(
     Hugging Face checkpoint holds no int8 of ours) as `model.safetensors`, and the tokenizer
     files of the directory `tokenizer` (those of `TOKENIZER_FILES` it has). Returns the
     directory."""
-    from . import FAMILIES, full_table
+    from . import FAMILIES, WRAPPERS, full_table
 
+    if isinstance(architecture, str) and architecture in WRAPPERS:
+        raise HuggingFaceError(
+            f"a {architecture} holds another modality's model beside the text model; export_hf "
+            f"writes the text model: pass `architecture={WRAPPERS[architecture][0]!r}`."
+        )
     if not isinstance(architecture, str) or architecture not in FAMILIES:
         raise HuggingFaceError(
             f"`architecture` must be one of {tuple(FAMILIES)}; received {architecture!r}."

@@ -7,9 +7,9 @@
   multiplies in the narrower dtype and accumulates in float32).
 - `quantize(tree, embeddings=False)`: every projection matrix as int8 with a float32 scale per
   output channel (`QuantizedParam`): the attention's, the feed-forward's, the experts'. The
-  router, norms and biases stay as they are, and so do the embedding table, a learned positional
-  table and an untied head unless `embeddings=True` (the table then with a scale per row, which is
-  also the tied head's output channel).
+  router, a shared expert's gate, norms and biases stay as they are, and so do the embedding
+  table, a learned positional table and an untied head unless `embeddings=True` (the table then
+  with a scale per row, which is also the tied head's output channel).
 - `cache_in(cache, dtype)`: a cache whose key/value buffers are stored in `dtype`: a float dtype,
   or `"int8"`, each key and value row over `d_head` with a float32 scale per head and position
   (`FixedKVCache` and `RingKVCache`; a growing cache refuses int8).
@@ -33,7 +33,7 @@ PARAM_DTYPES = ("float32", "bfloat16", "float16")
 KV_DTYPES = ("float32", "bfloat16", "float16", "int8")
 QUANTIZE = ("int8",)
 _TABLES = (".embed.table", ".positions.P", ".head.W")  # float unless `embeddings=True`
-_KEPT = (".router",)  # never quantized
+_KEPT = (".router", ".shared_gate")  # never quantized
 
 
 def _is_param(node: Any) -> bool:

@@ -61,8 +61,8 @@ class RecurrentBlock(MixerBlock):
     recurrent layer: one option serves a stack that mixes both kinds of block),
     `activation="relu"`, `layer_norm_eps=1e-5`, `norm="layer"`, `feed_forward="mlp"`,
     `norm_placement="input"` and the mixture of experts' `n_experts`, `top_k`,
-    `normalize_top_k`; `mixer_options` go to the mixer (`kernel`, `use_bias` of `ShortConv`;
-    `n_heads`, `n_key_heads`, `key_dim`, `value_dim`, `kernel`, `eps`, `chunk` of
+    `normalize_top_k`, `shared_d_ff`; `mixer_options` go to the mixer (`kernel`, `use_bias` of
+    `ShortConv`; `n_heads`, `n_key_heads`, `key_dim`, `value_dim`, `kernel`, `eps`, `chunk` of
     `GatedDeltaNet`).
 
     `params()` is the recurrent layer's, then `[gain, bias]`, `[W_1, b_1, W_2, b_2]`,
@@ -89,7 +89,7 @@ class RecurrentBlock(MixerBlock):
         remat: str | None = None, activation: str = "relu", layer_norm_eps: float = 1e-5,
         norm: str = "layer", feed_forward: str = "mlp", norm_placement: str = "input",
         n_experts: int | None = None, top_k: int | None = None, normalize_top_k: bool = True,
-        **mixer_options: Any,
+        shared_d_ff: int | None = None, **mixer_options: Any,
     ):  # fmt: skip
         _check_block(key, d_model, d_ff, gate, norm_first)
         if not isinstance(mixer, str) or mixer not in MIXERS:
@@ -104,7 +104,7 @@ class RecurrentBlock(MixerBlock):
         self._build_around_mixer(
             d_model, d_ff, key, fkey, dropout, gate, norm_first, remat, activation,
             layer_norm_eps, norm, feed_forward, norm_placement,
-            _experts(feed_forward, n_experts, top_k, normalize_top_k),
+            _experts(feed_forward, n_experts, top_k, normalize_top_k, shared_d_ff),
         )  # fmt: skip
 
     @property

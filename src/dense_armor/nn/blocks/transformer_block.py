@@ -20,20 +20,26 @@ __all__ = ["TransformerBlock"]
 
 
 def _experts(
-    feed_forward: str, n_experts: int | None, top_k: int | None, normalize: bool
+    feed_forward: str,
+    n_experts: int | None,
+    top_k: int | None,
+    normalize: bool,
+    shared_d_ff: int | None = None,
 ) -> dict[str, Any] | None:
-    """A mixture of experts' options: both counts with `feed_forward="moe"`, neither without."""
-    given = n_experts is not None or top_k is not None
+    """A mixture of experts' options: both counts with `feed_forward="moe"` (and a shared
+    expert's width if any), none of them without."""
+    given = n_experts is not None or top_k is not None or shared_d_ff is not None
     if feed_forward != "moe":
         if given:
             raise ValueError(
-                f"`n_experts` and `top_k` are the options of `feed_forward='moe'`; received them "
-                f"with `feed_forward={feed_forward!r}`."
+                "`n_experts`, `top_k` and `shared_d_ff` are the options of "
+                f"`feed_forward='moe'`; received them with `feed_forward={feed_forward!r}`."
             )
         return None
     if n_experts is None or top_k is None:
         raise ValueError("`feed_forward='moe'` needs `n_experts` and `top_k` (the experts chosen).")
-    return {"n_experts": n_experts, "top_k": top_k, "normalize_top_k": normalize}
+    options = {"n_experts": n_experts, "top_k": top_k, "normalize_top_k": normalize}
+    return options if shared_d_ff is None else {**options, "shared_d_ff": shared_d_ff}
 
 
 class TransformerBlock(MixerBlock):
@@ -56,7 +62,8 @@ class TransformerBlock(MixerBlock):
     normalised before the residual addition and its input is not, OLMo 2's `x + Norm(Sub(x))`;
     `"both"`: `x + Norm'(Sub(Norm(x)))`, Gemma 2/3's four norms per block); `feed_forward="moe"`
     with `n_experts`, `top_k` and `normalize_top_k=True` is a `MixtureOfExperts` of SwiGLU experts
-    `d_ff` wide (Mixtral's, Qwen3-MoE's). Every other keyword
+    `d_ff` wide (Mixtral's, Qwen3-MoE's), with `shared_d_ff=None` the width of a gated shared
+    expert (Qwen3.5-MoE's). Every other keyword
     is an option of the attention (`**attention`, `mixers.options.ATTENTION_OPTIONS`), passed to
     its `MultiHeadSelfAttention` as given: `window=None` (sliding-window attention),
     `implementation=None` (how the scores are computed) and its older spelling
@@ -104,6 +111,7 @@ class TransformerBlock(MixerBlock):
         n_experts: int | None = None,
         top_k: int | None = None,
         normalize_top_k: bool = True,
+        shared_d_ff: int | None = None,
         **attention: Any,
     ):
         _check_block(key, d_model, d_ff, gate, norm_first)
@@ -114,7 +122,7 @@ class TransformerBlock(MixerBlock):
         self._build_around_mixer(
             d_model, d_ff, key, fkey, dropout, gate, norm_first, remat, activation,
             layer_norm_eps, norm, feed_forward, norm_placement,
-            _experts(feed_forward, n_experts, top_k, normalize_top_k),
+            _experts(feed_forward, n_experts, top_k, normalize_top_k, shared_d_ff),
         )  # fmt: skip
 
     @property

@@ -13,6 +13,10 @@ in an export). Measured on the 2-core AMD EPYC
 (d_model 1024, experts 384 wide, 8 of 64, XLA CPU): one position 2.4 ms routed against 7.9 ms
 dense; 4 positions 6.9 against 10.8; 16 positions 37.3 against 15.3.
 
+A shared expert (`shared_d_ff`, Qwen2-MoE's, Qwen3-Next's and Qwen3.5-MoE's) is a SwiGLU that
+every position goes through besides the chosen ones, its output scaled by `sigmoid(x w)` (`w
+(d_model, 1)`, `shared_gate`) and added to theirs.
+
 `balance_loss(router_logits, n_experts, top_k)` is the load-balancing loss of Switch Transformer
 and Mixtral (transformers' `load_balancing_loss_func`): `n_experts * sum_e f_e P_e`, `f_e` the
 share of choices that went to expert `e` (per slot of the top k) and `P_e` its mean router
@@ -30,6 +34,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from ..core import Param, Pointwise, python_scalar, require_bool, require_key, require_positive
 from .basic import ACTIVATIONS, check_activation
+from .language import GatedFeedForward
 
 __all__ = ["MixtureOfExperts", "balance_loss"]
 
@@ -57,9 +62,11 @@ class MixtureOfExperts(Pointwise):
     """`top_k` of `n_experts` gated feed-forwards per position, chosen and weighted by a router.
 
     **Arguments:** `d_model`, `d_ff` (each expert's hidden width), `key`, `n_experts`, `top_k`,
-    `normalize_top_k=True`, `activation="silu"` (SwiGLU experts). `params()` is `[router (d_model,
-    n_experts), W_gate (n_experts, d_model, d_ff), W_up (same), W_down (n_experts, d_ff,
-    d_model)]`, all normal with std 0.02. `forward(x)` maps `(*T, d_model) -> (*T, d_model)`;
+    `normalize_top_k=True`, `activation="silu"` (SwiGLU experts), `shared_d_ff=None` (the width
+    of a shared expert, see the module). `params()` is `[router (d_model, n_experts), W_gate
+    (n_experts, d_model, d_ff), W_up (same), W_down (n_experts, d_ff, d_model)]`, then with a
+    shared expert its `[W_gate, W_up, W_down]` and `shared_gate (d_model, 1)`; all normal with
+    std 0.02. `forward(x)` maps `(*T, d_model) -> (*T, d_model)`;
     `routed(x)` gives the output and the router's logits `(*T, n_experts)`.
     """
 
@@ -67,6 +74,8 @@ class MixtureOfExperts(Pointwise):
     W_gate: Param
     W_up: Param
     W_down: Param
+    shared: GatedFeedForward | None
+    shared_gate: Param | None
     d_model: int = eqx.field(static=True, converter=python_scalar)
     n_experts: int = eqx.field(static=True, converter=python_scalar)
     top_k: int = eqx.field(static=True, converter=python_scalar)
@@ -87,9 +96,12 @@ class MixtureOfExperts(Pointwise):
         top_k: int,
         normalize_top_k: bool = True,
         activation: str = "silu",
+        shared_d_ff: int | None = None,
     ):
         require_key(key)
         require_positive(d_model=d_model, d_ff=d_ff, n_experts=n_experts, top_k=top_k)
+        if shared_d_ff is not None:
+            require_positive(shared_d_ff=shared_d_ff)
         require_bool(normalize_top_k=normalize_top_k)
         check_activation(activation)
         if top_k > n_experts:
@@ -102,6 +114,12 @@ class MixtureOfExperts(Pointwise):
         self.W_gate = _normal(gkey, (n_experts, d_model, d_ff))
         self.W_up = _normal(ukey, (n_experts, d_model, d_ff))
         self.W_down = _normal(dkey, (n_experts, d_ff, d_model))
+        # the shared expert's keys from a separate fold: a model without one keeps its weights
+        skey, wkey = jr.split(jr.fold_in(key, 1))
+        self.shared = self.shared_gate = None
+        if shared_d_ff is not None:
+            self.shared = GatedFeedForward(d_model, shared_d_ff, skey, activation)
+            self.shared_gate = _normal(wkey, (d_model, 1))
         self.d_model, self.n_experts, self.top_k = d_model, n_experts, top_k
         self.normalize_top_k, self.activation = normalize_top_k, activation
 
@@ -125,6 +143,9 @@ class MixtureOfExperts(Pointwise):
             out = self._routed(flat, chosen, experts)
         else:
             out = self._dense(flat, chosen, experts)
+        if self.shared is not None and self.shared_gate is not None:
+            gate = jax.nn.sigmoid(self.shared_gate.project(flat))
+            out = out + (gate * self.shared(flat)).astype(out.dtype)
         return out.astype(x.dtype).reshape(*lead, self.d_model), logits.reshape(*lead, -1)
 
     def _expert(self, x: Array, weights: list[Array], spec: tuple[str, str]) -> Array:

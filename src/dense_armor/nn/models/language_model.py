@@ -51,7 +51,9 @@ class TransformerLM(Layer):
     `"layer"`), `feed_forward="gated"` (or `"mlp"`), `activation="silu"` (`"gelu_tanh"` for
     GPT-2's MLP), `eps=1e-6` (every norm's), `tie_embeddings=True`, `scan_layers=False` (the
     blocks in one `Stack`), `remat=None`, `on_invalid="raise"` (`Embedding`'s rule for ids outside
-    the vocabulary) and, as for every block, the attention's options (`**attention`:
+    the vocabulary), with `feed_forward="moe"` the mixture of experts' `n_experts`, `top_k`,
+    `normalize_top_k` and `shared_d_ff` (see `TransformerBlock`) and, as for every block, the
+    attention's options (`**attention`:
     `n_kv_heads`, `use_bias`, `window`, `implementation`, ...). `mixers` (one name per block,
     default all `"attention"`) makes a hybrid: a block named otherwise is a `RecurrentBlock`
     around that mixer (`"short_conv"`: LFM2's, `"gated_deltanet"`: Qwen3.5's, or a classic
@@ -107,6 +109,7 @@ class TransformerLM(Layer):
         n_experts: int | None = None,
         top_k: int | None = None,
         normalize_top_k: bool = True,
+        shared_d_ff: int | None = None,
         param_dtype: str = "float32",
         compute_dtype: str | None = None,
         quantize: str | None = None,
@@ -144,7 +147,7 @@ class TransformerLM(Layer):
             causal=True, norm_first=True, remat=remat, activation=activation,
             layer_norm_eps=eps, norm=norm, feed_forward=feed_forward,
             norm_placement=norm_placement, n_experts=n_experts, top_k=top_k,
-            normalize_top_k=normalize_top_k,
+            normalize_top_k=normalize_top_k, shared_d_ff=shared_d_ff,
         )  # fmt: skip
         kinds = mixer_kinds(mixers, mixer_options, depth, per_layer)
         recurrent = {key: value for key, value in block.items() if key != "causal"}
@@ -233,9 +236,10 @@ class TransformerLM(Layer):
             h = self.positions(h)
         routers = []
         for item in self.blocks if isinstance(self.blocks, tuple) else (self.blocks,):
-            if isinstance(item, Stack) and isinstance(item.stacked, TransformerBlock):
+            blocks = (TransformerBlock, RecurrentBlock)
+            if isinstance(item, Stack) and isinstance(item.stacked, blocks):
                 h, logits = item._scan(lambda h, xs: xs[0].forward_routed(h), h, None)
-            elif isinstance(item, TransformerBlock):
+            elif isinstance(item, blocks):
                 h, logits = item.forward_routed(h)
                 logits = logits[None]
             else:
