@@ -43,6 +43,7 @@ from dense_armor.huggingface import HuggingFaceError, import_hf
 from dense_armor.interop import InteropError, import_torch
 from dense_armor.losses import next_token_loss_balanced
 from dense_armor.nn import precision
+from dense_armor.nn.layers.experts import MixtureOfExperts
 from dense_armor.nn.layers.language import (
     Embedding,
     GatedFeedForward,
@@ -50,6 +51,8 @@ from dense_armor.nn.layers.language import (
     RMSNorm,
     TokenIdError,
 )
+from dense_armor.nn.mixers.convolution import ShortConv
+from dense_armor.nn.mixers.deltanet import GatedDeltaNet
 from dense_armor.nn.models.generation import generate
 from dense_armor.nn.models.language_model import TransformerLM
 from dense_armor.nn.sampling import greedy, sample
@@ -492,7 +495,32 @@ BAD = [
     ("checkpoint-int8-weights-as-float", lambda tmp, _: int8_stored_as_float(tmp), CheckpointError, r"the weights at \.blocks\[0\]\.attention\.W_Q\.value have shape \(16, 16\) and dtype float32; the model expects shape \(16, 16\) and dtype int8"),
     ("lm-embed-scale-string", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, embed_scale="true"), ValueError, r"`embed_scale` must be True or False"),
     ("moe-without-experts", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, feed_forward="moe"), ValueError, r"`feed_forward='moe'` needs `n_experts` and `top_k`"),
-    ("experts-with-mlp", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, n_experts=4, top_k=2), ValueError, r"`n_experts` and `top_k` are the options of `feed_forward='moe'`; received them with `feed_forward='gated'`"),
+    ("experts-with-mlp", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, n_experts=4, top_k=2), ValueError, r"`n_experts`, `top_k` and `shared_d_ff` are the options of `feed_forward='moe'`; received them with `feed_forward='gated'`"),
+    ("shared-expert-with-gated", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, shared_d_ff=8), ValueError, r"`n_experts`, `top_k` and `shared_d_ff` are the options of `feed_forward='moe'`"),
+    ("shared-expert-width-zero", lambda: MixtureOfExperts(16, 8, KEY, 4, 2, shared_d_ff=0), ValueError, r"`shared_d_ff` must be a positive integer; received `shared_d_ff=0`"),
+    ("shared-expert-width-string", lambda: MixtureOfExperts(16, 8, KEY, 4, 2, shared_d_ff="8"), ValueError, r"`shared_d_ff` must be a positive integer; received `shared_d_ff='8'` \(str\)"),
+    # the hybrids' options
+    ("mixers-too-few", lambda: TransformerLM(16, 16, 2, 32, 2, KEY, 8, mixers=["attention"]), ValueError, r"`mixers` must be a sequence of 2 names \(one per block\); received \['attention'\]"),
+    ("mixers-a-string", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, mixers="attention"), ValueError, r"`mixers` must be a sequence of 1 names \(one per block\); received 'attention'"),
+    ("mixers-unknown-name", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, mixers=["mamba"]), ValueError, r"`mixers\[0\]` must be one of \('attention', 'gru', 'lstm', 'mingru', 'short_conv', 'gated_deltanet'\); received `mixers\[0\]='mamba'`"),
+    ("mixer-options-not-a-mapping", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, mixers=["short_conv"], mixer_options=[("short_conv", {})]), TypeError, r"`mixer_options` must be a mapping by mixer"),
+    ("mixer-options-of-an-unused-kind", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, mixer_options={"short_conv": {"kernel": 3}}), ValueError, r"`mixer_options` for mixers no block uses: \['short_conv'\]"),
+    ("mixer-options-inner-not-a-mapping", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, mixers=["short_conv"], mixer_options={"short_conv": 3}), TypeError, r"`mixer_options\['short_conv'\]` must be a mapping of the mixer's options"),
+    ("mixer-option-misspelt", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, mixers=["short_conv"], mixer_options={"short_conv": {"kernal": 3}}), TypeError, r"unexpected keyword argument 'kernal'"),
+    ("layer-options-on-a-recurrent-block", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, mixers=["short_conv"], layer_options=[{"window": 4}]), ValueError, r"`layer_options\[0\]` sets attention options on a short_conv block"),
+    ("deltanet-without-heads", lambda: RecurrentBlock(16, 32, KEY, "gated_deltanet"), TypeError, r"the gated_deltanet mixer needs `n_heads`"),
+    ("deltanet-heads-zero", lambda: GatedDeltaNet(16, 0, KEY), ValueError, r"`n_heads` must be a positive integer; received `n_heads=0`"),
+    ("deltanet-heads-string", lambda: GatedDeltaNet(16, "4", KEY), ValueError, r"`n_heads` must be a positive integer; received `n_heads='4'` \(str\)"),
+    ("deltanet-key-heads-not-dividing", lambda: GatedDeltaNet(16, 4, KEY, n_key_heads=3), ValueError, r"`n_heads=4` value heads must be a multiple of `n_key_heads=3`"),
+    ("deltanet-chunk-zero", lambda: GatedDeltaNet(16, 4, KEY, chunk=0), ValueError, r"`chunk` must be a positive integer; received `chunk=0`"),
+    ("deltanet-eps-negative", lambda: GatedDeltaNet(16, 4, KEY, eps=-1.0), ValueError, r"`eps` must be a positive finite number; received `eps=-1.0`"),
+    ("deltanet-eps-nan", lambda: GatedDeltaNet(16, 4, KEY, eps=float("nan")), ValueError, r"`eps` must be a positive finite number; received `eps=nan`"),
+    ("deltanet-wrong-width", lambda: GatedDeltaNet(16, 4, KEY)(jnp.zeros((5, 8))), ShapeError, r"GatedDeltaNet.forward: received `x.shape=\(5, 8\)`; expected `\(T, d_model=16\)`"),
+    ("deltanet-a-foreign-state", lambda: GatedDeltaNet(16, 4, KEY).prefill(jnp.zeros((2, 16)), ShortConv(16, KEY).init_cache()), ShapeError, r"GatedDeltaNet.prefill: `cache`: expected DeltaState, received ConvState"),
+    ("short-conv-kernel-zero", lambda: ShortConv(16, KEY, kernel=0), ValueError, r"`kernel` must be a positive integer; received `kernel=0`"),
+    ("short-conv-kernel-float", lambda: ShortConv(16, KEY, kernel=2.5), ValueError, r"`kernel` must be a positive integer; received `kernel=2.5` \(float\)"),
+    ("short-conv-bias-string", lambda: ShortConv(16, KEY, use_bias="no"), ValueError, r"`use_bias` must be True or False; received `use_bias='no'`"),
+    ("output-gate-string", lambda: MultiHeadSelfAttention(16, 2, KEY, output_gate="yes"), ValueError, r"`output_gate` must be True or False; received `output_gate='yes'`"),
     ("top-k-past-experts", lambda: TransformerLM(16, 16, 2, 32, 1, KEY, 8, feed_forward="moe", n_experts=2, top_k=3), ValueError, r"`top_k` must be at most `n_experts`; received `top_k=3`, `n_experts=2`"),
     ("balance-coefficient-negative", lambda: next_token_loss_balanced(-0.1), ValueError, r"`coefficient` must be a finite number >= 0; received -0.1"),
     ("rope-odd-head", lambda: MultiHeadSelfAttention(6, 2, KEY, rope_base=10000), ValueError, r"`d_model / n_heads` \(or `head_dim`\) times `rotary_fraction` must be even and positive; it is 3"),

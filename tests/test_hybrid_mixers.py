@@ -127,6 +127,17 @@ def test_a_masked_prefill_keeps_the_state_of_its_valid_steps(name):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_an_empty_sequence_gives_no_rows_and_leaves_the_state(name):
+    m = LAYERS[name]()
+    state = m.init_cache()
+    _, state = m.prefill(jax.random.normal(jax.random.PRNGKey(5), (3, 16)), state)
+    out, after = m.prefill(jnp.zeros((0, 16)), state)
+    assert out.shape == (0, 16) and m(jnp.zeros((0, 16))).shape == (0, 16)
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_bad_mixer_arguments_are_refused():
     with pytest.raises(ValueError, match="multiple of `n_key_heads=3`"):
         GatedDeltaNet(16, 4, KEY, n_key_heads=3)

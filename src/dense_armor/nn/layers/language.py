@@ -75,7 +75,7 @@ def _normal(key: PRNGKeyArray, shape: tuple[int, ...]) -> Param:
     return Param(INIT_STD * jr.normal(key, shape, jnp.float32))
 
 
-def _require_eps(eps: Any) -> None:
+def require_eps(eps: Any) -> None:
     real = isinstance(eps, numbers.Real) and not isinstance(eps, bool | np.bool_)
     if not real or not np.isfinite(eps) or not eps > 0:
         raise ValueError(
@@ -183,7 +183,7 @@ class RMSNorm(Pointwise):
 
     def __init__(self, d_model: int, eps: float = 1e-6, *, plus_one: bool = False):
         require_positive(d_model=d_model)
-        _require_eps(eps)
+        require_eps(eps)
         require_bool(plus_one=plus_one)
         self.gain = Param(jnp.zeros((d_model,)) if plus_one else jnp.ones((d_model,)))
         self.d_model, self.eps, self.plus_one = d_model, eps, plus_one

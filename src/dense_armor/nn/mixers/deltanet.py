@@ -32,6 +32,7 @@ from ..core import (
     require_positive,
     shape_checked,
 )
+from ..layers.language import require_eps
 from ..state.counter import validate_overflow_mode
 from .convolution import ConvState, causal_conv, check_conv_state, conv_state
 
@@ -187,6 +188,7 @@ class GatedDeltaNet(Layer):
         key_dim = d_model // n_heads if key_dim is None else key_dim
         value_dim = d_model // n_heads if value_dim is None else value_dim
         require_positive(n_key_heads=n_key_heads, key_dim=key_dim, value_dim=value_dim)
+        require_eps(eps)
         if n_heads % n_key_heads:
             raise ValueError(
                 f"GatedDeltaNet: `n_heads={n_heads}` value heads must be a multiple of "
@@ -239,8 +241,10 @@ class GatedDeltaNet(Layer):
         return q, k, v, beta, g, conv
 
     def _run(self, x: Array, state: DeltaState, mask: Array | None) -> tuple[Array, DeltaState]:
-        q, k, v, beta, g, conv = self._heads(x, state, mask)
         steps = x.shape[0]
+        if isinstance(steps, int) and steps == 0:  # no step: no output, the state as it was
+            return jnp.zeros_like(x), state
+        q, k, v, beta, g, conv = self._heads(x, state, mask)
         if isinstance(steps, int) and steps > 1:
             chunk = min(self.chunk, steps)
             out, memory = delta_rule_chunked(q, k, v, beta, g, state.memory, chunk)
