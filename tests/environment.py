@@ -39,11 +39,17 @@ MAX_BYTES = 2**30
 # elemental fusion emitters: on an empty compilation cache most of a test's time is XLA
 # compiling small functions (17,600 of them, an eager op at a shape among them), and level 0
 # compiles them in 0.55x the time of the default, the older emitters in 0.6x of that (an eager
-# op 14 -> 6.7 ms, measured on the 2-core Xeon, jax 0.10.2). No fast-math either way, so the
+# op 14 -> 6.7 ms, measured on the 2-core Xeon, jax 0.10.2), and each module's machine code in
+# one piece instead of split for threads to compile in parallel (the CPU time of compiling three
+# functions of each of three imported models 5.0 -> 3.8 s: with two busy workers on two cores
+# the split's threads only add work). No fast-math either way, so the
 # numerics are IEEE's. The pytest workers and the suite's own children take them (`child_env`;
 # the C runner's PJRT plugin reads XLA_FLAGS too); the pages and examples run in children with
 # JAX's defaults, as a reader runs them, and the benchmarks in a process of their own.
-SUITE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+SUITE_XLA_FLAGS = (
+    "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    " --xla_cpu_parallel_codegen_split_count=1"
+)
 # What the suite's flags change, at XLA's defaults: `jax.jit(..., compiler_options=)` for a
 # test that compares two compiled programs bit for bit as a user's JAX compiles them.
 AS_USERS_COMPILE = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
