@@ -38,6 +38,16 @@ PHI3 = dict(  # Phi-3/4-mini's options beside Llama's
     LLAMA, num_key_value_heads=2, tie_word_embeddings=True, rms_norm_eps=1e-5, hidden_act="silu",
     resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
 )  # fmt: skip
+QWEN35 = dict(  # Qwen3.5's text models' options beside Llama's
+    LLAMA, num_key_value_heads=2, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
+    linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+    tie_word_embeddings=False,
+    initializer_range=0.1,  # eight layers at 0.2 amplify float32 round-off past 1e-5
+    rope_parameters={
+        "rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+        "mrope_section": [1, 1, 0], "mrope_interleaved": True,
+    },
+)  # fmt: skip
 CASES = {
     # GPT-2: learned positions, pre-LN LayerNorm with biases, the tanh GELU, fused c_attn in
     # Conv1D layout, a tied head
@@ -314,26 +324,7 @@ CASES = {
     "qwen3_5": (
         transformers.Qwen3_5TextConfig,
         transformers.Qwen3_5ForCausalLM,
-        dict(
-            LLAMA,
-            num_hidden_layers=8,
-            num_key_value_heads=2,
-            head_dim=16,
-            linear_num_value_heads=4,
-            linear_num_key_heads=2,
-            linear_key_head_dim=8,
-            linear_value_head_dim=8,
-            linear_conv_kernel_dim=4,
-            tie_word_embeddings=False,
-            initializer_range=0.1,  # eight layers at 0.2 amplify float32 round-off past 1e-5
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 10000000.0,
-                "partial_rotary_factor": 0.25,
-                "mrope_section": [1, 1, 0],
-                "mrope_interleaved": True,
-            },
-        ),
+        dict(QWEN35, num_hidden_layers=8),
         None,
     ),
     # Qwen3.5's mixture-of-experts text model (Qwen3.5-35B-A3B's layout, shrunk): the layers of
@@ -343,21 +334,12 @@ CASES = {
         transformers.Qwen3_5MoeTextConfig,
         transformers.Qwen3_5MoeForCausalLM,
         dict(
-            LLAMA,
+            QWEN35,
             num_hidden_layers=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            linear_num_value_heads=4,
-            linear_num_key_heads=2,
-            linear_key_head_dim=8,
-            linear_value_head_dim=8,
-            linear_conv_kernel_dim=4,
             num_experts=8,
             num_experts_per_tok=2,
             moe_intermediate_size=24,
             shared_expert_intermediate_size=40,
-            tie_word_embeddings=False,
-            initializer_range=0.1,
             output_router_logits=False,
             rope_parameters={
                 "rope_type": "default",
@@ -374,24 +356,7 @@ CASES = {
         transformers.Qwen3_5Config,
         transformers.Qwen3_5ForConditionalGeneration,
         dict(
-            text_config=dict(
-                LLAMA,
-                num_hidden_layers=4,
-                num_key_value_heads=2,
-                head_dim=16,
-                linear_num_value_heads=4,
-                linear_num_key_heads=2,
-                linear_key_head_dim=8,
-                linear_value_head_dim=8,
-                initializer_range=0.1,
-                rope_parameters={
-                    "rope_type": "default",
-                    "rope_theta": 10000000.0,
-                    "partial_rotary_factor": 0.25,
-                    "mrope_section": [1, 1, 0],
-                    "mrope_interleaved": True,
-                },
-            ),
+            text_config=dict(QWEN35, num_hidden_layers=4),
             vision_config=dict(
                 depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32
             ),
