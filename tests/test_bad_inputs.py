@@ -516,7 +516,7 @@ BAD = [
     ("deltanet-eps-negative", lambda: GatedDeltaNet(16, 4, KEY, eps=-1.0), ValueError, r"`eps` must be a positive finite number; received `eps=-1.0`"),
     ("deltanet-eps-nan", lambda: GatedDeltaNet(16, 4, KEY, eps=float("nan")), ValueError, r"`eps` must be a positive finite number; received `eps=nan`"),
     ("deltanet-wrong-width", lambda: GatedDeltaNet(16, 4, KEY)(jnp.zeros((5, 8))), ShapeError, r"GatedDeltaNet.forward: received `x.shape=\(5, 8\)`; expected `\(T, d_model=16\)`"),
-    ("deltanet-a-foreign-state", lambda: GatedDeltaNet(16, 4, KEY).prefill(jnp.zeros((2, 16)), ShortConv(16, KEY).init_cache()), ShapeError, r"GatedDeltaNet.prefill: `cache`: expected DeltaState, received ConvState"),
+    ("deltanet-a-foreign-state", lambda: GatedDeltaNet(16, 4, KEY).prefill(jnp.zeros((2, 16)), ShortConv(16, KEY).init_cache()), ShapeError, r"GatedDeltaNet.prefill: expected the DeltaState of this layer's `init_cache\(\)`; received ConvState"),
     ("short-conv-kernel-zero", lambda: ShortConv(16, KEY, kernel=0), ValueError, r"`kernel` must be a positive integer; received `kernel=0`"),
     ("short-conv-kernel-float", lambda: ShortConv(16, KEY, kernel=2.5), ValueError, r"`kernel` must be a positive integer; received `kernel=2.5` \(float\)"),
     ("short-conv-bias-string", lambda: ShortConv(16, KEY, use_bias="no"), ValueError, r"`use_bias` must be True or False; received `use_bias='no'`"),

@@ -145,14 +145,26 @@ def type_checked(function: Fn) -> Fn:
 
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = _jax_arrays(args, kwargs)
-        try:
-            return typechecked(*args, **kwargs)
-        except TypeCheckError:
-            bound = signature.bind_partial(*args, **kwargs)
-            raise _mismatch(function.__qualname__, signature, bound.arguments) from None
+        return _checked_call(typechecked, signature, function.__qualname__, args, kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _checked_call(
+    typechecked: Callable[..., Any],
+    signature: inspect.Signature,
+    owner: str,
+    args: tuple,
+    kwargs: dict,
+) -> Any:
+    """`typechecked(*args, **kwargs)`, NumPy arrays as JAX arrays, a mismatch raised as a
+    `ShapeError` of `owner`'s."""
+    args, kwargs = _jax_arrays(args, kwargs)
+    try:
+        return typechecked(*args, **kwargs)
+    except TypeCheckError:
+        bound = signature.bind_partial(*args, **kwargs)
+        raise _mismatch(owner, signature, bound.arguments) from None
 
 
 def shape_checked(method: Fn) -> Fn:
@@ -166,13 +178,15 @@ def shape_checked(method: Fn) -> Fn:
     hint to use `jax.vmap` when the input carries one axis too many. Under `jax.jit` this runs
     once per trace and costs nothing per call.
     """
-    typechecked = type_checked(method)
+    typechecked = jaxtyped(typechecker=beartype)(method)
     signature = inspect.signature(method)
-    owner = method.__qualname__
+
+    called = method.__qualname__.rsplit(".", 1)[-1]
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(self, *args, **kwargs)  # NumPy arrays: converted by type_checked
+        owner = f"{type(self).__name__}.{called}"  # the layer's class, not the base's defining it
+        bound = signature.bind(self, *args, **kwargs)  # NumPy arrays: converted in the call
         for name, value in bound.arguments.items():
             dims = _expected_dims(signature.parameters[name].annotation)
             shape = getattr(value, "shape", None)
@@ -200,6 +214,6 @@ def shape_checked(method: Fn) -> Fn:
                     "`jax.vmap(layer)(x)` or `eqx.filter_vmap`."
                 )
             raise ShapeError(message)
-        return typechecked(*bound.args, **bound.kwargs)
+        return _checked_call(typechecked, signature, owner, bound.args, bound.kwargs)
 
     return wrapper  # type: ignore[return-value]

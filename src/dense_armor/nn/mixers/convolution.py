@@ -10,25 +10,23 @@ loop over time).
 """
 
 import math
-from typing import ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-from jaxtyping import Array, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, Float, PRNGKeyArray
 
 from ..core import (
-    Layer,
     Param,
     ShapeError,
     python_scalar,
     require_bool,
     require_key,
     require_positive,
-    shape_checked,
 )
 from ..state.counter import validate_overflow_mode
+from .stateful import StatefulMixer
 
 __all__ = ["ConvState", "ShortConv", "causal_conv"]
 
@@ -83,7 +81,7 @@ def _linear(key: PRNGKeyArray, n_in: int, n_out: int) -> Param:
     return Param(jr.uniform(key, (n_in, n_out), minval=-bound, maxval=bound))
 
 
-class ShortConv(Layer):
+class ShortConv(StatefulMixer):
     """LFM2's gated short convolution (Liquid AI 2025, `Lfm2ShortConv`): `B, C, x = split(x W_in,
     3)`, `y = C * conv(B * x)`, then `y W_out`, `conv` a causal depthwise convolution of
     `kernel` steps over the `d_model` channels.
@@ -106,8 +104,6 @@ class ShortConv(Layer):
     b_out: Param | None
     d_model: int = eqx.field(static=True, converter=python_scalar)
     kernel: int = eqx.field(static=True, converter=python_scalar)
-    causal: ClassVar[bool] = True
-    accepts_mask: ClassVar[bool] = True
 
     def __init__(self, d_model: int, key: PRNGKeyArray, kernel: int = 3, use_bias: bool = False):
         require_key(key)
@@ -129,6 +125,9 @@ class ShortConv(Layer):
             require_positive(capacity=capacity)
         return conv_state(self.kernel, self.d_model)
 
+    def _check(self, state: object, method: str) -> None:
+        check_conv_state(state, self.kernel, self.d_model, f"{type(self).__name__}.{method}")
+
     def _run(self, x: Array, state: ConvState, mask: Array | None) -> tuple[Array, ConvState]:
         h = self.W_in.project(x)
         if self.b_in is not None:
@@ -141,27 +140,3 @@ class ShortConv(Layer):
         if self.b_out is not None:
             out = out + self.b_out.value.astype(out.dtype)[None]
         return out, state
-
-    @shape_checked
-    def forward(
-        self,
-        x: Float[Array, "T d_model"],
-        *,
-        mask: Bool[Array, " T"] | None = None,
-        key: PRNGKeyArray | None = None,
-    ) -> Float[Array, "T d_model"]:
-        """Every step's output from the zero state (a padded step changes no valid one)."""
-        return self._run(x, self.init_cache(), mask)[0]
-
-    @shape_checked
-    def prefill(
-        self,
-        x: Float[Array, "K d_model"],
-        cache: ConvState,
-        *,
-        mask: Bool[Array, " K"] | None = None,
-    ) -> tuple[Float[Array, "K d_model"], ConvState]:
-        """`K` steps from the state `cache`: what `K` calls of `step` return, stacked; the
-        state after the valid steps of `mask` (a prefix)."""
-        check_conv_state(cache, self.kernel, self.d_model, f"{type(self).__name__}.prefill")
-        return self._run(x, cache, mask)

@@ -18,26 +18,25 @@ A sequence of symbolic length (under `jax.export`) runs in the recurrent form.
 """
 
 import math
-from typing import Any, ClassVar
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-from jaxtyping import Array, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, Float, PRNGKeyArray
 
 from ..core import (
-    Layer,
     Param,
     ShapeError,
     python_scalar,
     require_key,
     require_positive,
-    shape_checked,
 )
 from ..layers.language import require_eps
 from ..state.counter import validate_overflow_mode
 from .convolution import ConvState, causal_conv, check_conv_state, conv_state
+from .stateful import StatefulMixer
 
 __all__ = ["DeltaState", "GatedDeltaNet", "delta_rule_chunked", "delta_rule_recurrent"]
 
@@ -141,7 +140,7 @@ def _uniform(key: PRNGKeyArray, shape: tuple[int, ...], fan: int) -> Param:
     return Param(jr.uniform(key, shape, minval=-bound, maxval=bound))
 
 
-class GatedDeltaNet(Layer):
+class GatedDeltaNet(StatefulMixer):
     """Qwen3.5's Gated DeltaNet layer (`Qwen3_5GatedDeltaNet`): `(T, d_model) -> (T, d_model)`.
 
     `q, k, v = split(silu(conv(x W_qkv)))` (a causal depthwise convolution of `kernel` steps over
@@ -177,8 +176,6 @@ class GatedDeltaNet(Layer):
     kernel: int = eqx.field(static=True, converter=python_scalar)
     eps: float = eqx.field(static=True, converter=python_scalar)
     chunk: int = eqx.field(static=True, converter=python_scalar)
-    causal: ClassVar[bool] = True
-    accepts_mask: ClassVar[bool] = True
 
     def __init__(
         self, d_model: int, n_heads: int, key: PRNGKeyArray, n_key_heads: int | None = None,
@@ -273,26 +270,3 @@ class GatedDeltaNet(Layer):
                 f"{owner}: received `state.memory.shape={jnp.shape(state.memory)}`; expected "
                 f"{want}. Batches of streams go through `jax.vmap`."
             )
-
-    @shape_checked
-    def forward(
-        self,
-        x: Float[Array, "T d_model"],
-        *,
-        mask: Bool[Array, " T"] | None = None,
-        key: PRNGKeyArray | None = None,
-    ) -> Float[Array, "T d_model"]:
-        """Every step's output from the zero state."""
-        return self._run(x, self.init_cache(), mask)[0]
-
-    @shape_checked
-    def prefill(
-        self,
-        x: Float[Array, "K d_model"],
-        cache: DeltaState,
-        *,
-        mask: Bool[Array, " K"] | None = None,
-    ) -> tuple[Float[Array, "K d_model"], DeltaState]:
-        """`K` steps from the state `cache`: what `K` calls of `step` return, stacked."""
-        self._check(cache, "prefill")
-        return self._run(x, cache, mask)
