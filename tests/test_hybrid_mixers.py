@@ -145,7 +145,7 @@ def test_bad_mixer_arguments_are_refused():
         ShortConv(16, KEY, kernel=0)
     m = GatedDeltaNet(16, 4, KEY)
     with pytest.raises(
-        ShapeError, match="expected the DeltaState of this layer's .*; received ConvState"
+        ShapeError, match=r"expected the DeltaState of this layer's .*; received ConvState"
     ):
         m.prefill(jnp.zeros((2, 16)), ShortConv(16, KEY).init_cache())
     with pytest.raises(ShapeError, match=r"expected \(4, 4, 4\)"):
