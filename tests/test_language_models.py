@@ -15,10 +15,10 @@ import optax
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from dense_armor.checkpoint import ModelConfig, load_checkpoint, save_checkpoint
+from dense_armor.checkpoint import ModelConfig, load_checkpoint
 from dense_armor.cli import main as cli
-from dense_armor.export import export_checkpoint, export_model
-from dense_armor.export.standalone import ArtifactError, check_golden, load
+from dense_armor.export import export_model
+from dense_armor.export.standalone import check_golden, load
 from dense_armor.huggingface import HuggingFaceError, import_hf, load_tokenizer
 from dense_armor.nn.layers.language import ids_checked
 from dense_armor.nn.models.generation import generate, stream_tokens
@@ -367,61 +367,6 @@ def test_the_cli_refuses_a_damaged_directory_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("dense-armor import-hf: error: ") and "BertModel" in err
     assert not (tmp_path / "ckpt").exists()
-
-
-@pytest.mark.parametrize("name", ["gpt2", "llama_gqa", "qwen3_5"])
-def test_the_exported_artifact_gives_transformers_logits_and_greedy_tokens(tmp_path, name):
-    """A checkpoint of an imported model exported like any family: its forward gives
-    transformers' logits, its prefill and step generate transformers' greedy tokens from the
-    artifact alone, its own golden check passes, and an id outside the vocabulary is a NaN row
-    (an artifact cannot raise) that the manifest documents."""
-    model, arguments = import_hf(DATA / name)
-    golden = load_file(str(DATA / f"{name}.io.safetensors"))
-    save_checkpoint(tmp_path / "ckpt", model, ModelConfig("transformer_lm", arguments))
-    export_checkpoint(
-        tmp_path / "ckpt", tmp_path / "art", capacity=CAPACITY, platforms=["cpu"],
-        static_shapes=[(1, 4)],
-    )  # fmt: skip
-    artifact = load(tmp_path / "art")
-    manifest = artifact.manifest
-    assert manifest["kind"] == "language_model"
-    assert manifest["token_ids"]["vocab"] == model.vocab
-    assert "NaN logits" in manifest["token_ids"]["invalid"]
-    assert [i["dtype"] for i in artifact.inputs("step") if i["name"] == "x_t"] == ["int32"]
-    assert max(check_golden(artifact).values()) < 1e-4
-    np.testing.assert_allclose(
-        np.asarray(artifact.forward(golden["ids"])), golden["logits"],
-        atol=TOLERANCE.get(name, 1e-5), rtol=0,
-    )  # fmt: skip
-    prompt, want = golden["prompt"], golden["generated"][0]
-    logits, cache, overflow = artifact.prefill(prompt, artifact.init_cache(1))
-    token, out = np.argmax(np.asarray(logits)[:, -1], axis=-1).astype(np.int32), []
-    for _ in range(len(want)):
-        out.append(int(token[0]))
-        logits, cache, overflow = artifact.step(token, cache)
-        token = np.argmax(np.asarray(logits), axis=-1).astype(np.int32)
-    np.testing.assert_array_equal(out, want)
-    assert not bool(np.any(overflow))
-    bad, _, _ = artifact.step(np.array([model.vocab], np.int32), artifact.init_cache(1))
-    assert np.isnan(np.asarray(bad)).all()
-    for wrong in BAD_ARTIFACT_IDS:  # ids of another dtype or shape: refused, naming the input
-        with pytest.raises(
-            ArtifactError, match=r"input 'x_t' must have shape \('B',\) and dtype int32"
-        ):
-            artifact.step(wrong, artifact.init_cache(1))
-    # Decoding in the graph (greedy, the default): transformers' tokens, token in, token out.
-    token, cache, overflow = artifact.sample_prefill(prompt, artifact.init_cache(1))
-    out = [int(token[0])]
-    for _ in range(len(want) - 1):
-        token, cache, overflow = artifact.sample_step(token, cache)
-        out.append(int(token[0]))
-    np.testing.assert_array_equal(out, want)
-    assert not bool(np.any(overflow)) and manifest["sampling"]["temperature"] == 0.0
-    for wrong in BAD_ARTIFACT_KEYS:
-        with pytest.raises(
-            ArtifactError, match=r"input 'key' must have shape \(2,\) and dtype uint32"
-        ):
-            artifact.sample_step(token, cache, wrong)
 
 
 # What a decoding artifact's key must not be: a new-style typed key, a batch of keys, int32.
