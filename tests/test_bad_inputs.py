@@ -307,9 +307,11 @@ def exported(tmp):
     """A copy in `tmp` of one small artifact (exported once per process, with a NumPy capacity
     and seed, which are welcome)."""
     if "art" not in _EXPORTED:
+        import atexit
         import tempfile
 
         where = pathlib.Path(tempfile.mkdtemp(prefix="bad-inputs-")) / "art"
+        atexit.register(shutil.rmtree, where.parent, ignore_errors=True)  # not left in /tmp
         export_model(MODEL, CONFIG, where, platforms=["cpu"], static_shapes=[(1, 6)],
                      capacity=np.int64(6), seed=np.int32(0))  # fmt: skip
         _EXPORTED["art"] = where
@@ -805,6 +807,7 @@ BAD = [
     ("server-prompt-a-string", lambda: Server(TINY_LM).submit("abc", 2), ValueError, r"Server.submit: prompt 0 must be a 1-D sequence of integer token ids; received shape \(\) dtype <U3"),
     ("server-max-new-tokens-a-string", lambda: Server(TINY_LM).submit([1], "2"), (TypeError, ValueError), r"Server.submit: `max_new_tokens` must be a positive integer; received `max_new_tokens='2'` \(str\)"),
     ("server-max-queue-negative", lambda: Server(TINY_LM, max_queue=-1), ValueError, r"Server: `max_queue` must be an integer >= 0"),
+    ("server-warm-up-with-requests-queued", lambda: _full_server().warm_up(), ValueError, r"Server.warm_up: call it before submitting requests"),
     ("server-max-queue-a-string", lambda: Server(TINY_LM, max_queue="8"), (TypeError, ValueError), r"`max_queue` must be an integer"),
     ("sampling-top-p-above-one", lambda: Sampling(0.5, top_p=1.5), ValueError, r"`top_p` must be a number in \(0, 1\]"),
     ("sampling-temperature-a-string", lambda: Sampling("0.5"), ValueError, r"`temperature` must be a finite number >= 0"),

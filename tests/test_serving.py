@@ -1,6 +1,6 @@
 """Continuous batching (`dense_armor.serving.Server`, `dense-armor serve`) against `generate`: every
 request gets its solo tokens, whatever the slots, the order of arrival and the reuse of slots,
-with no compilation after the first requests."""
+with no compilation after `warm_up`."""
 
 import json
 import re
@@ -58,13 +58,16 @@ class Traces:
 def test_every_request_gets_its_solo_greedy_tokens_in_any_order_with_no_new_compilation(served):
     _, model, _, prompts, greedy, _, _ = served
     server = Server(model, slots=3, capacity=32, chunk=4)  # 7 requests: slots are reused
-    done = server.serve(zip(prompts, NEW, strict=True))
+    server.warm_up()
+    with Traces() as traces:  # requests of 1 to 3 at once, prefilled together: all compiled
+        done = server.serve(zip(prompts, NEW, strict=True))
+    assert traces.count == 0
     for n, completion in enumerate(done):
         np.testing.assert_array_equal(completion.tokens, greedy[n, : NEW[n]], err_msg=str(n))
         assert completion.reason == "length" and completion.number == n
         assert completion.submitted <= completion.admitted <= completion.first_token
         assert completion.first_token <= completion.finished
-    # Again in another order, on the warm server: the same tokens, and nothing traced anew.
+    # Again in another order: the same tokens, and nothing traced anew.
     order = [2, 1, 6, 0, 3, 5, 4]
     with Traces() as traces:
         ids = [server.submit(prompts[n], NEW[n], id=f"r{n}") for n in order]
@@ -74,12 +77,55 @@ def test_every_request_gets_its_solo_greedy_tokens_in_any_order_with_no_new_comp
     for completion in finished:
         n = int(completion.id[1:])
         np.testing.assert_array_equal(completion.tokens, greedy[n, : NEW[n]], err_msg=str(n))
-    # They leave as they finish: r2 (12 prompt tokens: 11 prefilled in pieces of 4, 4, 2 and 1,
-    # the last fed by a tick, then 9 new: 9 ticks) after r1, which came next (1 prompt token, 3
-    # new: 3 ticks).
+    # They leave as they finish: r2 (12 prompt tokens prefilled in pieces of 4, its first new
+    # token drawn from the prefill, then 8 ticks for 8 more) after r1, which came next (1 prompt
+    # token, its first new token from the prefill, then 2 ticks).
     assert [c.finished for c in finished] == sorted(c.finished for c in finished)
     position = {c.id: i for i, c in enumerate(finished)}
     assert position["r1"] < position["r2"]
+
+
+def test_requests_admitted_together_are_prefilled_together(served, monkeypatch):
+    """Three requests that find free slots in one round: their common 9 tokens prefilled as one
+    batch of 4 rows (3, padded to a power of two) in pieces of 4, 4 and 1, the longest one's
+    rest (3 more tokens: pieces of 2 and 1) alone from its row; each draws its first token from
+    its prefill, and gets its solo tokens."""
+    _, model, _, prompts, greedy, _, _ = served
+    from dense_armor.serving import storage
+
+    calls = []
+
+    def counted(name, compiled):
+        def call(model, ids, cache):
+            calls.append((name, ids.shape))
+            return compiled(model, ids, cache)
+
+        return call
+
+    for name in ("prefill", "prefill_rows"):
+        monkeypatch.setattr(storage, name, counted(name, getattr(storage, name)))
+    rng = np.random.default_rng(3)
+    grown = [prompts[n] + rng.integers(0, model.vocab, k).tolist() for n, k in ((0, 4), (5, 1))]
+    requests = [*grown, prompts[2]]  # 9, 9 and 12 tokens
+    server = Server(model, slots=4, capacity=32, chunk=4)
+    done = server.serve([(p, 3) for p in requests])
+    assert calls == [("prefill_rows", (4, 4)), ("prefill_rows", (4, 4)),
+                     ("prefill_rows", (4, 1)), ("prefill", (2,)), ("prefill", (1,))]  # fmt: skip
+    want = generate(model, requests, 3).tokens  # a ragged batch: each row its solo tokens
+    for n, completion in enumerate(done):
+        np.testing.assert_array_equal(completion.tokens, want[n], err_msg=str(n))
+    np.testing.assert_array_equal(done[2].tokens, greedy[2, :3])
+    # A request alone: its tick steps its slot only (a batch of one, not of 4).
+    ticks, tick_rows = [], storage.tick_rows
+
+    def counted_tick(model, caches, rows, *arrays):
+        ticks.append(rows)
+        return tick_rows(model, caches, rows, *arrays)
+
+    monkeypatch.setattr(storage, "tick_rows", counted_tick)
+    (alone,) = server.serve([(prompts[3], NEW[3])])
+    np.testing.assert_array_equal(alone.tokens, greedy[3, : NEW[3]])
+    assert len(ticks) == NEW[3] - 1 and all(len(rows) == 1 for rows in ticks)
 
 
 @pytest.mark.parametrize(

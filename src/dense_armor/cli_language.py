@@ -257,9 +257,7 @@ def _serve_http(args: argparse.Namespace, model: Any, tokenizer: Any) -> None:
         )  # fmt: skip
     except (ValueError, TypeError) as error:
         raise UsageError(str(error)) from None
-    warm = min(2 * args.chunk, server.capacity - 1)  # compile every prefill piece and the
-    if warm >= 1:  # tick now, before the first client waits for them
-        server.serve([([0] * warm, 1)])
+    server.warm_up()  # every compilation now, before the first client waits for one
     name = args.name or args.checkpoint.resolve().name
     app = create_app(server, tokenizer, name, template, _eos(args.checkpoint) + list(args.stop))
     try:

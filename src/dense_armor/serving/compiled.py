@@ -1,5 +1,7 @@
-"""The serving engine's compiled functions: a chunk's prefill, a slot's admission, the tick (of
-fixed slots, or of paged ones: `paged_tick`), a paged stream's start."""
+"""The serving engine's compiled functions: a chunk's prefill (of one stream, or of a batch of
+streams: `prefill_rows`), a slot's admission (of one stream, or of rows of a batch:
+`admit_rows`), the tick (of fixed slots, or of paged ones: `paged_tick`), a paged stream's
+start."""
 
 from typing import Any
 
@@ -13,12 +15,52 @@ from ..nn.state.counter import Counter
 from ..nn.state.paged import PagedKVCache, pool_mask, stream_axes, with_tables
 from ..nn.state.streams import reset
 
-__all__ = ["admit", "paged_tick", "prefill", "paged_prefill", "start_stream", "tick"]
+__all__ = [
+    "admit",
+    "admit_rows",
+    "first_tokens",
+    "paged_prefill",
+    "paged_tick",
+    "prefill",
+    "prefill_rows",
+    "row_of",
+    "start_stream",
+    "tick",
+    "tick_rows",
+]
+
+
+def _prefill(model: TransformerLM, ids: Any, cache: Any) -> tuple[jax.Array, Any]:
+    h, cache = model._prefill_hidden(ids, cache)
+    return h[-1], cache
 
 
 @eqx.filter_jit
-def prefill(model: TransformerLM, ids: Any, cache: Any) -> Any:
-    return model.prefill(ids, cache)[1]
+def prefill(model: TransformerLM, ids: Any, cache: Any) -> tuple[jax.Array, Any]:
+    """The last block's output after the last of `ids`, `(d_model,)` (after a prompt's last
+    piece, `first_tokens` draws from it), and the cache after them."""
+    return _prefill(model, ids, cache)
+
+
+@eqx.filter_jit
+def prefill_rows(model: TransformerLM, ids: Any, caches: Any) -> tuple[jax.Array, Any]:
+    """`prefill` of each row of `ids (R, n)` into its own stream of `caches` (a batch of `R`):
+    the requests admitted together read the weights once per piece, not once each."""
+    return jax.vmap(lambda x, c: _prefill(model, x, c))(ids, caches)
+
+
+@eqx.filter_jit
+def first_tokens(model: TransformerLM, hidden: Any, *arrays: Any) -> jax.Array:
+    """The token each row of `hidden (R, d_model)` (a prompt's last output) chooses: the
+    head's logits, then `draw_rows` with each row's key, position and rules (`arrays`)."""
+    logits = jax.vmap(lambda h: model._logits(h[None])[0])(hidden)
+    return draw_rows(logits, *arrays)
+
+
+@eqx.filter_jit
+def row_of(caches: Any, row: Any) -> Any:
+    """Stream `row` of a batch of streams."""
+    return jax.tree.map(lambda a: a[row], caches)
 
 
 @eqx.filter_jit(donate="all-except-first")  # the pools and the stream's state in place
@@ -48,8 +90,17 @@ def admit(new: tuple[jax.Array, Any], caches: Any) -> Any:
     return reset(caches, chosen, cache)
 
 
-@eqx.filter_jit(donate="all-except-first")  # the caches are updated in place
-def tick(
+@eqx.filter_jit(donate="all-except-first")
+def admit_rows(new: tuple[Any, Any, Any], caches: Any) -> Any:
+    """`caches` with each slot `s` where `chosen[s]` is true replaced by row `source[s]` of
+    `rows` (a batch of streams); the old caches' buffers donated, as `admit`'s."""
+    chosen, source, rows = new
+    count = jax.tree.leaves(rows)[0].shape[0]
+    source = jnp.clip(source, 0, count - 1)  # in range by construction, whatever the host sent
+    return reset(caches, chosen, jax.tree.map(lambda a: a[source], rows))
+
+
+def _tick(
     model: TransformerLM,
     caches: Any,
     tokens: Any,
@@ -64,6 +115,23 @@ def tick(
     rules and key (`draw_rows`: slot `b` at position `p` draws with `fold_in(keys[b], p)`)."""
     logits, caches = jax.vmap(model.step)(tokens, caches)
     chosen = draw_rows(logits, keys, positions, temperature, top_k, top_p, min_p)
+    return chosen, caches
+
+
+tick = eqx.filter_jit(_tick, donate="all-except-first")  # the caches are updated in place
+
+
+@eqx.filter_jit(donate="all-except-first")  # the caches are updated in place
+def tick_rows(model: TransformerLM, caches: Any, rows: Any, *arrays: Any) -> tuple[jax.Array, Any]:
+    """`tick` of the slots `rows (R,)` only (distinct; the busy ones, padded with idle ones to
+    a power of two), with the tick's arrays of those slots: the tokens they choose `(R,)`; the
+    other slots' caches come back as they came."""
+    rows = jnp.clip(rows, 0, jax.tree.leaves(caches)[0].shape[0] - 1)
+    chosen_caches = jax.tree.map(lambda a: a[rows], caches)
+    chosen, stepped = _tick(model, chosen_caches, *arrays)
+    caches = jax.tree.map(
+        lambda a, new: a.at[rows].set(new, mode="promise_in_bounds"), caches, stepped
+    )
     return chosen, caches
 
 

@@ -5,8 +5,11 @@ queue of requests. Each `tick` is one compiled batched `step` of every slot with
 the graph, each slot with its own rules and key (arrays: one compilation whatever the mix of
 requests); a slot whose request finished is `reset` to the next request's prompt, prefilled in
 chunks of `chunk` tokens and pieces of halving sizes into a fresh cache, while the other slots
-keep decoding. Every function compiles once (the prefill once per piece size, the admission of a
-prefilled cache into a slot, the tick), whatever the prompts' lengths and the order of arrival.
+keep decoding. The requests admitted in one round are prefilled together (one batch per piece),
+and with fixed slots each one's first token is drawn from its prefill and returned before the
+next tick; a tick steps the busy slots only (padded to a power of two). Every function compiles
+once per piece size and power of two of requests (`warm_up` compiles them all), whatever the
+prompts' lengths and the order of arrival.
 
 `step()` runs one round (admissions, a tick) and returns what it produced: each request's new
 token, and its `Completion` when it finished (its new tokens, why it ended, its timings). `run()`
@@ -34,7 +37,7 @@ from ..nn.core import require_int, require_key
 from ..nn.models.generation import _prompts, check_kv_dtype, check_stop_tokens
 from ..nn.models.language_model import TransformerLM
 from .records import Completion, Event, QueueFull, Sampling, _Request, _Slot
-from .storage import FixedSlots, PagedSlots, prefill_pieces
+from .storage import FixedSlots, PagedSlots, bucket, prefill_pieces
 
 __all__ = ["Completion", "Event", "QueueFull", "Sampling", "Server", "prefill_pieces"]
 
@@ -58,17 +61,18 @@ class Server:
     given their own), the default sampling rules of the requests (`temperature`, `top_k`,
     `top_p`, `min_p`, as `generate`'s), `stop_tokens` (every request's), `chunk` (the prefill's
     chunk of prompt tokens, default 16: a prompt's whole chunks go through one compiled
-    `prefill` each, the rest in pieces of 8, 4, 2 and 1 tokens, its last token through a
-    tick), `kv_dtype` (the caches' keys and values in another dtype, `"int8"` for a quarter of
-    float32's memory: see `TransformerLM.init_cache`), `max_queue` (requests waiting for a
-    slot at most; `submit` past it raises `QueueFull`; default unbounded), and `pages`,
+    `prefill` each, the rest in pieces of 8, 4, 2 and 1 tokens; a paged server feeds the last
+    one through a tick), `kv_dtype` (the caches' keys and values in another dtype, `"int8"`
+    for a quarter of float32's memory: see `TransformerLM.init_cache`), `max_queue` (requests
+    waiting for a slot at most; `submit` past it raises `QueueFull`; default unbounded), `pages`,
     `page_size`, `share_prefixes` (a paged cache: one pool of `pages` pages of `page_size`
     positions per layer instead of a whole cache per slot, taken as requests grow, the
     youngest request preempted and recomputed when the pool runs short; full pages of prompt
     tokens shared between requests by default where every state is keys and values; see
     `serving.storage` and `serving.pages`).
 
-    `submit(prompt, max_new_tokens)` queues a request (its own `sampling`, `key` and
+    `warm_up()` compiles every function serving runs before the first request; `submit(prompt,
+    max_new_tokens)` queues a request (its own `sampling`, `key` and
     `stop_tokens` if given); `run()` serves the queue, yielding each `Completion` as it
     finishes; `serve(requests)` does both for `(prompt, max_new_tokens)` pairs and returns the
     completions in the order of submission; `step()` is one round, `cancel(id)` drops a request.
@@ -117,6 +121,7 @@ class Server:
         self._submitted = 0
         self._paging = _paging(pages, page_size, share_prefixes)
         self._store: FixedSlots | PagedSlots | None = None
+        self._put_off = False  # the last round returned its first tokens before a tick
 
     def submit(
         self,
@@ -219,6 +224,23 @@ class Server:
         done = {c.id: c for c in self.run()}
         return [done[n] for n in numbers]
 
+    def warm_up(self) -> None:
+        """Compile now what serving will run, so that no request waits for a compilation: every
+        prefill piece, the batched prefill and admission of each batch size the slots allow
+        (requests admitted in one round are prefilled together), and the tick. It serves a few
+        two-token requests of zeros; later requests are numbered as if it had not."""
+        if not self.idle:
+            raise ValueError("Server.warm_up: call it before submitting requests.")
+        # prompts of pieces of every size (chunk, ..., 2, 1), and the longer ones' rests too
+        n = min(2 * self.chunk - 1, (self.longest_request - 2) // 2)
+        if n < 1:
+            return
+        submitted = self._submitted
+        for count in sorted({bucket(k, self.slots) for k in range(1, self.slots + 1)}):
+            # two new tokens each: the first drawn from the prefill, the second by a tick
+            self.serve([([0] * n, 2)] + [([0] * (2 * n), 2)] * (count - 1))
+        self._submitted = submitted
+
     def run(self) -> Iterator[Completion]:
         """Serve the queue until it is empty and every slot idle, yielding each `Completion` as
         it finishes. Requests submitted meanwhile (from another thread, or between two
@@ -235,14 +257,22 @@ class Server:
     def step(self) -> list[Event]:
         """One round: drop cancelled requests, admit queued ones into free slots, one tick of
         every slot. Each request's new token (none for a slot still feeding its prompt) as an
-        `Event`, with its `Completion` if it finished."""
+        `Event`, with its `Completion` if it finished. The fixed slots draw an admitted
+        request's first token from its prefill: a round that drew some returns them at once and
+        leaves its tick to the next round (unless the round before did too: ticks are never
+        put off twice in a row, whatever keeps arriving)."""
         store = self._slots()
         self._drop_cancelled()
         self._admit(store)
-        if self.busy == 0:
-            return []
+        now = time.perf_counter()
+        first = [self._take(i, token, now) for i, token in store.settle().items()]
+        if self.busy == 0 or (first and not self._put_off):
+            self._put_off = bool(first)
+            return first
+        self._put_off = False
         self._grow(store)
-        return self._advance(store.tick(self._inputs()), time.perf_counter())
+        busy = [i for i, slot in enumerate(self._active) if slot is not None]
+        return first + self._advance(store.tick(self._inputs(), busy), time.perf_counter())
 
     def _admit(self, store: FixedSlots | PagedSlots) -> None:
         """Queued requests into the free slots, the oldest first; it waits for pages if it
@@ -260,7 +290,7 @@ class Server:
                     return
                 self._queue.popleft()
                 self._preempted.pop(request.number, None)
-            start = store.admit(i, context)
+            start = store.admit(i, context, (request.key, request.rules))
             if slot is None:
                 slot = _Slot(request, 0, time.perf_counter(), cached=start)
             slot.fed = min(len(context) - 1, len(request.prompt))
@@ -341,26 +371,34 @@ class Server:
         )  # fmt: skip
 
     def _advance(self, chosen: np.ndarray, now: float) -> list[Event]:
+        """The tick's tokens: a new token for each slot past its prompt."""
         events = []
         for i, slot in enumerate(self._active):
             if slot is None:
                 continue
-            r = slot.request
-            if slot.fed < len(r.prompt):
+            if slot.fed < len(slot.request.prompt):
                 slot.fed += 1
-                if slot.fed < len(r.prompt):
+                if slot.fed < len(slot.request.prompt):
                     continue  # the logits of a prompt token that another one follows
-            if not slot.tokens:
-                slot.first_token = now
-            token = int(chosen[i])
-            slot.tokens.append(token)
-            stopped = token in r.stop_tokens
-            done = None
-            if stopped or len(slot.tokens) == r.max_new_tokens:
-                self._free(i)
-                done = self._completion(slot, "stop" if stopped else "length", now)
-            events.append(Event(r.id, token, done, slot.cached))
+            events.append(self._take(i, int(chosen[i]), now))
         return events
+
+    def _take(self, i: int, token: int, now: float) -> Event:
+        """Slot `i`'s request's new `token` (drawn by a tick, or by its prefill at admission:
+        then its whole prompt is in the cache); the slot freed if the token ends it."""
+        slot = self._active[i]
+        assert slot is not None
+        r = slot.request
+        slot.fed = max(slot.fed, len(r.prompt))
+        if not slot.tokens:
+            slot.first_token = now
+        slot.tokens.append(token)
+        stopped = token in r.stop_tokens
+        done = None
+        if stopped or len(slot.tokens) == r.max_new_tokens:
+            self._free(i)
+            done = self._completion(slot, "stop" if stopped else "length", now)
+        return Event(r.id, token, done, slot.cached)
 
     def _completion(self, slot: _Slot, reason: str, now: float) -> Completion:
         r = slot.request

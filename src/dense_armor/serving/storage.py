@@ -2,14 +2,18 @@
 pages of one shared pool per layer (`PagedSlots`, `nn.state.paged`), with prefix sharing.
 
 Both answer the engine the same way, for a request's `context` (its prompt, and the tokens it
-made before it was preempted): `fits(context)` (can it be admitted now), `admit(i, context)` (all
-but its last token prefilled into slot `i`; the position where the prefill began, past the rows
-found in shared pages), `grow(i, rows)` (slot `i` holds `rows` positions, False when the pool is
-short), `tick(arrays)` (every slot's step and draw), `release(i, written)` (slot `i`'s request
-ended, was cancelled or preempted; `written`: the tokens whose rows it holds, for their pages to
-be kept by key). Every function compiles once whatever the requests: the prefill once per piece
-size, the paged tick once per power of two of pages that the longest request in the batch
-holds.
+made before it was preempted): `fits(context)` (can it be admitted now), `admit(i, context,
+rules)` (its prefill into slot `i`; the position where the prefill begins, past the rows found
+in shared pages), `settle()` (the round's admissions done; the first token of each request whose
+whole prompt was prefilled, by slot: the fixed slots prefill the round's requests together
+there and draw their first tokens with `rules`; a paged slot's prefill stops before the last
+token, which the tick feeds), `grow(i, rows)` (slot `i` holds `rows` positions, False when the
+pool is short), `tick(arrays, busy)` (the busy slots' step and draw), `release(i, written)`
+(slot `i`'s request ended, was cancelled or preempted; `written`: the tokens whose rows it
+holds, for their pages to be kept by key). Every function compiles once whatever the requests:
+the prefill once per piece size (the fixed slots' batched prefill, admission and first draw
+once per piece size and power of two of requests), the tick once per power of two of busy slots
+(and, paged, of pages that the longest request in the batch holds).
 """
 
 from collections.abc import Iterator
@@ -24,10 +28,26 @@ from ..nn.layers.language import ids_checked
 from ..nn.models.language_model import TransformerLM
 from ..nn.state.cache import PositionCache
 from ..nn.state.paged import PagedKVCache, copy_page, paged_cache, paged_streams, pool_mask
-from .compiled import admit, paged_prefill, paged_tick, prefill, start_stream, tick
+from .compiled import (
+    admit,
+    admit_rows,
+    first_tokens,
+    paged_prefill,
+    paged_tick,
+    prefill,
+    prefill_rows,
+    row_of,
+    start_stream,
+    tick,
+    tick_rows,
+)
 from .pages import PageBook
 
-__all__ = ["FixedSlots", "PagedSlots", "prefill_pieces"]
+__all__ = ["Draw", "FixedSlots", "PagedSlots", "bucket", "prefill_pieces"]
+
+# A request's key data (2,) uint32 and its row of sampling rules (`Sampling.row`): what draws
+# its tokens.
+Draw = tuple[np.ndarray, tuple[float, int, float, float]]
 
 
 def prefill_pieces(n: int, chunk: int) -> list[int]:
@@ -50,39 +70,109 @@ def _pieces(prompt: np.ndarray, start: int, chunk: int) -> Iterator[np.ndarray]:
         start += size
 
 
-def _bucket(pages: int, most: int) -> int:
-    """The table width for `pages` pages: the next power of two, at most `most` (each width
-    compiles once)."""
-    return min(1 << max(pages - 1, 0).bit_length(), most)
+def bucket(count: int, most: int) -> int:
+    """The size compiled for `count` (pages of a table, requests of a batch): the next power of
+    two, at most `most` (each size compiles once)."""
+    return min(1 << max(count - 1, 0).bit_length(), most)
 
 
 class FixedSlots:
-    """A fixed cache of `capacity` positions per slot (`init_streams`); a request is prefilled
-    into a fresh cache, then admitted into its slot."""
+    """A fixed cache of `capacity` positions per slot (`init_streams`). The requests admitted in
+    a round are prefilled together at `settle`, each whole prompt, and the first new token of
+    each drawn from the prefill's logits: a request's first token costs its prefill, not a tick
+    more."""
 
     def __init__(self, model: TransformerLM, slots: int, capacity: int, kv_dtype: Any, chunk: int):
         self.model, self.slots, self.chunk = model, slots, chunk
-        self.fresh = model.init_cache(capacity, on_overflow="nan", kv_dtype=kv_dtype)
+        self.capacity, self.kv_dtype = capacity, kv_dtype
         self.caches = model.init_streams(slots, capacity, on_overflow="nan", kv_dtype=kv_dtype)
+        self._fresh: dict[int, Any] = {}  # empty batches of streams, by size
+        self._waiting: list[tuple[int, np.ndarray, Draw]] = []  # admitted, not yet prefilled
 
     def fits(self, context: np.ndarray) -> bool:
         return True
 
-    def admit(self, i: int, context: np.ndarray) -> int:
-        cache = self.fresh
-        for piece in _pieces(context, 0, self.chunk):
-            with ids_checked():  # checked by `submit`
-                cache = prefill(self.model, piece, cache)
-        self.caches = admit((jnp.arange(self.slots) == i, cache), self.caches)
+    def admit(self, i: int, context: np.ndarray, rules: Draw) -> int:
+        """Slot `i`'s request, prefilled at `settle` with the round's others; `rules` (its key
+        data and its row of sampling rules) draw its first token there."""
+        self._waiting.append((i, context, rules))
         return 0
+
+    def settle(self) -> dict[int, int]:
+        """The round's requests prefilled into their slots; the first new token of each, by
+        slot, drawn as a tick would draw it after the prompt's last token."""
+        waiting, self._waiting = self._waiting, []
+        if not waiting:
+            return {}
+        rows, hidden, ragged = self._prefill_together([context for _, context, _ in waiting])
+        slots = np.array([i for i, _, _ in waiting])
+        chosen, source = np.zeros(self.slots, bool), np.zeros(self.slots, np.int32)
+        chosen[slots], source[slots] = True, np.arange(len(waiting), dtype=np.int32)
+        self.caches = admit_rows((chosen, source, rows), self.caches)
+        for row, cache in ragged.items():
+            self.caches = admit((jnp.arange(self.slots) == slots[row], cache), self.caches)
+        count = len(hidden)  # padded rows draw greedily; their tokens are dropped
+        keys, positions = np.zeros((count, 2), np.uint32), np.zeros(count, np.int32)
+        table = np.tile(np.array([0.0, 0.0, 1.0, 0.0]), (count, 1))
+        for row, (_, context, (key, rules)) in enumerate(waiting):
+            keys[row], table[row], positions[row] = key, rules, len(context)
+        tokens = first_tokens(
+            self.model, hidden, keys, positions, table[:, 0].astype(np.float32),
+            table[:, 1].astype(np.int32), table[:, 2].astype(np.float32),
+            table[:, 3].astype(np.float32),
+        )  # fmt: skip
+        return dict(zip(slots.tolist(), np.asarray(tokens)[: len(waiting)].tolist(), strict=True))
+
+    def _prefill_together(self, contexts: list[np.ndarray]) -> tuple[Any, np.ndarray, dict]:
+        """The streams of `contexts` as a batch (padded with copies of the first to a power of
+        two of rows: each size compiles once), the last block's output after each one's last
+        token, and the streams of those longer than the shortest, by row. Their common length
+        is prefilled as one batch, reading the weights once per piece for all: requests that
+        arrive together wait for one prefill, not for each other's in turn. A longer one's rest
+        is prefilled alone, from its row."""
+        common, count = min(map(len, contexts)), bucket(len(contexts), self.slots)
+        heads = [c[:common] for c in contexts]
+        ids = np.stack(heads + heads[:1] * (count - len(contexts)))
+        if count not in self._fresh:
+            self._fresh[count] = self.model.init_streams(
+                count, self.capacity, on_overflow="nan", kv_dtype=self.kv_dtype
+            )
+        last, rows = self._pieces(prefill_rows, ids, self._fresh[count], 0)
+        hidden, ragged = np.array(last), {}
+        for row, context in enumerate(contexts):
+            if len(context) > common:
+                last, ragged[row] = self._pieces(
+                    prefill, context, row_of(rows, np.int32(row)), common
+                )
+                hidden[row] = np.asarray(last)
+        return rows, hidden, ragged
+
+    def _pieces(self, compiled: Any, ids: np.ndarray, state: Any, start: int) -> tuple[Any, Any]:
+        """`compiled` (`prefill`, or `prefill_rows` for a batch) over the tokens of `ids` from
+        `start` on, in the pieces of `prefill_pieces`: the last output and the state."""
+        for size in prefill_pieces(ids.shape[-1] - start, self.chunk):
+            with ids_checked():  # checked by `submit`
+                last, state = compiled(self.model, ids[..., start : start + size], state)
+            start += size
+        return last, state
 
     def grow(self, i: int, rows: int) -> bool:
         return True
 
-    def tick(self, arrays: tuple[np.ndarray, ...]) -> np.ndarray:
+    def tick(self, arrays: tuple[np.ndarray, ...], busy: list[int]) -> np.ndarray:
+        """The busy slots' step (padded with idle ones to a power of two: one busy slot of 8
+        costs a batch of 1, not 8); every slot's step when most are busy."""
+        count = bucket(len(busy), self.slots)
         with ids_checked():  # prompts were checked by `submit`; the rest are sampled ids
-            chosen, self.caches = tick(self.model, self.caches, *arrays)
-        return np.asarray(chosen)
+            if count == self.slots:
+                every, self.caches = tick(self.model, self.caches, *arrays)
+                return np.asarray(every)
+            idle = [i for i in range(self.slots) if i not in busy]
+            rows = np.array((busy + idle)[:count], np.int32)
+            some, self.caches = tick_rows(self.model, self.caches, rows, *(a[rows] for a in arrays))
+        chosen = np.zeros(self.slots, np.int32)
+        chosen[rows] = np.asarray(some)
+        return chosen
 
     def release(self, i: int, written: np.ndarray | None = None) -> None:
         pass
@@ -128,7 +218,13 @@ class PagedSlots:
         included) can be taken now."""
         return self.book.fits(context, len(context), self.share)
 
-    def admit(self, i: int, context: np.ndarray) -> int:
+    def settle(self) -> dict[int, int]:
+        """Nothing left: each request was prefilled into its pages as it was admitted (a later
+        one of the round may share the pages an earlier one wrote), all but its last token,
+        which the tick feeds (the whole prompt may be in shared pages): no token drawn yet."""
+        return {}
+
+    def admit(self, i: int, context: np.ndarray, rules: Draw) -> int:
         plan = self.book.take(context, len(context), self.share)
         if plan.copy is not None:
             self.pools = copy_page(self.pools, *map(np.int32, plan.copy))
@@ -137,7 +233,7 @@ class PagedSlots:
         self.tables[i] = plan.pages[0]  # unused entries: the slot's own first page
         self.tables[i, : len(plan.pages)] = plan.pages
         own = start_stream(self.fresh, self.tables[i], np.int32(plan.start))
-        table = self.tables[i, : _bucket(len(plan.pages), self.width)]
+        table = self.tables[i, : bucket(len(plan.pages), self.width)]
         for piece in _pieces(context, plan.start, self.chunk):
             with ids_checked():  # checked by `submit`
                 self.pools, own = paged_prefill(self.model, piece, self.pools, own, table)
@@ -154,13 +250,12 @@ class PagedSlots:
         self.tables[i, before : len(self.held[i])] = self.held[i][before:]
         return True
 
-    def tick(self, arrays: tuple[np.ndarray, ...]) -> np.ndarray:
+    def tick(self, arrays: tuple[np.ndarray, ...], busy: list[int]) -> np.ndarray:
         """The busy slots' step (padded with idle ones to a power of two: a batch of 4 busy
         slots of 32 costs a batch of 4), over the pages of the longest request's width."""
-        busy = [i for i in range(self.slots) if self.held[i]]
-        idle = [i for i in range(self.slots) if not self.held[i]]
-        rows = np.array((busy + idle)[: _bucket(len(busy), self.slots)], np.int32)
-        width = _bucket(max(len(self.held[i]) for i in busy), self.width)
+        idle = [i for i in range(self.slots) if i not in busy]
+        rows = np.array((busy + idle)[: bucket(len(busy), self.slots)], np.int32)
+        width = bucket(max(len(self.held[i]) for i in busy), self.width)
         with ids_checked():  # prompts were checked by `submit`; the rest are sampled ids
             chosen, self.pools, self.own = paged_tick(
                 self.model, self.pools, self.own, rows, self.tables[rows, :width],
