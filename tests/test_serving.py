@@ -96,9 +96,9 @@ def test_requests_admitted_together_are_prefilled_together(served, monkeypatch):
     calls = []
 
     def counted(name, compiled):
-        def call(model, ids, cache):
-            calls.append((name, ids.shape))
-            return compiled(model, ids, cache)
+        def call(inputs, cache):
+            calls.append((name, inputs[1].shape))  # inputs: the model and the ids
+            return compiled(inputs, cache)
 
         return call
 

@@ -8,6 +8,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from ..nn.models.language_model import TransformerLM
 from ..nn.sampling import draw_rows
@@ -19,10 +20,12 @@ __all__ = [
     "admit",
     "admit_rows",
     "first_tokens",
+    "fresh_rows",
     "paged_prefill",
     "paged_tick",
     "prefill",
     "prefill_rows",
+    "put_row",
     "row_of",
     "start_stream",
     "tick",
@@ -35,18 +38,27 @@ def _prefill(model: TransformerLM, ids: Any, cache: Any) -> tuple[jax.Array, Any
     return h[-1], cache
 
 
-@eqx.filter_jit
-def prefill(model: TransformerLM, ids: Any, cache: Any) -> tuple[jax.Array, Any]:
+@eqx.filter_jit(donate="all-except-first")  # the stream's cache in place
+def prefill(inputs: tuple[TransformerLM, Any], cache: Any) -> tuple[jax.Array, Any]:
     """The last block's output after the last of `ids`, `(d_model,)` (after a prompt's last
-    piece, `first_tokens` draws from it), and the cache after them."""
+    piece, `first_tokens` draws from it), and the cache after them (`inputs`: the model and
+    `ids`)."""
+    model, ids = inputs
     return _prefill(model, ids, cache)
 
 
-@eqx.filter_jit
-def prefill_rows(model: TransformerLM, ids: Any, caches: Any) -> tuple[jax.Array, Any]:
+@eqx.filter_jit(donate="all-except-first")  # the streams' caches in place
+def prefill_rows(inputs: tuple[TransformerLM, Any], caches: Any) -> tuple[jax.Array, Any]:
     """`prefill` of each row of `ids (R, n)` into its own stream of `caches` (a batch of `R`):
     the requests admitted together read the weights once per piece, not once each."""
+    model, ids = inputs
     return jax.vmap(lambda x, c: _prefill(model, x, c))(ids, caches)
+
+
+@eqx.filter_jit
+def fresh_rows(model: TransformerLM, count: int, capacity: int, kv_dtype: Any) -> Any:
+    """`count` empty streams (written in place by the prefill that takes them)."""
+    return model.init_streams(count, capacity, on_overflow="nan", kv_dtype=kv_dtype)
 
 
 @eqx.filter_jit
@@ -59,8 +71,15 @@ def first_tokens(model: TransformerLM, hidden: Any, *arrays: Any) -> jax.Array:
 
 @eqx.filter_jit
 def row_of(caches: Any, row: Any) -> Any:
-    """Stream `row` of a batch of streams."""
+    """Stream `row` of a batch of streams (a copy)."""
     return jax.tree.map(lambda a: a[row], caches)
+
+
+@eqx.filter_jit(donate="all-except-first")
+def put_row(new: tuple[Any, Any], caches: Any) -> Any:
+    """A batch of streams with stream `row` replaced by `cache` (`new`), in place."""
+    cache, row = new
+    return jax.tree.map(lambda a, c: lax.dynamic_update_index_in_dim(a, c, row, 0), caches, cache)
 
 
 @eqx.filter_jit(donate="all-except-first")  # the pools and the stream's state in place
@@ -92,12 +111,19 @@ def admit(new: tuple[jax.Array, Any], caches: Any) -> Any:
 
 @eqx.filter_jit(donate="all-except-first")
 def admit_rows(new: tuple[Any, Any, Any], caches: Any) -> Any:
-    """`caches` with each slot `s` where `chosen[s]` is true replaced by row `source[s]` of
-    `rows` (a batch of streams); the old caches' buffers donated, as `admit`'s."""
-    chosen, source, rows = new
-    count = jax.tree.leaves(rows)[0].shape[0]
-    source = jnp.clip(source, 0, count - 1)  # in range by construction, whatever the host sent
-    return reset(caches, chosen, jax.tree.map(lambda a: a[source], rows))
+    """`caches` with slot `slots[j]` given row `j` of `rows` (a batch of streams) for each `j`
+    below `count` (the rows past it pad the batch), in place: only the admitted slots are
+    written."""
+    slots, count, rows = new
+    last = jax.tree.leaves(caches)[0].shape[0] - 1
+
+    def one(j: Any, caches: Any) -> Any:
+        slot = jnp.clip(slots[j], 0, last)  # in range by construction, whatever the host sent
+        return jax.tree.map(
+            lambda a, r: lax.dynamic_update_index_in_dim(a, r[j], slot, 0), caches, rows
+        )
+
+    return lax.fori_loop(0, count, one, caches)
 
 
 def _tick(

@@ -32,10 +32,12 @@ from .compiled import (
     admit,
     admit_rows,
     first_tokens,
+    fresh_rows,
     paged_prefill,
     paged_tick,
     prefill,
     prefill_rows,
+    put_row,
     row_of,
     start_stream,
     tick,
@@ -86,7 +88,8 @@ class FixedSlots:
         self.model, self.slots, self.chunk = model, slots, chunk
         self.capacity, self.kv_dtype = capacity, kv_dtype
         self.caches = model.init_streams(slots, capacity, on_overflow="nan", kv_dtype=kv_dtype)
-        self._fresh: dict[int, Any] = {}  # empty batches of streams, by size
+        self._slot_bytes = sum(a.nbytes for a in jax.tree.leaves(self.caches)) // slots
+        self._weight_bytes = sum(a.nbytes for a in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
         self._waiting: list[tuple[int, np.ndarray, Draw]] = []  # admitted, not yet prefilled
 
     def fits(self, context: np.ndarray) -> bool:
@@ -104,13 +107,9 @@ class FixedSlots:
         waiting, self._waiting = self._waiting, []
         if not waiting:
             return {}
-        rows, hidden, ragged = self._prefill_together([context for _, context, _ in waiting])
-        slots = np.array([i for i, _, _ in waiting])
-        chosen, source = np.zeros(self.slots, bool), np.zeros(self.slots, np.int32)
-        chosen[slots], source[slots] = True, np.arange(len(waiting), dtype=np.int32)
-        self.caches = admit_rows((chosen, source, rows), self.caches)
-        for row, cache in ragged.items():
-            self.caches = admit((jnp.arange(self.slots) == slots[row], cache), self.caches)
+        rows, hidden = self._prefill_together([context for _, context, _ in waiting])
+        slots = np.array([i for i, _, _ in waiting] + [0] * (len(hidden) - len(waiting)), np.int32)
+        self.caches = admit_rows((slots, np.int32(len(waiting)), rows), self.caches)
         count = len(hidden)  # padded rows draw greedily; their tokens are dropped
         keys, positions = np.zeros((count, 2), np.uint32), np.zeros(count, np.int32)
         table = np.tile(np.array([0.0, 0.0, 1.0, 0.0]), (count, 1))
@@ -121,38 +120,34 @@ class FixedSlots:
             table[:, 1].astype(np.int32), table[:, 2].astype(np.float32),
             table[:, 3].astype(np.float32),
         )  # fmt: skip
-        return dict(zip(slots.tolist(), np.asarray(tokens)[: len(waiting)].tolist(), strict=True))
+        chosen = np.asarray(tokens)[: len(waiting)].tolist()
+        return dict(zip(slots[: len(waiting)].tolist(), chosen, strict=True))
 
-    def _prefill_together(self, contexts: list[np.ndarray]) -> tuple[Any, np.ndarray, dict]:
+    def _prefill_together(self, contexts: list[np.ndarray]) -> tuple[Any, np.ndarray]:
         """The streams of `contexts` as a batch (padded with copies of the first to a power of
-        two of rows: each size compiles once), the last block's output after each one's last
-        token, and the streams of those longer than the shortest, by row. Their common length
-        is prefilled as one batch, reading the weights once per piece for all: requests that
-        arrive together wait for one prefill, not for each other's in turn. A longer one's rest
-        is prefilled alone, from its row."""
+        two of rows: each size compiles once), and the last block's output after each one's
+        last token. Their common length is prefilled as one batch, reading the weights once per
+        piece for all: requests that arrive together wait for one prefill, not for each
+        other's in turn. A longer one's rest is prefilled alone, from its row, and put back."""
         common, count = min(map(len, contexts)), bucket(len(contexts), self.slots)
         heads = [c[:common] for c in contexts]
         ids = np.stack(heads + heads[:1] * (count - len(contexts)))
-        if count not in self._fresh:
-            self._fresh[count] = self.model.init_streams(
-                count, self.capacity, on_overflow="nan", kv_dtype=self.kv_dtype
-            )
-        last, rows = self._pieces(prefill_rows, ids, self._fresh[count], 0)
-        hidden, ragged = np.array(last), {}
+        rows = fresh_rows(self.model, count, self.capacity, self.kv_dtype)
+        last, rows = self._pieces(prefill_rows, ids, rows, 0)
+        hidden = np.array(last)
         for row, context in enumerate(contexts):
             if len(context) > common:
-                last, ragged[row] = self._pieces(
-                    prefill, context, row_of(rows, np.int32(row)), common
-                )
+                last, cache = self._pieces(prefill, context, row_of(rows, np.int32(row)), common)
+                rows = put_row((cache, np.int32(row)), rows)
                 hidden[row] = np.asarray(last)
-        return rows, hidden, ragged
+        return rows, hidden
 
     def _pieces(self, compiled: Any, ids: np.ndarray, state: Any, start: int) -> tuple[Any, Any]:
         """`compiled` (`prefill`, or `prefill_rows` for a batch) over the tokens of `ids` from
         `start` on, in the pieces of `prefill_pieces`: the last output and the state."""
         for size in prefill_pieces(ids.shape[-1] - start, self.chunk):
             with ids_checked():  # checked by `submit`
-                last, state = compiled(self.model, ids[..., start : start + size], state)
+                last, state = compiled((self.model, ids[..., start : start + size]), state)
             start += size
         return last, state
 
@@ -161,10 +156,12 @@ class FixedSlots:
 
     def tick(self, arrays: tuple[np.ndarray, ...], busy: list[int]) -> np.ndarray:
         """The busy slots' step (padded with idle ones to a power of two: one busy slot of 8
-        costs a batch of 1, not 8); every slot's step when most are busy."""
+        costs a batch of 1, not 8), their caches taken out and put back; every slot's step in
+        place when most are busy, or when moving the busy slots' caches would move more bytes
+        than the step reads of the weights (a long capacity)."""
         count = bucket(len(busy), self.slots)
         with ids_checked():  # prompts were checked by `submit`; the rest are sampled ids
-            if count == self.slots:
+            if count == self.slots or 2 * count * self._slot_bytes > self._weight_bytes:
                 every, self.caches = tick(self.model, self.caches, *arrays)
                 return np.asarray(every)
             idle = [i for i in range(self.slots) if i not in busy]
