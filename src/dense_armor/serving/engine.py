@@ -30,26 +30,16 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ..nn.core import require_int, require_key
 from ..nn.models.generation import _prompts, check_kv_dtype, check_stop_tokens
 from ..nn.models.language_model import TransformerLM
 from .records import Completion, Event, QueueFull, Sampling, _Request, _Slot
+from .settings import capacity_of, key_data, paging, request_key
 from .storage import FixedSlots, PagedSlots, bucket, prefill_pieces
 
 __all__ = ["Completion", "Event", "QueueFull", "Sampling", "Server", "prefill_pieces"]
-
-
-def _key_data(key: jax.Array) -> jax.Array:
-    """A key's raw data (uint32), for a typed key or a legacy `PRNGKey`."""
-    return jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
-
-
-@jax.jit
-def _request_key(key: jax.Array, number: jax.Array) -> jax.Array:
-    return jax.random.fold_in(key, number)
 
 
 class Server:
@@ -105,21 +95,21 @@ class Server:
         if max_queue is not None:
             require_int(0, caller="Server", max_queue=max_queue)
         self.model, self.slots, self.chunk = model, int(slots), int(chunk)
-        self.capacity = _capacity(model, capacity)
+        self.capacity = capacity_of(model, capacity)
         self.sampling = Sampling(temperature, top_k, top_p, min_p)
         check_kv_dtype("Server", kv_dtype)
         if temperature != 0:
             require_key(key)
         self.kv_dtype, self.max_queue = kv_dtype, max_queue
         self.stop_tokens = check_stop_tokens("Server", model, stop_tokens)
-        self.key = _key_data(jax.random.PRNGKey(0) if key is None else key)
+        self.key = key_data(jax.random.PRNGKey(0) if key is None else key)
         self._queue: collections.deque[_Request] = collections.deque()
         self._lock = threading.Lock()
         self._cancelled: set[Any] = set()
         self._active: list[_Slot | None] = [None] * self.slots
         self._preempted: dict[int, _Slot] = {}  # by request number, waiting in the queue
         self._submitted = 0
-        self._paging = _paging(pages, page_size, share_prefixes)
+        self._paging = paging(pages, page_size, share_prefixes)
         self._store: FixedSlots | PagedSlots | None = None
         self._put_off = False  # the last round returned its first tokens before a tick
 
@@ -168,10 +158,10 @@ class Server:
                 )
             number = self._submitted
             self._submitted += 1
-            base, index = (self.key, number) if key is None else (_key_data(key), 0)
+            base, index = (self.key, number) if key is None else (key_data(key), 0)
             request = _Request(
                 number if id is None else id, number, padded, int(max_new_tokens),
-                time.perf_counter(), rules, np.asarray(_request_key(base, index)),
+                time.perf_counter(), rules, np.asarray(request_key(base, index)),
                 frozenset(stops),
             )  # fmt: skip
             self._queue.append(request)
@@ -406,30 +396,3 @@ class Server:
             r.id, r.number, r.prompt, np.array(slot.tokens, np.int32), reason, r.submitted,
             slot.admitted, slot.first_token, now, slot.cached, slot.preempted,
         )  # fmt: skip
-
-
-def _capacity(model: TransformerLM, capacity: int | None) -> int:
-    end = model.positions_end
-    capacity = (end or 256) if capacity is None else capacity
-    require_int(1, caller="Server", capacity=capacity)
-    if end is not None and capacity > end:
-        raise ValueError(
-            f"Server: `capacity={capacity}` passes the model's positions, which end at {end} "
-            "(its learned positions' max_len, or LongRoPE's pretrained length)."
-        )
-    return int(capacity)
-
-
-def _paging(pages: Any, page_size: Any, share: Any) -> tuple[int, int, bool | None] | None:
-    """The paged cache's settings, checked (None: fixed slots)."""
-    if pages is None:
-        if share:
-            raise ValueError("Server: `share_prefixes` shares pages: give `pages` too.")
-        return None
-    require_int(2, caller="Server", pages=pages)
-    require_int(1, caller="Server", page_size=page_size)
-    if share is not None and not isinstance(share, bool):
-        raise TypeError(
-            f"Server: `share_prefixes` must be True, False or None; received {share!r}."
-        )
-    return int(pages), int(page_size), share
