@@ -2,6 +2,7 @@
 and sharded; multi-head and tied) and Qwen2 models, their logits and greedy generations committed
 as data by tests/torch_reference/make_hf_golden.py (neither torch nor transformers runs here)."""
 
+import functools
 import json
 import pathlib
 import re
@@ -21,6 +22,7 @@ from dense_armor.export import export_model
 from dense_armor.export.standalone import check_golden, load
 from dense_armor.huggingface import HuggingFaceError, import_hf, load_tokenizer
 from dense_armor.nn.layers.language import ids_checked
+from dense_armor.nn.models import generation
 from dense_armor.nn.models.generation import generate, stream_tokens
 from dense_armor.nn.models.language_model import TransformerLM
 from dense_armor.nn.models.stack import scanned as stacked
@@ -270,6 +272,35 @@ def test_top_k_one_samples_the_greedy_tokens_and_a_key_reproduces_a_draw():
     again = generate(model, prompts, 5, key, temperature=1.5)
     np.testing.assert_array_equal(np.asarray(first.tokens), np.asarray(again.tokens))
     assert np.all((np.asarray(first.tokens) >= 0) & (np.asarray(first.tokens) < model.vocab))
+
+
+def test_generate_steps_only_while_a_row_has_tokens_to_come(monkeypatch):
+    """The last token drawn is never fed back: one new token costs the prefill alone. Counted
+    by a callback in the model's step (hand-derived: prompts of 3 and 5 tokens, 2 new each; the
+    loop starts at the common length 3 and feeds positions 3, 4 and 5, the token drawn at 6
+    being row 1's last; a lone prompt and 1 new token feeds nothing)."""
+    fed = []
+    step = TransformerLM.step
+
+    def counted(self, token, cache):
+        jax.debug.callback(lambda t: fed.append(np.asarray(t).copy()), token)
+        return step(self, token, cache)
+
+    model = TransformerLM(50, 16, 2, 32, 1, jax.random.PRNGKey(0), 32)
+    expected = [
+        generate(model, p, n).tokens for p, n in (([[1, 2, 3], [4, 5, 6, 7, 8]], 2), ([[9]], 1))
+    ]
+    monkeypatch.setattr(TransformerLM, "step", counted)
+    monkeypatch.setattr(generation, "_compiled", functools.cache(generation._compiled.__wrapped__))
+    two = generate(model, [[1, 2, 3], [4, 5, 6, 7, 8]], 2)
+    jax.effects_barrier()
+    assert len(fed) == 3 * 2, fed  # under `vmap`, the callback runs once per row
+    np.testing.assert_array_equal(fed[1:4:2], [7, 8])  # row 1's prompt, fed at positions 3, 4
+    one = generate(model, [[9]], 1)
+    jax.effects_barrier()
+    assert len(fed) == 3 * 2, fed
+    np.testing.assert_array_equal(np.asarray(two.tokens), np.asarray(expected[0]))
+    np.testing.assert_array_equal(np.asarray(one.tokens), np.asarray(expected[1]))
 
 
 def test_generation_compiles_without_a_callback_so_jaxs_disk_cache_keeps_it():

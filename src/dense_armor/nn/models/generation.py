@@ -1,7 +1,8 @@
 """`generate`: token generation from a `TransformerLM` in one compiled function: the prompts'
 common length in one `prefill`, then a `jax.lax.while_loop` of `step`s over a fixed cache, every
 prompt its own stream (its own positions), sampling in the loop with the rules of
-`dense_armor.nn.sampling`."""
+`dense_armor.nn.sampling`. A step runs only while a row has tokens to come: the last token is
+drawn and never fed back, so one new token costs the prefill alone."""
 
 import functools
 from collections.abc import Iterator, Sequence
@@ -266,8 +267,9 @@ def _compiled(
         logits, caches = jax.vmap(model.prefill_last)(prompts[:, :common], caches)
         stop_ids = jnp.asarray(stops or (-1,), jnp.int32)
 
-        def body(state: tuple) -> tuple:
-            position, logits, caches, out, made, done = state
+        def draw(position: jax.Array, logits: jax.Array, chosen_so_far: tuple) -> tuple:
+            """The token at `position` (the prompt's, or drawn from `logits`), recorded."""
+            out, made, done = chosen_so_far
             chosen = choose(logits, key, position)  # the logits predict `position`'s token
             in_prompt = position < lengths
             token = jnp.where(in_prompt, prompts[:, jnp.minimum(position, longest - 1)], chosen)
@@ -276,14 +278,21 @@ def _compiled(
             out = out.at[rows, slot].set(jnp.where(new, chosen, out[rows, slot]))
             made = made + new.astype(jnp.int32)
             stopped = new & jnp.any(chosen[:, None] == stop_ids[None, :], axis=1)
-            done = done | stopped | (made >= max_new)
+            return token, (out, made, done | stopped | (made >= max_new))
+
+        def body(state: tuple) -> tuple:
+            # Each step follows a draw that left a row unfinished: no step after the last token.
+            position, token, caches, chosen_so_far = state
             logits, caches = jax.vmap(model.step)(token, caches)
-            return position + 1, logits, caches, out, made, done
+            token, chosen_so_far = draw(position + 1, logits, chosen_so_far)
+            return position + 1, token, caches, chosen_so_far
 
         out = jnp.full((batch, max_new), -1, jnp.int32)
         made, done = jnp.zeros(batch, jnp.int32), jnp.zeros(batch, bool)
-        state = (jnp.int32(common), logits, caches, out, made, done)
-        _, _, _, out, made, _ = jax.lax.while_loop(lambda s: ~jnp.all(s[-1]), body, state)
+        token, chosen_so_far = draw(jnp.int32(common), logits, (out, made, done))
+        state = (jnp.int32(common), token, caches, chosen_so_far)
+        state = jax.lax.while_loop(lambda s: ~jnp.all(s[-1][-1]), body, state)
+        _, _, _, (out, made, _) = state
         return Generation(out, made)
 
     return run
