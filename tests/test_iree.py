@@ -14,7 +14,7 @@ import pytest
 from dense_armor.checkpoint import ModelConfig
 from dense_armor.cli import main as cli
 from dense_armor.export import ArtifactError, export_model, load
-from dense_armor.export.iree import compile_artifact, target_flags
+from dense_armor.export.iree import compile_artifact, host_cpu, target_flags
 from dense_armor.export.standalone import check_iree, sha256
 from environment import run_py_without
 
@@ -130,6 +130,36 @@ def test_a_stack_of_recurrent_and_attention_blocks_runs_in_iree(tmp_path):
     errors = check_iree(tmp_path / "art")
     assert {name.split()[1] for name in errors} == FUNCTIONS
     assert max(errors.values()) < 1e-5, errors
+
+
+V2 = "cx16 lahf_lm popcnt sse4_1 sse4_2 ssse3"
+V3 = f"{V2} avx avx2 bmi1 bmi2 f16c fma abm movbe xsave"
+V4 = f"{V3} avx512f avx512bw avx512cd avx512dq avx512vl"
+TARGET_CPU = "--iree-llvmcpu-target-cpu="
+
+
+@pytest.mark.parametrize(
+    "flags, want",
+    [  # /proc/cpuinfo's flags: the psABI's level (each includes the one below) and the extras
+        ("fpu sse sse2", [f"{TARGET_CPU}x86-64"]),
+        (V2, [f"{TARGET_CPU}x86-64-v2"]),
+        # a Zen 4 whose virtual machine hides AVX-512 (this suite's AMD machines): AVX2's level
+        (f"{V3} sse4a vaes vpclmulqdq sha_ni", [
+            f"{TARGET_CPU}x86-64-v3", "--iree-llvmcpu-target-cpu-features=+vaes,+vpclmulqdq"]),
+        (V3.replace(" movbe", ""), [f"{TARGET_CPU}x86-64-v2"]),  # a level lacks one feature
+        (V4.replace(" sse4_1", ""), [f"{TARGET_CPU}x86-64"]),  # so does every level above it
+        (f"{V4} avx512_vnni avx512_bf16 amx_tile amx_int8 amx_bf16", [  # a Xeon with AMX
+            f"{TARGET_CPU}x86-64-v4",
+            "--iree-llvmcpu-target-cpu-features=+avx512vnni,+avx512bf16,+amx-tile,+amx-int8,"
+            "+amx-bf16"]),
+    ],
+)  # fmt: skip
+def test_the_host_cpu_is_the_instruction_set_the_system_enables(flags, want, monkeypatch):
+    monkeypatch.setattr("platform.machine", lambda: "x86_64")
+    assert host_cpu(f"processor\t: 0\nflags\t\t: {flags}\nbugs\t\t: spectre\n") == want
+    assert host_cpu("") == [f"{TARGET_CPU}host"]  # no flags to read: IREE's own
+    monkeypatch.setattr("platform.machine", lambda: "aarch64")
+    assert host_cpu(f"flags : {V4}") == [f"{TARGET_CPU}host"]
 
 
 def test_cli_compile_and_refusals(tmp_path, compiled, capsys):

@@ -31,27 +31,73 @@ from .. import _atomic
 from ..nn.core import require_int
 from .standalone import MANIFEST, ArtifactError, file_table, read_manifest, verify_files
 
-__all__ = ["TARGETS", "CompileSummary", "compile_artifact", "target_flags"]
+__all__ = ["TARGETS", "CompileSummary", "compile_artifact", "host_cpu", "target_flags"]
 
 TARGETS = ("llvm-cpu", "cuda", "vulkan-spirv")
 
 
 def target_flags(target: str, cpu: str = "host", cuda_arch: str = "sm_80") -> list[str]:
     """`iree-compile`'s flags for one target. `cpu`: the CPU an `llvm-cpu` module is tuned for
-    (`host`: this machine's, fastest here but may not run on an older CPU; `generic`: any x86-64
-    or AArch64; or a name such as `znver4`). `cuda_arch`: the GPU architecture of a `cuda`
-    module."""
+    (`host`: this machine's instruction set, fastest here but may not run on an older CPU;
+    `generic`: any x86-64 or AArch64; or a name such as `znver4`). `cuda_arch`: the GPU
+    architecture of a `cuda` module. On x86-64, `host` is what the system enables (`host_cpu`)."""
     if target == "llvm-cpu":
+        chosen = host_cpu() if cpu == "host" else [f"--iree-llvmcpu-target-cpu={cpu}"]
         return [
             "--iree-hal-target-device=local",
             "--iree-hal-local-target-device-backends=llvm-cpu",
-            f"--iree-llvmcpu-target-cpu={cpu}",
+            *chosen,
         ]
     if target == "cuda":
         return ["--iree-hal-target-device=cuda", f"--iree-cuda-target={cuda_arch}"]
     if target == "vulkan-spirv":
         return ["--iree-hal-target-device=vulkan"]
     raise ArtifactError(f"unknown IREE target {target!r}; known: {', '.join(TARGETS)}.")
+
+
+# x86-64's microarchitecture levels (the psABI's), as /proc/cpuinfo names their features
+X86_LEVELS = {
+    "x86-64-v4": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
+    "x86-64-v3": {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"},
+    "x86-64-v2": {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"},
+}
+# the features beyond a level that IREE's code for products can use: /proc/cpuinfo's name, LLVM's
+X86_EXTRA = {
+    "avx512_vnni": "avx512vnni", "avx512_bf16": "avx512bf16", "avx512_fp16": "avx512fp16",
+    "avx512vbmi": "avx512vbmi", "avx512_vbmi2": "avx512vbmi2", "avx512ifma": "avx512ifma",
+    "avx512_bitalg": "avx512bitalg", "avx512_vpopcntdq": "avx512vpopcntdq",
+    "avx_vnni": "avxvnni", "amx_tile": "amx-tile", "amx_int8": "amx-int8", "amx_bf16": "amx-bf16",
+    "gfni": "gfni", "vaes": "vaes", "vpclmulqdq": "vpclmulqdq",
+}  # fmt: skip
+
+
+def host_cpu(cpuinfo: str | None = None) -> list[str]:
+    """The `llvm-cpu` flags for this machine: on x86-64, the highest microarchitecture level
+    whose features the system enables, and the product features beyond it that it enables
+    (`/proc/cpuinfo`'s flags, or `cpuinfo`'s text); elsewhere IREE's own `host`.
+
+    Not IREE's `--iree-llvmcpu-target-cpu=host` on x86-64: it names the CPU by its model (a
+    virtual machine's Zen 4 is `znver4`) and then takes the features the system enables, and
+    where a virtual machine hides AVX-512 from a Zen 4 the two disagree and `iree-compile` (3.13)
+    fails on an int8 product ("operations with large vector sizes"); IREE refuses a `host`
+    feature list beside any CPU but `host`."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = pathlib.Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    flags = next((ln.split(":", 1)[1].split() for ln in cpuinfo.splitlines()
+                  if ln.startswith("flags")), None)  # fmt: skip
+    if flags is None or platform.machine().lower() not in ("x86_64", "amd64"):
+        return ["--iree-llvmcpu-target-cpu=host"]
+    have, level = set(flags), "x86-64"
+    for name, needs in reversed(X86_LEVELS.items()):  # v2, then v3, then v4
+        if not have >= needs:
+            break
+        level = name
+    chosen = [f"--iree-llvmcpu-target-cpu={level}"]
+    extra = [f"+{llvm}" for name, llvm in X86_EXTRA.items() if name in have]
+    return chosen + ([f"--iree-llvmcpu-target-cpu-features={','.join(extra)}"] if extra else [])
 
 
 def _compiler() -> Any:
