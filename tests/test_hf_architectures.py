@@ -455,14 +455,16 @@ def test_a_longrope_model_streams_to_its_pretrained_length_and_no_further(tmp_pa
 @pytest.mark.parametrize("name", ["qwen3_5_vl", "qwen3_5_moe_vl"])
 def test_a_multimodal_checkpoint_imports_as_its_text_model_and_writes_back_as_it(tmp_path, name):
     """Qwen3.5 as published (`Qwen3_5ForConditionalGeneration`, and its mixture of experts'):
-    the text model's logits are transformers' (its float64 ones, within 2e-5: its own float32
-    forward lies 1.3e-5 and 0.9e-5 from them), the vision tower's tensors are not read, and the
-    model writes back as the text architecture, transformers' tensors renamed bit for bit."""
+    the text model's logits are transformers' (its float64 ones, within 4e-5: its own float32
+    forward lies 1.3e-5 and 0.9e-5 from them; here 1.3e-5 and 2.5e-5 on a Zen 4 whose virtual
+    machine hides AVX-512, under 2e-5 on a Xeon with it), the vision tower's tensors are not
+    read, and the model writes back as the text architecture, transformers' tensors renamed bit
+    for bit."""
     model, arguments = import_hf(DATA / name)
     wrapper = config_of(name)["architectures"][0]
     text = WRAPPERS[wrapper][0]
     golden = load_file(str(DATA / f"{name}.io.safetensors"))
-    np.testing.assert_allclose(logits_of(model, golden["ids"]), golden["logits"], atol=2e-5, rtol=0)
+    np.testing.assert_allclose(logits_of(model, golden["ids"]), golden["logits"], atol=4e-5, rtol=0)
     assert arguments["mixers"].count("attention") == 1 and arguments["output_gate"]
     with pytest.raises(HuggingFaceError, match=rf"pass `architecture='{text}'`"):
         export_hf(model, arguments, tmp_path / "no", architecture=wrapper)

@@ -42,10 +42,12 @@ CASES = [
 ]  # fmt: skip
 # The logits' agreement with the reference (transformers' float32 logits; the hybrids':
 # transformers' float64 logits), 1e-5 but for Qwen3.5's eight layers, whose tiny random model
-# amplifies float32 round-off: its forward here lies 5-7.5e-5 (as XLA fuses it) from
-# transformers' float64 logits, the step-by-step form 1.2e-4, transformers' own float32 forward
-# 1.5e-4; and its mixture of experts' four layers, 1.6e-5 here, transformers' float32 1.4e-5.
-TOLERANCE = {"qwen3_5": 1e-4, "qwen3_5_moe": 2e-5}
+# amplifies float32 round-off: transformers' own float32 forward lies 1.5e-4 from its float64
+# logits; here the forward 5-7.5e-5 (as XLA fuses it), the step-by-step form 1.2e-4, and the
+# exported forward 1.35e-4 on a Zen 4 whose virtual machine hides AVX-512 (XLA's sums in
+# 8-wide vectors, not 16), so 2e-4, within a third of transformers' own; and its mixture of
+# experts' four layers, 0.5-1.6e-5 here, transformers' float32 1.4e-5.
+TOLERANCE = {"qwen3_5": 2e-4, "qwen3_5_moe": 2e-5}
 CAPACITY = 48
 
 
