@@ -60,10 +60,17 @@ def test_a_half_precision_product_is_float64s_of_its_rounded_operands(dtype, lea
     np.testing.assert_allclose(got, _f64(x.astype(dtype)) @ _f64(table).T, rtol=1e-5, atol=1e-5)
 
 
+def _fused_int8(x, q, scale, transposed):
+    """The formulation `project_int8` takes on a GPU or TPU (one product), run here."""
+    y = products._int8_fused(x, q, transposed)
+    return y * jnp.broadcast_to(scale.reshape(-1), y.shape)
+
+
 @pytest.mark.parametrize("d", [64, 256, 768])  # one product; a block; three blocks of 256 rows
 @pytest.mark.parametrize("lead", [(), (1,), (4,)])
 @pytest.mark.parametrize("transposed", [False, True])
-def test_an_int8_product_is_float64s_of_its_dequantized_matrix(d, lead, transposed, rng):
+@pytest.mark.parametrize("path", ["cpu", "gpu and tpu"])
+def test_an_int8_product_is_float64s_of_its_dequantized_matrix(d, lead, transposed, path, rng):
     n = 600 if transposed else 24  # a table's rows: two blocks of 256 and the rest
     q = rng.integers(-127, 128, (n, d) if transposed else (d, n)).astype(np.int8)
     scale = rng.uniform(0.001, 0.02, (n, 1) if transposed else (1, n)).astype(np.float32)
@@ -71,7 +78,8 @@ def test_an_int8_product_is_float64s_of_its_dequantized_matrix(d, lead, transpos
     weights = q.astype(np.float64) * scale.astype(np.float64)
     weights = weights.T if transposed else weights
     want = np.asarray(x, np.float64) @ weights
-    got = products.project_int8(x, jnp.asarray(q), jnp.asarray(scale), transposed=transposed)
+    product = products.project_int8 if path == "cpu" else _fused_int8
+    got = product(x, jnp.asarray(q), jnp.asarray(scale), transposed=transposed)
     assert got.dtype == jnp.float32
     # float32 round-off is relative to the terms summed, not to their sum, which may cancel: each
     # output within 16 units of float32's rounding (2**-24) of the sum of |x_i w_ij| (the errors

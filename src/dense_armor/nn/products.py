@@ -36,6 +36,7 @@ compiler (jax 0.10.2, a decode-shaped `(B, 2048) @ (2048, 8192)`), where the obv
 """
 
 import math
+from functools import partial
 from typing import Any
 
 import jax.numpy as jnp
@@ -88,15 +89,32 @@ def project_int8(
     the whole of `q`."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     h = x.astype(jnp.float32)
-    if transposed:
-        y = _blocks_out(h, q)
-    elif q.shape[0] % INT8_BLOCK == 0 and q.shape[0] > INT8_BLOCK:
-        y = _blocks_in(h, q)
-    else:  # one block
-        y = jnp.einsum("...k,kn->...n", h, q.astype(jnp.float32))
+    y = lax.platform_dependent(
+        h, q, cpu=partial(_int8_on_cpu, transposed=transposed),
+        default=partial(_int8_fused, transposed=transposed),
+    )  # fmt: skip
     n = y.shape[-1]
     scale = jnp.broadcast_to(scale.reshape(n).astype(jnp.float32), y.shape)
     return (y * scale).astype(out_dtype)
+
+
+def _int8_on_cpu(h: Array, q: Array, transposed: bool) -> Array:
+    """`h @ q` (`h @ q.T` with `transposed`) as XLA's CPU compiler runs it fastest: widened in
+    blocks (`_blocks_out`, `_blocks_in`), or in one product where `q` is a single block."""
+    if transposed:
+        return _blocks_out(h, q)
+    if q.shape[0] % INT8_BLOCK == 0 and q.shape[0] > INT8_BLOCK:
+        return _blocks_in(h, q)
+    return jnp.einsum("...k,kn->...n", h, q.astype(jnp.float32))
+
+
+def _int8_fused(h: Array, q: Array, transposed: bool) -> Array:
+    """`h @ q` (`h @ q.T` with `transposed`) in one product, the widening of `q` left to the
+    compiler: XLA's TPU compiler fuses it into the product, which reads the int8 bytes. On a
+    TPU v5e (2026-12-06), Llama-3.2-1B's greedy decoding at batch 1 (32 tokens after 32, int8
+    projections, bfloat16 tables): 456 tokens/s this way, 270 with the CPU's loop over blocks
+    (bfloat16 weights 288, float32 149); with the tables in int8 too, 380 against 218."""
+    return jnp.einsum("...k,nk->...n" if transposed else "...k,kn->...n", h, q.astype(jnp.float32))
 
 
 def _blocks_in(h: Array, q: Array) -> Array:
