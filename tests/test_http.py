@@ -429,6 +429,66 @@ def test_a_hundred_disconnects_leak_no_slot_queue_entry_or_memory(served):
     assert answer.usage.completion_tokens == 4  # and it serves on
 
 
+class _Rounds:
+    """A stand-in for the `Server` under the HTTP engine's thread: each `step` takes every
+    request queued at that moment as one round of admission."""
+
+    def __init__(self):
+        self.queued, self.rounds, self.lock = [], [], threading.Lock()
+
+    @property
+    def idle(self):
+        with self.lock:
+            return not self.queued
+
+    def submit(self, prompt, max_new, request_id, **rules):
+        with self.lock:
+            self.queued.append(request_id)
+
+    def step(self):
+        with self.lock:
+            self.rounds.append(self.queued)
+            self.queued = []
+        return []
+
+    def cancel(self, request_id):
+        pass
+
+
+def test_requests_arriving_together_at_an_idle_server_are_admitted_together(monkeypatch):
+    """A burst (each request within the gap of the one before) is one round, where stepping at
+    the first arrival admitted it alone and the rest a whole prefill later; a request alone is
+    still stepped once the window ends. Gap and window widened here so that a loaded machine's
+    late wake-ups cannot split the burst."""
+    import asyncio
+
+    from dense_armor.serving import http
+
+    monkeypatch.setattr(http, "BURST_GAP", 0.1)
+    monkeypatch.setattr(http, "BURST_WINDOW", 1.0)
+    server = _Rounds()
+    engine = http.Engine(server)
+
+    async def arrive(names, spacing):
+        for name in names:
+            engine.submit(name, [1], 1, None, None, [])
+            await asyncio.sleep(spacing)
+
+    def rounds_after(count):
+        deadline = time.monotonic() + 10
+        while len(server.rounds) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return server.rounds
+
+    try:
+        asyncio.run(arrive(["a", "b", "c", "d"], 0.01))
+        assert rounds_after(1) == [["a", "b", "c", "d"]]
+        asyncio.run(arrive(["alone"], 0))
+        assert rounds_after(2) == [["a", "b", "c", "d"], ["alone"]]
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize(
     ("extra", "words"),
     [
