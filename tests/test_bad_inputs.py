@@ -36,7 +36,7 @@ from dense_armor.cli import main as cli
 from dense_armor.data import ArraySource, ShardSource
 from dense_armor.distributed import data_mesh, device_mesh, initialize, partition_specs
 from dense_armor.export import ArtifactError, check_golden, export_model, load
-from dense_armor.export.iree import compile_artifact, target_flags
+from dense_armor.export.iree import compile_artifact, host_cpu, target_flags
 from dense_armor.export.standalone import build_runner, check_iree, run_pjrt
 from dense_armor.export.standalone import main as run_py
 from dense_armor.huggingface import HuggingFaceError, import_hf
@@ -530,6 +530,11 @@ BAD = [
     ("remat-unknown", lambda: transformer_encoder(3, 8, 2, 16, 1, 2, KEY, 6, remat="all"), ValueError, r"`remat` must be one of \(None, 'block', 'attention'\).*'all'"),
     ("remat-decoder-unknown", lambda: transformer_decoder(3, 8, 2, 16, 1, 2, KEY, 6, remat=True), ValueError, r"`remat` must be one of.*True"),
     ("iree-target-unknown", lambda: target_flags("rocm"), ValueError, r"unknown IREE target 'rocm'; known: llvm-cpu, cuda, vulkan-spirv"),
+    ("iree-cpu-not-a-string", lambda: target_flags("llvm-cpu", cpu=3), ArtifactError, r"`cpu` must be a CPU name such as 'host', 'generic' or 'znver4'; received 3"),
+    ("iree-cpu-empty", lambda: target_flags("llvm-cpu", cpu=""), ArtifactError, r"`cpu` must be a CPU name .*; received ''"),
+    ("iree-cpu-smuggles-a-flag", lambda: target_flags("llvm-cpu", cpu="host --iree-opt-level=O0"), ArtifactError, r"`cpu` must be a CPU name .*; received 'host --iree-opt-level=O0'"),
+    ("iree-cpu-a-flag", lambda: target_flags("llvm-cpu", cpu="--iree-opt-level=O0"), ArtifactError, r"`cpu` must be a CPU name"),
+    ("iree-cpuinfo-bytes", lambda: host_cpu(b"flags : avx2"), TypeError, r"`cpuinfo` must be the text of /proc/cpuinfo; received b'flags : avx2'"),
     ("implementation-unknown", lambda: attention(implementation="flash"), ValueError, r"`implementation` must be one of \('auto', 'materialised', 'blocked', 'xla', 'cudnn'\).*'flash'"),
     ("implementation-and-memory-efficient", lambda: transformer_encoder(3, 8, 2, 16, 1, 2, KEY, 6, memory_efficient=False, implementation="blocked"), ValueError, r"`memory_efficient=False` means `implementation='materialised'`"),
     ("kv-heads-not-dividing", lambda: MultiHeadSelfAttention(8, 4, KEY, n_kv_heads=3), ValueError, r"`n_heads` must be a multiple of `n_kv_heads`.*`n_heads=4`, `n_kv_heads=3`"),

@@ -462,12 +462,12 @@ def test_requests_arriving_together_at_an_idle_server_are_admitted_together(monk
     late wake-ups cannot split the burst."""
     import asyncio
 
-    from dense_armor.serving import http
+    from dense_armor.serving import worker
 
-    monkeypatch.setattr(http, "BURST_GAP", 0.1)
-    monkeypatch.setattr(http, "BURST_WINDOW", 1.0)
+    monkeypatch.setattr(worker, "BURST_GAP", 0.1)
+    monkeypatch.setattr(worker, "BURST_WINDOW", 1.0)
     server = _Rounds()
-    engine = http.Engine(server)
+    engine = worker.Engine(server)
 
     async def arrive(names, spacing):
         for name in names:

@@ -42,6 +42,10 @@ def target_flags(target: str, cpu: str = "host", cuda_arch: str = "sm_80") -> li
     `generic`: any x86-64 or AArch64; or a name such as `znver4`). `cuda_arch`: the GPU
     architecture of a `cuda` module. On x86-64, `host` is what the system enables (`host_cpu`)."""
     if target == "llvm-cpu":
+        if not isinstance(cpu, str) or not cpu or cpu.startswith("-") or cpu != cpu.split()[0]:
+            raise ArtifactError(
+                f"`cpu` must be a CPU name such as 'host', 'generic' or 'znver4'; received {cpu!r}."
+            )
         chosen = host_cpu() if cpu == "host" else [f"--iree-llvmcpu-target-cpu={cpu}"]
         return [
             "--iree-hal-target-device=local",
@@ -81,11 +85,9 @@ def host_cpu(cpuinfo: str | None = None) -> list[str]:
     where a virtual machine hides AVX-512 from a Zen 4 the two disagree and `iree-compile` (3.13)
     fails on an int8 product ("operations with large vector sizes"); IREE refuses a `host`
     feature list beside any CPU but `host`."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = pathlib.Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
+    cpuinfo = _cpuinfo() if cpuinfo is None else cpuinfo
+    if not isinstance(cpuinfo, str):
+        raise TypeError(f"`cpuinfo` must be the text of /proc/cpuinfo; received {cpuinfo!r:.60}.")
     flags = next((ln.split(":", 1)[1].split() for ln in cpuinfo.splitlines()
                   if ln.startswith("flags")), None)  # fmt: skip
     if flags is None or platform.machine().lower() not in ("x86_64", "amd64"):
@@ -244,11 +246,18 @@ def _compile_module(
     return {"module": module, "target": target, "file": out, "flags": flags}
 
 
+def _cpuinfo() -> str:
+    """This machine's /proc/cpuinfo, or nothing where there is none."""
+    try:
+        return pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
 def _host_cpu() -> str:
     """What an `llvm-cpu` module tuned for `host` depends on: the CPU's model and features."""
-    try:
-        lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
+    lines = _cpuinfo().splitlines()
+    if not lines:
         return f"{platform.machine()} {platform.processor()}"
     wanted = ("model name", "flags", "Features", "CPU part")
     return "\n".join(sorted({line for line in lines if line.startswith(wanted)}))
