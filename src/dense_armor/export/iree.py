@@ -34,6 +34,12 @@ from .standalone import MANIFEST, ArtifactError, file_table, read_manifest, veri
 __all__ = ["TARGETS", "CompileSummary", "compile_artifact", "host_cpu", "target_flags"]
 
 TARGETS = ("llvm-cpu", "cuda", "vulkan-spirv")
+# Every target: the constant expressions IREE hoists out of the functions (rotary tables, masks,
+# iotas) computed once when the module loads rather than by a JIT-compiled program inside the
+# compiler: 12-19% less compile CPU per module (7.7 -> 6.2 s for a tiny Llama's decoding, 14.6
+# -> 12.8 s for Qwen3.5's), the same values (the golden checks unchanged), a load that is
+# microseconds longer.
+COMMON_FLAGS = ("--iree-opt-const-eval=false",)
 
 
 def target_flags(target: str, cpu: str = "host", cuda_arch: str = "sm_80") -> list[str]:
@@ -51,11 +57,12 @@ def target_flags(target: str, cpu: str = "host", cuda_arch: str = "sm_80") -> li
             "--iree-hal-target-device=local",
             "--iree-hal-local-target-device-backends=llvm-cpu",
             *chosen,
+            *COMMON_FLAGS,
         ]
     if target == "cuda":
-        return ["--iree-hal-target-device=cuda", f"--iree-cuda-target={cuda_arch}"]
+        return ["--iree-hal-target-device=cuda", f"--iree-cuda-target={cuda_arch}", *COMMON_FLAGS]
     if target == "vulkan-spirv":
-        return ["--iree-hal-target-device=vulkan"]
+        return ["--iree-hal-target-device=vulkan", *COMMON_FLAGS]
     raise ArtifactError(f"unknown IREE target {target!r}; known: {', '.join(TARGETS)}.")
 
 
