@@ -22,36 +22,38 @@ enable_compilation_cache()
 
 
 # The test files that take longest, longest first (seconds of one worker with empty compilation
-# caches, measured on the 2-core Intel Xeon with tests/profile_suite.py, 2026-12-05): the suite's
+# caches, measured on the 2-core AMD EPYC with tests/profile_suite.py, 2026-12-06): the suite's
 # workers take whole files (`--dist=loadfile`) in collection order (with
 # `--no-loadscope-reorder`, as the noxfile runs it; xdist otherwise sorts files by their number
 # of tests), so when the longest go first the last files to run are short ones and neither worker
 # waits on the other at the end.
-LONGEST_FIRST = [  # worker-seconds of each file with empty caches (2026-12-05)
-    "test_architecture_artifacts.py",  # 321 (17 exports, each in JAX, IREE and C)
-    "test_docs.py",  # 258
-    "test_language_models.py",  # 161
-    "test_index_safety.py",  # 113
-    "test_hf_architectures.py",  # 100
-    "test_examples.py",  # 99
-    "test_export.py",  # 78
-    "test_iree.py",  # 70
-    "test_precision.py",  # 54
-    "test_prefill.py",  # 44
-    "test_distributed.py",  # 42
-    "test_bad_inputs.py",  # 41
-    "test_recurrent.py",  # 40
-    "test_sequences.py",  # 38
-    "test_runner.py",  # 36
-    "test_attention.py",  # 36
-    "test_scan.py",  # 26
-    "test_sharded_checkpoint.py",  # 25
-    "test_blocked.py",  # 24
-    "test_serving.py",  # 22
-    "test_gqa.py",  # 20
-    "test_training.py",  # 20
-    "test_streaming.py",  # 18
-    "test_rotary.py",  # 17
+LONGEST_FIRST = [  # worker-seconds of each file with empty caches (2026-12-06)
+    "test_architecture_artifacts.py",  # 486 (20 exports, each in JAX, IREE and C)
+    "test_docs.py",  # 324
+    "test_hf_architectures.py",  # 223
+    "test_language_models.py",  # 205
+    "test_index_safety.py",  # 117
+    "test_paged.py",  # 101
+    "test_examples.py",  # 100
+    "test_iree.py",  # 87
+    "test_export.py",  # 84
+    "test_precision.py",  # 76
+    "test_sequences.py",  # 57
+    "test_serving.py",  # 56
+    "test_bad_inputs.py",  # 56
+    "test_prefill.py",  # 53
+    "test_distributed.py",  # 51
+    "test_runner.py",  # 51
+    "test_recurrent.py",  # 41
+    "test_http.py",  # 40
+    "test_attention.py",  # 38
+    "test_scan.py",  # 35
+    "test_sharded_checkpoint.py",  # 34
+    "test_blocked.py",  # 32
+    "test_gqa.py",  # 28
+    "test_training.py",  # 26
+    "test_streaming.py",  # 23
+    "test_rotary.py",  # 19
 ]
 
 
