@@ -160,12 +160,17 @@ def int8_stored_as_float(tmp):
 
 
 def corrupt_tensor_bytes(tmp):
-    directory = save_checkpoint(tmp / "ckpt", MODEL, CONFIG)
+    return load_checkpoint(flip_a_weight_byte(save_checkpoint(tmp / "ckpt", MODEL, CONFIG)))
+
+
+def flip_a_weight_byte(directory):
+    """A checkpoint's or an artifact's directory with one byte of a tensor (not the header) in
+    its weights.safetensors changed."""
     weights = directory / "weights.safetensors"
     data = bytearray(weights.read_bytes())
-    data[-3] ^= 0x40  # a tensor byte, not the header
+    data[-3] ^= 0x40
     weights.write_bytes(bytes(data))
-    return load_checkpoint(directory)
+    return directory
 
 
 def into_a_users_directory(tmp):
@@ -745,6 +750,7 @@ BAD = [
     ("compile-cache-a-file", lambda tmp, _: compile_artifact(exported(tmp), ["llvm-cpu"], cache=tmp / "art" / "manifest.json"), ArtifactError, r"the compile cache .*manifest.json is a file, not a directory"),
     ("check-golden-steps-zero", lambda tmp, _: check_golden(load(exported(tmp)), steps=0), ArtifactError, r"`steps` must be a positive integer .* or None for all; received 0"),
     ("check-iree-steps-a-string", lambda tmp, _: check_iree(exported(tmp), steps="3"), ArtifactError, r"`steps` must be a positive integer.*received '3'"),
+    ("check-iree-weights-corrupted", lambda tmp, _: check_iree(flip_a_weight_byte(exported(tmp))), ArtifactError, r"weights\.safetensors does not match its sha256 in the manifest \(corrupted\)"),
     ("check-iree-device-a-gpu", lambda tmp, _: check_iree(exported(tmp), device="cuda"), ArtifactError, r"`device` must be one of \('local-task', 'local-sync'\); received 'cuda'"),
     ("run-py-iree-device-unknown", lambda tmp, _: run_py([str(exported(tmp)), "--iree", "--device", "local-gpu"]), SystemExit, r"^2$"),
     ("run-py-device-without-iree", lambda tmp, capsys: run_py_refused(tmp, capsys, "--device", "local-sync"), SystemExit, r"error: --device chooses IREE's device: it goes with --iree"),

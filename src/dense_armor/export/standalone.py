@@ -489,11 +489,8 @@ def run_iree(
     hold, comes back as raw bytes, widened to float32."""
     args = [runner, f"--device={device}", f"--module={module}", "--function=main"]
     for i, array in enumerate(inputs):
-        if isinstance(array, pathlib.Path):
-            args.append(f"--input=@{array}")
-            continue
-        np.save(work / f"in{i}.npy", np.ascontiguousarray(array))
-        args.append(f"--input=@{work / f'in{i}.npy'}")
+        written = array if isinstance(array, pathlib.Path) else _npy(work / f"in{i}.npy", array)
+        args.append(f"--input=@{written}")
     files = [
         work / f"out{i}.{'bin' if spec['dtype'] == 'bfloat16' else 'npy'}"
         for i, spec in enumerate(outputs)
@@ -519,15 +516,17 @@ def run_iree(
     return results
 
 
+def _npy(path: pathlib.Path, array: np.ndarray) -> pathlib.Path:
+    """`array` written to `path` as .npy (C order, as `iree-run-module` reads it)."""
+    np.save(path, np.ascontiguousarray(array))
+    return path
+
+
 def _saved(arrays: Sequence[np.ndarray], work: pathlib.Path) -> list[pathlib.Path]:
     """Each of `arrays` written once as `work/w<i>.npy`, for `run_iree` to pass by name: a
     stream's steps then write only their cache (Qwen3.5's check of 42 calls wrote 5,494 files,
     1.6 s of its 5.4)."""
-    files = []
-    for i, array in enumerate(arrays):
-        np.save(work / f"w{i}.npy", np.ascontiguousarray(array))
-        files.append(work / f"w{i}.npy")
-    return files
+    return [_npy(work / f"w{i}.npy", array) for i, array in enumerate(arrays)]
 
 
 def _run_kept(
