@@ -130,7 +130,7 @@ def test_iree_steps_past_the_limit_under_the_memory_checker(artifact, device):
     name, art = artifact
     done = subprocess.run(
         [sys.executable, str(art / "run.py"), str(art), "--iree", "--device", device,
-         "--steps", str(CAPACITY + 3)],
+         "--iree-runner", "iree-run-module", "--steps", str(CAPACITY + 3)],
         capture_output=True, text=True, env={**os.environ, **MALLOC_CHECK}, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr

@@ -2,6 +2,7 @@
 only), and IREE's own runner reproduces the Python model's golden outputs, a stream of steps
 with the cache fed back included."""
 
+import importlib.util
 import json
 import re
 import shutil
@@ -95,18 +96,45 @@ def test_the_compile_cache_gives_the_compilers_own_bytes(compiled, tmp_path, mon
 
 
 def test_iree_runner_reproduces_the_golden_outputs(compiled):
+    """In IREE's runtime in this process and in its tool (a process per call), the same module
+    gives the same outputs bit for bit: the same errors."""
     out, _ = compiled
-    errors = check_iree(out)
+    errors = check_iree(out, runner="python")
     assert {name.split()[1] for name in errors} == FUNCTIONS
     assert "iree step B=2, 6 steps" in errors  # the stream, the cache fed back by IREE
     assert max(errors.values()) < 1e-5, errors
+    assert check_iree(out, runner="iree-run-module", device="local-sync") == errors
 
 
-def test_run_py_checks_with_iree_without_jax_or_dense_armor(compiled):
+def test_the_python_runner_is_refused_where_iree_s_bindings_are_not_installed(
+    compiled, monkeypatch
+):
     out, _ = compiled
-    result = run_py_without(out, ("dense_armor", "jax", "jaxlib"), "--iree")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "iree.runtime" else real(name, *a),
+    )
+    with pytest.raises(ArtifactError, match=r"IREE's Python runtime is not installed: pip install"):
+        check_iree(out, runner="python")
+    assert check_iree(out, runner="auto") == check_iree(out, runner="iree-run-module")
+
+
+@pytest.mark.parametrize(
+    "blocked, flags, runner",
+    [
+        ((), [], "IREE's Python runtime (local-task)"),  # auto: the bindings, installed here
+        ((), ["--iree-runner", "iree-run-module"], "iree-run-module (local-task)"),
+        (("iree",), [], "iree-run-module (local-task)"),  # auto: only IREE's tools to be found
+    ],
+)
+def test_run_py_checks_with_iree_without_jax_or_dense_armor(compiled, blocked, flags, runner):
+    out, _ = compiled
+    result = run_py_without(out, ("dense_armor", "jax", "jaxlib", *blocked), "--iree", *flags)
     assert result.returncode == 0, result.stderr
-    assert "iree-run-module" in result.stdout and "(ok)" in result.stdout
+    assert f"on IREE llvm-cpu modules through {runner}\n" in result.stdout
+    assert "(ok)" in result.stdout
     assert re.search(r"iree step B=2, 6 steps +max \|error\| = \d", result.stdout)
 
 
@@ -168,7 +196,8 @@ def test_cli_compile_and_refusals(tmp_path, compiled, capsys):
     export_model(model, ENCODER, tmp_path / "art", platforms=["cpu"], static_shapes=[(1, 4)])
     assert cli(["compile", str(tmp_path / "art"), "--target", "llvm-cpu"]) == 0
     printed = capsys.readouterr().out
-    assert "checked with iree-run-module" in printed and "iree step B=1" in printed
+    assert "checked in IREE's Python runtime (local-task)" in printed
+    assert "iree step B=1" in printed
     assert cli(["inspect", str(tmp_path / "art")]) == 0
     assert "IREE modules: 5 (.vmfb) for llvm-cpu" in capsys.readouterr().out
     # only what a deployment runs: the other modules of the target replaced, checked alone
@@ -196,8 +225,9 @@ def test_cli_compile_and_refusals(tmp_path, compiled, capsys):
 
 
 def test_a_bfloat16_model_comes_back_from_iree_in_bfloat16(tmp_path):
-    """iree-run-module cannot write bfloat16 to .npy: its outputs come back raw and widened; the
-    error is bfloat16 round-off (vulkan-spirv has no bfloat16 at all; it is not tried)."""
+    """iree-run-module cannot write bfloat16 to .npy: its outputs come back raw and widened, equal
+    to what IREE's Python runtime returns; the error is bfloat16 round-off (vulkan-spirv has no
+    bfloat16 at all; it is not tried)."""
     config = ModelConfig(
         "transformer_encoder", {**ENCODER.arguments, "depth": 1, "compute_dtype": "bfloat16"}
     )
@@ -211,8 +241,9 @@ def test_a_bfloat16_model_comes_back_from_iree_in_bfloat16(tmp_path):
     compile_artifact(tmp_path / "art", ["llvm-cpu"], jobs=2)
     outputs = load(tmp_path / "art").manifest["functions"]["forward"]["outputs"]
     assert outputs[0]["dtype"] == "bfloat16"
-    errors = check_iree(tmp_path / "art")
+    errors = check_iree(tmp_path / "art", runner="python")
     assert 0 < max(errors.values()) < 5e-2, errors  # round-off, not zero and not garbage
+    assert check_iree(tmp_path / "art", runner="iree-run-module") == errors
     result = subprocess.run(
         [sys.executable, str(tmp_path / "art" / "run.py"), str(tmp_path / "art"), "--iree"],
         capture_output=True,

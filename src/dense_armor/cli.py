@@ -219,7 +219,7 @@ def _export_sampling(args: argparse.Namespace) -> dict[str, Any] | None:
 
 def _compile(args: argparse.Namespace) -> None:
     from .export.iree import compile_artifact
-    from .export.standalone import check_iree
+    from .export.standalone import check_iree_with
 
     print(
         compile_artifact(
@@ -231,8 +231,9 @@ def _compile(args: argparse.Namespace) -> None:
         )
     )
     if "llvm-cpu" in args.target:
-        print("checked with iree-run-module against the golden outputs:")
-        for name, error in check_iree(args.directory).items():
+        runner, errors = check_iree_with(args.directory, None, "local-task", "auto")
+        print(f"checked in {runner} against the golden outputs:")
+        for name, error in errors.items():
             print(f"  {name:<40} max |error| = {error:.3e}")
 
 
