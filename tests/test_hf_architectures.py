@@ -340,16 +340,17 @@ def _adam_steps(model, ids, steps=8):
     optimizer = optax.adam(1e-2)
     params, static = eqx.partition(model, eqx.is_inexact_array)
     state = optimizer.init(params)
-    first = eqx.filter_grad(lambda p: loss(eqx.combine(p, static)))(params)
 
     def step(carry, _):
         params, state = carry
         value, grads = eqx.filter_value_and_grad(lambda p: loss(eqx.combine(p, static)))(params)
         updates, state = optimizer.update(grads, state, params)
-        return (eqx.apply_updates(params, updates), state), value
+        return (eqx.apply_updates(params, updates), state), (value, grads)
 
-    (params, _), losses = jax.lax.scan(step, (params, state), None, length=steps)
-    return losses, first
+    # the first step's gradients taken from the loop's own (one gradient graph to compile, not
+    # two: Qwen3.5's 7.9 -> 5.5 s)
+    _, (losses, grads) = jax.lax.scan(step, (params, state), None, length=steps)
+    return losses, jax.tree_util.tree_map(lambda g: g[0], grads)
 
 
 @pytest.mark.optax  # optax's own updates mix int and float
