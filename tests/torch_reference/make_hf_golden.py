@@ -42,7 +42,7 @@ QWEN35 = dict(  # Qwen3.5's text models' options beside Llama's
     LLAMA, num_key_value_heads=2, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
     linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
     tie_word_embeddings=False,
-    initializer_range=0.1,  # eight layers at 0.2 amplify float32 round-off past 1e-5
+    initializer_range=0.1,  # at 0.2 eight layers amplified float32 round-off past 1e-5
     rope_parameters={
         "rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
         "mrope_section": [1, 1, 0], "mrope_interleaved": True,
@@ -220,14 +220,16 @@ CASES = {
         None,
     ),
     # Gemma 3 text (gemma-3-1b-it's config, with gemma-3-4b's linear scaling of the global
-    # layers): five sliding layers (window 4, base 10000) to one global (base 1e6), q/k norms,
-    # eight layers so that the pattern repeats and leaves two over
+    # layers): sliding layers (window 4, base 10000) and global ones (base 1e6), q/k norms; two
+    # sliding layers to one global (the checkpoints' five to one, shrunk), four layers so that the
+    # pattern repeats and leaves one over
     "gemma3": (
         transformers.Gemma3TextConfig,
         transformers.Gemma3ForCausalLM,
         dict(
             LLAMA,
-            num_hidden_layers=8,
+            num_hidden_layers=4,
+            sliding_window_pattern=3,
             num_key_value_heads=1,
             head_dim=16,
             hidden_activation="gelu_pytorch_tanh",
@@ -319,12 +321,14 @@ CASES = {
         None,
     ),
     # Qwen3.5's text model (Qwen3.5-9B's layout, shrunk): Gated DeltaNet layers (4 value heads
-    # over 2 key heads, widths 8, kernel 4) with full attention every fourth layer (gated
-    # output, 1 + w query/key norms, a quarter of each head rotated), eight layers
+    # over 2 key heads, widths 8, kernel 4) and full attention (gated output, 1 + w query/key
+    # norms, a quarter of each head rotated) in turn, four layers: two of each, the pattern
+    # repeated (the checkpoints' full attention every fourth layer is the mixture of experts'
+    # below)
     "qwen3_5": (
         transformers.Qwen3_5TextConfig,
         transformers.Qwen3_5ForCausalLM,
-        dict(QWEN35, num_hidden_layers=8),
+        dict(QWEN35, num_hidden_layers=4, full_attention_interval=2),
         None,
     ),
     # Qwen3.5's mixture-of-experts text model (Qwen3.5-35B-A3B's layout, shrunk): the layers of
