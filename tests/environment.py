@@ -8,7 +8,8 @@ nox keeps. The cache changes no result: its key is the computation, the compile 
 jax/jaxlib versions. It lives in the user's cache directory (`$XDG_CACHE_HOME`, default
 `~/.cache`, then `dense_armor/jax-tests`), or where `DENSE_ARMOR_TEST_JAX_CACHE` says; delete it
 at will. IREE's compiled modules have a cache of their own beside it (`-iree`), read and written by
-`compile_artifact` through `DENSE_ARMOR_IREE_CACHE`. A session that finds either over 1 GiB empties
+`compile_artifact` through `DENSE_ARMOR_IREE_CACHE`, and the C runner's compiled executables one
+too (`-pjrt`, `DENSE_ARMOR_PJRT_CACHE`). A session that finds any of them over 1 GiB empties
 it first (JAX's own size cap takes a file lock
 on every access, which slowed the suite by a third).
 """
@@ -27,11 +28,15 @@ CACHE_DIR = pathlib.Path(
 # IREE's compiled modules, likewise (`compile_artifact`'s cache, keyed by module, flags, compiler
 # version and CPU): beside JAX's.
 IREE_CACHE_DIR = CACHE_DIR.with_name(CACHE_DIR.name + "-iree")
+# The C runner's executables as the PJRT plugin serializes them (`runner.c`'s cache, keyed by
+# module, compile options, XLA_FLAGS and plugin): beside them too.
+PJRT_CACHE_DIR = CACHE_DIR.with_name(CACHE_DIR.name + "-pjrt")
 CACHE_SETTINGS = {
     "JAX_COMPILATION_CACHE_DIR": str(CACHE_DIR),
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
     "DENSE_ARMOR_IREE_CACHE": str(IREE_CACHE_DIR),
+    "DENSE_ARMOR_PJRT_CACHE": str(PJRT_CACHE_DIR),
 }
 MAX_BYTES = 2**30
 
@@ -64,7 +69,7 @@ def compile_quickly() -> None:
 
 def trim_compilation_cache() -> None:
     """Empty a cache that has grown past `MAX_BYTES` (entries of code long changed)."""
-    for directory in (CACHE_DIR, IREE_CACHE_DIR):
+    for directory in (CACHE_DIR, IREE_CACHE_DIR, PJRT_CACHE_DIR):
         if not directory.is_dir():
             continue
         entries = list(os.scandir(directory))

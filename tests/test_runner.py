@@ -4,6 +4,7 @@ golden outputs, the cache staying on the device through a stream of steps; a tam
 or edited artifact and a missing or foreign plugin are refused with one clear line."""
 
 import json
+import os
 import pathlib
 import re
 import shutil
@@ -103,6 +104,51 @@ def test_a_language_model_decodes_token_exact_from_c(runner, tmp_path):
     assert errors["pjrt sample_step B=2, 32 steps"] < 1e-4  # the cache after them
     assert errors["pjrt sample_prefill B=2 T=4"] < 1e-4  # the token exact: ids differ by >= 1
     assert max(errors.values()) < 1e-4, done.stdout
+
+
+MODULES = re.compile(r"^  modules: (\d+) compiled, (\d+) read from the cache (.*)$", re.M)
+
+
+def test_the_executable_cache_is_read_back_and_a_damaged_entry_compiled_again(runner, tmp_path):
+    """`--cache DIR`: the first run compiles the five modules and keeps them, the second reads
+    them back with the same errors bit for bit; an entry truncated or with a byte changed is
+    compiled again (never loaded) and replaced; other XLA_FLAGS are another key; a cache that
+    cannot be written costs only the cache, with a warning."""
+    binary, art = runner
+    cache = tmp_path / "cache"
+
+    def run(*extra, env=None):
+        done = subprocess.run(
+            [str(binary), str(art), "--plugin", str(default_plugin()), "--cache", str(cache)],
+            capture_output=True, text=True, env=env,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        found = MODULES.search(done.stdout)
+        assert found and found.group(3) == str(cache), done.stdout
+        return LINE.findall(done.stdout), (int(found.group(1)), int(found.group(2))), done.stderr
+
+    first, counts, _ = run()
+    assert counts == (5, 0) and len(list(cache.glob("*.pjrt"))) == 5
+    again, counts, _ = run()
+    assert counts == (0, 5) and again == first
+    entries = sorted(cache.glob("*.pjrt"))
+    entries[0].write_bytes(entries[0].read_bytes()[:-100])  # truncated
+    damaged = bytearray(entries[1].read_bytes())
+    damaged[len(damaged) // 2] ^= 0x01  # one bit of the executable
+    entries[1].write_bytes(bytes(damaged))
+    repaired, counts, _ = run()
+    assert counts == (2, 3) and repaired == first
+    assert run()[1] == (0, 5)  # replaced by whole entries
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_enable_fast_min_max=false",
+    }
+    assert run(env=env)[1] == (5, 0) and len(list(cache.glob("*.pjrt"))) == 10
+    shutil.rmtree(cache)
+    cache.write_text("a file, not a directory")
+    unwritable, counts, warning = run()
+    assert counts == (5, 0) and unwritable == first
+    assert f"warning: cannot write the executable cache {cache}" in warning
 
 
 def test_the_runner_fails_on_wrong_weights_whose_sha256_was_updated(runner, tmp_path):
@@ -258,8 +304,12 @@ def test_the_runner_refuses_a_missing_or_foreign_plugin_and_bad_arguments(runner
         done = subprocess.run([str(binary), str(art), *arguments], capture_output=True, text=True)
         assert done.returncode == 2, (arguments, done.stdout, done.stderr)
         assert re.search(message, done.stderr) and done.stderr.count("\n") == 1, done.stderr
-    done = subprocess.run([str(binary), str(art)], capture_output=True, text=True)  # no plugin
-    assert done.returncode == 2 and done.stderr.startswith("usage: runner ARTIFACT_DIR --plugin")
+    for arguments in ([], ["--plugin", str(default_plugin()), "--cache"]):  # no plugin; no DIR
+        done = subprocess.run([str(binary), str(art), *arguments], capture_output=True, text=True)
+        assert done.returncode == 2 and done.stderr.startswith(
+            "usage: runner ARTIFACT_DIR --plugin"
+        )
+        assert "[--cache DIR]" in done.stderr
 
 
 def test_an_older_plugin_minor_version_is_a_warning(runner, tmp_path):

@@ -4,7 +4,7 @@
    header (pjrt_c_api.h, as the PJRT plugin wheels ship it). It needs libc, dlopen and that:
 
        cc -O2 -std=c11 -I ARTIFACT_DIR runner.c -ldl -lm -o runner
-       ./runner ARTIFACT_DIR --plugin /path/to/xla_cpu_pjrt.so [--steps N] [--repeat R]
+       ./runner ARTIFACT_DIR --plugin /path/to/xla_cpu_pjrt.so [--steps N] [--repeat R] [--cache DIR]
 
    It verifies the sha256 of every file the manifest lists, reads the weights from
    weights.safetensors once and keeps them on the device, compiles the static modules of the
@@ -17,7 +17,8 @@
    contract: a stream flagged `overflow` has NaN outputs, an unflagged one finite outputs, and a
    flagged stream's fixed key/value cache never changes. Exit status: 0 within the tolerance, 1
    beyond it (or off the contract), 2 for an unusable artifact, plugin or command line (a one-line
-   `error: ...` on stderr), as run.py. */
+   `error: ...` on stderr), as run.py. `--cache DIR` (or DENSE_ARMOR_PJRT_CACHE=DIR) keeps each
+   compiled module there, read back by the next run instead of compiled again. */
 
 #define _POSIX_C_SOURCE 200809L
 #include <dlfcn.h>
@@ -28,7 +29,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "pjrt_c_api.h"
 
@@ -592,24 +595,125 @@ typedef struct {
   const char *path;
 } Module;
 
-static Module compile_module(const char *directory, const char *bytecode) {
+/* The executable cache (`--cache DIR`, or the environment's DENSE_ARMOR_PJRT_CACHE): each module
+   kept as the plugin serialized it once compiled, under the sha256 of everything that decides
+   the compilation (the module's bytes, the compile options, XLA_FLAGS, and the plugin: its path,
+   size and modification time, platform and platform version), and read back instead of compiled
+   again. An entry holds the sha256 of its bytes first: one that does not match them (truncated,
+   edited) is compiled again and replaced, never loaded. */
+static const char *cache_dir = NULL;
+static int compiled_count = 0, cached_count = 0;
+
+static void cache_key(const Bytes *code, const char *options, size_t n_options, const char *plugin,
+                      char key[65]) {
+  struct stat st;
+  if (stat(plugin, &st)) memset(&st, 0, sizeof st);
+  PJRT_Client_PlatformVersion_Args v = {.struct_size = PJRT_Client_PlatformVersion_Args_STRUCT_SIZE,
+                                        .client = client};
+  check(api->PJRT_Client_PlatformVersion(&v), "reading the platform's version");
+  const char *flags = getenv("XLA_FLAGS") ? getenv("XLA_FLAGS") : "";
+  char head[4096];
+  int n = snprintf(head, sizeof head, "%s\n%lld\n%lld\n%.*s\n%s\n%d.%d\n", plugin,
+                   (long long)st.st_size, (long long)st.st_mtime, (int)v.platform_version_size,
+                   v.platform_version, flags, api->pjrt_api_version.major_version,
+                   api->pjrt_api_version.minor_version);
+  if (n < 0 || (size_t)n >= sizeof head) n = snprintf(head, sizeof head, "(long)%s", flags);
+  size_t total = (size_t)n + n_options + code->size;
+  unsigned char *all = checked_alloc(total);
+  memcpy(all, head, (size_t)n);
+  memcpy(all + n, options, n_options);
+  memcpy(all + n + n_options, code->data, code->size);
+  sha256_hex(all, total, key);
+  free(all);
+}
+
+static PJRT_LoadedExecutable *cache_read(const char *key) {
+  char name[80];
+  snprintf(name, sizeof name, "%s.pjrt", key);
+  char *path = join_path(cache_dir, name);
+  Bytes entry = {0};
+  PJRT_LoadedExecutable *loaded = NULL;
+  if (read_file(path, &entry) && entry.size > 65 && entry.data[64] == '\n') {
+    char digest[65];
+    sha256_hex(entry.data + 65, entry.size - 65, digest);
+    if (!memcmp(digest, entry.data, 64)) {
+      PJRT_Executable_DeserializeAndLoad_Args d = {
+          .struct_size = PJRT_Executable_DeserializeAndLoad_Args_STRUCT_SIZE, .client = client,
+          .serialized_executable = (const char *)entry.data + 65,
+          .serialized_executable_size = entry.size - 65};
+      PJRT_Error *error = api->PJRT_Executable_DeserializeAndLoad(&d);
+      if (error) {
+        PJRT_Error_Destroy_Args e = {.struct_size = PJRT_Error_Destroy_Args_STRUCT_SIZE, .error = error};
+        api->PJRT_Error_Destroy(&e);
+      } else loaded = d.loaded_executable;
+    }
+  }
+  free(entry.data);
+  free(path);
+  return loaded;
+}
+
+/* Written to a file of this process's own, then renamed over the entry: a reader never sees
+   half of one. A plugin that cannot serialize, or a directory that cannot be written, costs
+   only the cache. */
+static void cache_write(const char *key, PJRT_Executable *executable) {
+  PJRT_Executable_Serialize_Args a = {.struct_size = PJRT_Executable_Serialize_Args_STRUCT_SIZE,
+                                      .executable = executable};
+  PJRT_Error *error = api->PJRT_Executable_Serialize(&a);
+  if (error) {
+    PJRT_Error_Destroy_Args e = {.struct_size = PJRT_Error_Destroy_Args_STRUCT_SIZE, .error = error};
+    api->PJRT_Error_Destroy(&e);
+    return;
+  }
+  mkdir(cache_dir, 0777);
+  char name[80], digest[65], temporary[96];
+  snprintf(name, sizeof name, "%s.pjrt", key);
+  snprintf(temporary, sizeof temporary, "%s.%ld.tmp", key, (long)getpid());
+  char *path = join_path(cache_dir, name), *partial = join_path(cache_dir, temporary);
+  sha256_hex((const unsigned char *)a.serialized_bytes, a.serialized_bytes_size, digest);
+  FILE *f = fopen(partial, "wb");
+  int ok = f && fwrite(digest, 1, 64, f) == 64 && fputc('\n', f) == '\n' &&
+           fwrite(a.serialized_bytes, 1, a.serialized_bytes_size, f) == a.serialized_bytes_size;
+  if (f) ok = !fclose(f) && ok;
+  if (!ok || rename(partial, path)) {
+    remove(partial);
+    static int warned = 0;
+    if (!warned++) fprintf(stderr, "warning: cannot write the executable cache %s: %s\n", cache_dir, strerror(errno));
+  }
+  a.serialized_executable_deleter(a.serialized_executable);
+  free(path);
+  free(partial);
+}
+
+static Module compile_module(const char *directory, const char *bytecode, const char *plugin) {
   Module m = {0};
   m.path = bytecode;
   char *path = join_path(directory, bytecode);
   Bytes code = must_read(path, "a static module");
   /* xla.CompileOptionsProto: executable_build_options { num_replicas: 1 num_partitions: 1 } */
   static const char options[] = {0x1a, 0x04, 0x20, 0x01, 0x28, 0x01};
-  PJRT_Program program = {.struct_size = PJRT_Program_STRUCT_SIZE, .code = (char *)code.data,
-                          .code_size = code.size, .format = "mlir", .format_size = 4};
-  PJRT_Client_Compile_Args c = {.struct_size = PJRT_Client_Compile_Args_STRUCT_SIZE,
-                                .client = client, .program = &program,
-                                .compile_options = options, .compile_options_size = sizeof options};
+  char key[65];
+  int fresh = 0;
   module_in_use = bytecode;
-  check(api->PJRT_Client_Compile(&c), "compiling");
-  m.loaded = c.executable;
+  if (cache_dir) {
+    cache_key(&code, options, sizeof options, plugin, key);
+    m.loaded = cache_read(key);
+  }
+  if (m.loaded) cached_count++;
+  else {
+    PJRT_Program program = {.struct_size = PJRT_Program_STRUCT_SIZE, .code = (char *)code.data,
+                            .code_size = code.size, .format = "mlir", .format_size = 4};
+    PJRT_Client_Compile_Args c = {.struct_size = PJRT_Client_Compile_Args_STRUCT_SIZE,
+                                  .client = client, .program = &program,
+                                  .compile_options = options, .compile_options_size = sizeof options};
+    check(api->PJRT_Client_Compile(&c), "compiling");
+    m.loaded = c.executable;
+    compiled_count++, fresh = 1;
+  }
   PJRT_LoadedExecutable_GetExecutable_Args g = {
       .struct_size = PJRT_LoadedExecutable_GetExecutable_Args_STRUCT_SIZE, .loaded_executable = m.loaded};
   check(api->PJRT_LoadedExecutable_GetExecutable(&g), "reading the executable");
+  if (cache_dir && fresh) cache_write(key, g.executable);
   PJRT_Executable_NumOutputs_Args n = {.struct_size = PJRT_Executable_NumOutputs_Args_STRUCT_SIZE,
                                        .executable = g.executable};
   check(api->PJRT_Executable_NumOutputs(&n), "counting the outputs");
@@ -1111,7 +1215,7 @@ static void verify_files(const char *directory, Json *manifest) {
 
 static void usage(void) {
   fputs("usage: runner ARTIFACT_DIR --plugin PJRT_PLUGIN.so [--steps N] [--repeat R] "
-        "[--tolerance T]\n", stderr);
+        "[--tolerance T] [--cache DIR]\n", stderr);
   exit(2);
 }
 
@@ -1123,6 +1227,7 @@ int main(int argc, char **argv) {
   for (int i = 1; i < argc; i++) {
     char *stop;
     if (!strcmp(argv[i], "--plugin") && i + 1 < argc) plugin = argv[++i];
+    else if (!strcmp(argv[i], "--cache") && i + 1 < argc) cache_dir = argv[++i];
     else if (!strcmp(argv[i], "--steps") && i + 1 < argc) {
       run.steps = strtol(argv[++i], &stop, 10);
       if (*stop || run.steps < 1) fail("--steps must be a positive integer; received %s.", argv[i]);
@@ -1136,6 +1241,8 @@ int main(int argc, char **argv) {
     else usage();
   }
   if (!run.directory || !plugin) usage();
+  if (!cache_dir && getenv("DENSE_ARMOR_PJRT_CACHE") && *getenv("DENSE_ARMOR_PJRT_CACHE"))
+    cache_dir = getenv("DENSE_ARMOR_PJRT_CACHE");
 
   char *manifest_path = join_path(run.directory, "manifest.json");
   Bytes text = {0};
@@ -1226,7 +1333,7 @@ int main(int argc, char **argv) {
     const char *bytecode = need(entry, "bytecode", J_STRING, "static[].")->string;
     for (size_t k = 0; k < e && !modules[e].loaded; k++) /* a module listed twice: compiled once */
       if (modules[k].loaded && !strcmp(modules[k].path, bytecode)) modules[e] = modules[k];
-    if (!modules[e].loaded) modules[e] = compile_module(run.directory, bytecode);
+    if (!modules[e].loaded) modules[e] = compile_module(run.directory, bytecode, plugin);
     run_case(&run, c, entry, &modules[e]);
     fflush(stdout);
   }
@@ -1242,6 +1349,8 @@ int main(int argc, char **argv) {
       tolerance = 2e-2; /* products at the accelerator's own precision (TF32) */
   }
   int ok = run.worst <= tolerance;
+  if (cache_dir)
+    printf("  modules: %d compiled, %d read from the cache %s\n", compiled_count, cached_count, cache_dir);
   printf("  %-44s max |error| = %.3e (%s)\n", "all", run.worst, ok ? "ok" : "FAILED");
   return ok ? 0 : 1;
 }
