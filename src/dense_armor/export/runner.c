@@ -612,17 +612,18 @@ static void cache_key(const Bytes *code, const char *options, size_t n_options, 
                                         .client = client};
   check(api->PJRT_Client_PlatformVersion(&v), "reading the platform's version");
   const char *flags = getenv("XLA_FLAGS") ? getenv("XLA_FLAGS") : "";
-  char head[4096];
-  int n = snprintf(head, sizeof head, "%s\n%lld\n%lld\n%.*s\n%s\n%d.%d\n", plugin,
-                   (long long)st.st_size, (long long)st.st_mtime, (int)v.platform_version_size,
-                   v.platform_version, flags, api->pjrt_api_version.major_version,
-                   api->pjrt_api_version.minor_version);
-  if (n < 0 || (size_t)n >= sizeof head) n = snprintf(head, sizeof head, "(long)%s", flags);
-  size_t total = (size_t)n + n_options + code->size;
-  unsigned char *all = checked_alloc(total);
-  memcpy(all, head, (size_t)n);
-  memcpy(all + n, options, n_options);
-  memcpy(all + n + n_options, code->data, code->size);
+  char head[512]; /* the plugin's path goes in whole below, as the flags do */
+  int version = (int)(v.platform_version_size < 256 ? v.platform_version_size : 255);
+  int n = snprintf(head, sizeof head, "%lld\n%lld\n%.*s\n%d.%d\n", (long long)st.st_size,
+                   (long long)st.st_mtime, version, v.platform_version,
+                   api->pjrt_api_version.major_version, api->pjrt_api_version.minor_version);
+  if (n < 0 || (size_t)n >= sizeof head) n = (int)strlen(head);
+  size_t parts[5] = {(size_t)n, strlen(plugin) + 1, strlen(flags) + 1, n_options, code->size};
+  const void *from[5] = {head, plugin, flags, options, code->data};
+  size_t total = 0;
+  for (int i = 0; i < 5; i++) total += parts[i];
+  unsigned char *all = checked_alloc(total), *at = all;
+  for (int i = 0; i < 5; i++) memcpy(at, from[i], parts[i]), at += parts[i];
   sha256_hex(all, total, key);
   free(all);
 }
