@@ -604,22 +604,29 @@ typedef struct {
 static const char *cache_dir = NULL;
 static int compiled_count = 0, cached_count = 0;
 
+/* What identifies the plugin and this process's XLA settings, read once per run. */
+static char cache_head[512];
+static int cache_head_size = -1;
+
 static void cache_key(const Bytes *code, const char *options, size_t n_options, const char *plugin,
                       char key[65]) {
-  struct stat st;
-  if (stat(plugin, &st)) memset(&st, 0, sizeof st);
-  PJRT_Client_PlatformVersion_Args v = {.struct_size = PJRT_Client_PlatformVersion_Args_STRUCT_SIZE,
-                                        .client = client};
-  check(api->PJRT_Client_PlatformVersion(&v), "reading the platform's version");
   const char *flags = getenv("XLA_FLAGS") ? getenv("XLA_FLAGS") : "";
-  char head[512]; /* the plugin's path goes in whole below, as the flags do */
-  int version = (int)(v.platform_version_size < 256 ? v.platform_version_size : 255);
-  int n = snprintf(head, sizeof head, "%lld\n%lld\n%.*s\n%d.%d\n", (long long)st.st_size,
-                   (long long)st.st_mtime, version, v.platform_version,
-                   api->pjrt_api_version.major_version, api->pjrt_api_version.minor_version);
-  if (n < 0 || (size_t)n >= sizeof head) n = (int)strlen(head);
-  size_t parts[5] = {(size_t)n, strlen(plugin) + 1, strlen(flags) + 1, n_options, code->size};
-  const void *from[5] = {head, plugin, flags, options, code->data};
+  if (cache_head_size < 0) {
+    struct stat st;
+    if (stat(plugin, &st)) memset(&st, 0, sizeof st);
+    PJRT_Client_PlatformVersion_Args v = {
+        .struct_size = PJRT_Client_PlatformVersion_Args_STRUCT_SIZE, .client = client};
+    check(api->PJRT_Client_PlatformVersion(&v), "reading the platform's version");
+    int version = (int)(v.platform_version_size < 256 ? v.platform_version_size : 255);
+    int n = snprintf(cache_head, sizeof cache_head, "%lld\n%lld\n%.*s\n%d.%d\n",
+                     (long long)st.st_size, (long long)st.st_mtime, version, v.platform_version,
+                     api->pjrt_api_version.major_version, api->pjrt_api_version.minor_version);
+    cache_head_size = n < 0 || (size_t)n >= sizeof cache_head ? (int)strlen(cache_head) : n;
+  }
+  /* the plugin's path and the flags go in whole, each with its terminating zero */
+  size_t parts[5] = {(size_t)cache_head_size, strlen(plugin) + 1, strlen(flags) + 1, n_options,
+                     code->size};
+  const void *from[5] = {cache_head, plugin, flags, options, code->data};
   size_t total = 0;
   for (int i = 0; i < 5; i++) total += parts[i];
   unsigned char *all = checked_alloc(total), *at = all;
