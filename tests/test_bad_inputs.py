@@ -352,6 +352,40 @@ def pjrt_refused(tmp, capsys, *arguments, edit=None):
     raise AssertionError(f"exit {code}: {err}")
 
 
+def pjrt_cache_survives(tmp, damage):
+    """The C runner with its executable cache in `tmp/cache` (`DENSE_ARMOR_PJRT_CACHE`), the cache
+    filled by a first run and then `damage`d: the next run must still pass, and its line about the
+    modules (and any warning) is raised as SystemExit for the sweep: never a damaged entry
+    loaded."""
+    directory, cache = exported(tmp), tmp / "cache"
+    saved = os.environ.get("DENSE_ARMOR_PJRT_CACHE")
+    os.environ["DENSE_ARMOR_PJRT_CACHE"] = str(cache)
+    try:
+        assert run_pjrt(directory).returncode == 0
+        damage(cache)
+        done = run_pjrt(directory)
+    finally:
+        if saved is None:
+            del os.environ["DENSE_ARMOR_PJRT_CACHE"]
+        else:
+            os.environ["DENSE_ARMOR_PJRT_CACHE"] = saved
+    if done.returncode != 0:
+        raise AssertionError(done.stdout + done.stderr)
+    raise SystemExit(done.stderr + next(x for x in done.stdout.splitlines() if "modules:" in x))
+
+
+def flip_every_entry(cache):
+    for entry in cache.glob("*.pjrt"):
+        data = bytearray(entry.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        entry.write_bytes(bytes(data))
+
+
+def a_file_in_its_place(cache):
+    shutil.rmtree(cache)
+    cache.write_text("not a directory")
+
+
 def run_py_refused(tmp, capsys, *arguments):
     """run.py on the small artifact: exit 2 with one `error:` line, raised as SystemExit."""
     code = run_py([str(exported(tmp)), *arguments])
@@ -756,6 +790,8 @@ BAD = [
     ("run-py-device-without-iree", lambda tmp, capsys: run_py_refused(tmp, capsys, "--device", "local-sync"), SystemExit, r"error: --device chooses how IREE runs: it goes with --iree"),
     ("run-py-iree-runner-without-iree", lambda tmp, capsys: run_py_refused(tmp, capsys, "--iree-runner", "python"), SystemExit, r"error: --iree-runner chooses how IREE runs: it goes with --iree"),
     ("run-py-iree-runner-unknown", lambda tmp, _: run_py([str(exported(tmp)), "--iree", "--iree-runner", "iree-run"]), SystemExit, r"^2$"),
+    ("pjrt-cache-entries-corrupted", lambda tmp, _: pjrt_cache_survives(tmp, flip_every_entry), SystemExit, r"^  modules: 5 compiled, 0 read from the cache"),
+    ("pjrt-cache-a-file", lambda tmp, _: pjrt_cache_survives(tmp, a_file_in_its_place), SystemExit, r"^warning: cannot write the executable cache .*cache: .*\n  modules: 5 compiled, 0 read"),
     ("check-iree-runner-unknown", lambda tmp, _: check_iree(exported(tmp), runner="tool"), ArtifactError, r"`runner` must be one of \('auto', 'python', 'iree-run-module'\); received 'tool'"),
     ("check-iree-runner-a-bool", lambda tmp, _: check_iree(exported(tmp), runner=True), ArtifactError, r"`runner` must be one of .*received True"),
     ("run-py-steps-negative", lambda tmp, capsys: run_py_refused(tmp, capsys, "--steps", "-3"), SystemExit, r"error: `steps` must be a positive integer .*received -3"),
