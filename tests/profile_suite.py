@@ -32,15 +32,21 @@ class Profile:
 
         self.directory = pathlib.Path(directory)
         self.totals: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.functions: dict[str, collections.Counter] = collections.defaultdict(
+            collections.Counter
+        )
         self.file = "(outside tests)"
         jax.monitoring.register_event_duration_secs_listener(self._event)
 
-    def _event(self, event: str, duration: float, **_: object) -> None:
+    def _event(self, event: str, duration: float, fun_name: str = "?", **_: object) -> None:
         kind = EVENTS.get(event)
         if kind is not None:
             self.totals[self.file][kind] += duration
+            function = self.functions[f"{self.file}::{fun_name}"]
+            function[kind] += duration
             if kind == "compile":
                 self.totals[self.file]["compiles"] += 1
+                function["compiles"] += 1
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
@@ -54,6 +60,8 @@ class Profile:
         self.directory.mkdir(parents=True, exist_ok=True)
         out = {name: dict(counts) for name, counts in self.totals.items()}
         (self.directory / f"{worker}.json").write_text(json.dumps(out, indent=1))
+        functions = {name: dict(counts) for name, counts in self.functions.items()}
+        (self.directory / f"{worker}.functions").write_text(json.dumps(functions))
 
 
 def table(directory: pathlib.Path) -> str:
@@ -70,5 +78,23 @@ def table(directory: pathlib.Path) -> str:
     return "\n".join(lines)
 
 
+def functions(directory: pathlib.Path, count: int = 40) -> str:
+    """The `count` functions (file::JAX's name) of most tracing, lowering and compiling."""
+    merged: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for path in directory.glob("*.functions"):
+        for name, counts in json.loads(path.read_text()).items():
+            merged[name].update(counts)
+    for counts in merged.values():
+        counts["seconds"] = counts["trace"] + counts["lower"] + counts["compile"]
+    rows = sorted(merged.items(), key=lambda item: -item[1]["seconds"])[:count]
+    lines = ["| function | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    for name, counts in rows:
+        cells = [f"{counts[c]:.0f}" if c == "compiles" else f"{counts[c]:.1f}" for c in COLUMNS]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     print(table(pathlib.Path(sys.argv[1])))
+    if "--functions" in sys.argv:
+        print(functions(pathlib.Path(sys.argv[1])))
