@@ -55,9 +55,6 @@ SUITE_XLA_FLAGS = (
     "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
     " --xla_cpu_parallel_codegen_split_count=1"
 )
-# What the suite's flags change, at XLA's defaults: `jax.jit(..., compiler_options=)` for a
-# test that compares two compiled programs bit for bit as a user's JAX compiles them.
-AS_USERS_COMPILE = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
 
 
 def compile_quickly() -> None:

@@ -51,25 +51,32 @@ def golden(
     two, `min(capacity, GOLDEN_STEPS)` steps long: `init_cache`, `prefill` of the first steps,
     `step` over the rest with stream 1 reset part-way (to a new context, for a family with one);
     and a case for every static module's function and shape (`_static_cases`)."""
-    data = _Golden(lowering, jax.random.PRNGKey(seed))
+    data = _Golden(lowering, seed, functions)
     forward = data.forward_cases()
     stream = data.stream()
-    static = _static_cases(lowering, functions, static_entries, data.key, data.arrays)
+    static = _static_cases(lowering, functions, static_entries, seed, data.arrays)
     plan = {"file": "golden.safetensors", "static": static, "forward": forward, "stream": stream}
     if "sample_step" in functions:
         plan["generation"] = data.generation()
     return data.arrays, plan
 
 
-class _Golden:
-    """The golden arrays as they are made (`arrays`, by name), from one key."""
+def _rng(seed: int, *path: int) -> np.random.Generator:
+    """The generator of one golden array: NumPy's, seeded by the export's seed and the array's
+    place (`path`). The inputs are drawn on the host: a draw of JAX's would be a computation to
+    trace and compile for every shape, before any of the model's."""
+    return np.random.default_rng([seed, *path])
 
-    def __init__(self, lowering: Lowering, key: jax.Array) -> None:
-        self.lowering, self.key = lowering, key
+
+class _Golden:
+    """The golden arrays as they are made (`arrays`, by name), from one seed."""
+
+    def __init__(self, lowering: Lowering, seed: int, functions: dict[str, Function]) -> None:
+        self.lowering, self.seed, self.functions = lowering, seed, functions
         self.arrays: dict[str, np.ndarray] = {}
 
     def normal(self, i: int, shape: tuple[int, ...]) -> np.ndarray:
-        return np.asarray(jax.random.normal(jax.random.fold_in(self.key, i), shape), np.float32)
+        return _rng(self.seed, i).standard_normal(shape, dtype=np.float32)
 
     def context(self, name: str, i: int, b: int, s: int, padded: bool) -> list[str]:
         """A context and its mask for a family that takes one (else nothing): their names."""
@@ -85,12 +92,12 @@ class _Golden:
     def forward_cases(self) -> list[dict[str, Any]]:
         """Three batches of sequences, the longest `max_len` steps, and the outputs for them."""
         lowering, arrays = self.lowering, self.arrays
-        forward = jax.jit(lowering.forward)
+        forward = self.functions["forward"].jitted(donate=False)
         cases = []
         for i, (b, t, s) in enumerate(
             [(2, lowering.max_len, 5), (3, min(5, lowering.max_len), 3), (1, 1, 1)]
         ):
-            arrays[f"forward{i}.x"] = lowering.draw_inputs(jax.random.fold_in(self.key, i), (b, t))
+            arrays[f"forward{i}.x"] = lowering.draw_inputs(_rng(self.seed, i), (b, t))
             inputs = [f"forward{i}.x", *self.context(f"forward{i}", i, b, s, padded=True)]
             arrays[f"forward{i}.y"] = np.asarray(  # outputs are stored as float32
                 forward(lowering.weights, *(arrays[k] for k in inputs)), np.float32
@@ -104,7 +111,7 @@ class _Golden:
         lowering, arrays = self.lowering, self.arrays
         b, n = 2, min(lowering.capacity, GOLDEN_STEPS)
         prefilled, reset_at = max(1, n // 3), max(1, n // 3, (2 * n) // 3)
-        xs = lowering.draw_inputs(jax.random.fold_in(self.key, 100), (b, n))
+        xs = lowering.draw_inputs(_rng(self.seed, 100), (b, n))
         arrays["stream.x"] = xs
         arrays["stream.streams"] = np.ones(b, bool)
         init = self.context("stream", 9, b, 4, padded=True) or ["stream.streams"]
@@ -141,10 +148,10 @@ class _Golden:
         lowering, arrays = self.lowering, self.arrays
         prompt_length = max(1, min(4, lowering.capacity // 2))
         n = max(1, min(GENERATION_TOKENS, lowering.capacity - prompt_length))
-        prompts = lowering.draw_inputs(jax.random.fold_in(self.key, 300), (2, prompt_length))
-        key = jax.random.fold_in(self.key, 301)
+        prompts = lowering.draw_inputs(_rng(self.seed, 300), (2, prompt_length))
+        key = _rng(self.seed, 301).integers(0, 2**32, 2, dtype=np.uint32)  # a raw key's data
         arrays["generation.prompt"] = prompts
-        arrays["generation.key"] = np.asarray(key, np.uint32)
+        arrays["generation.key"] = key
         arrays["generation.tokens"] = np.array(
             [_decoded(lowering, prompts[b], key, b, n) for b in range(2)], np.int32
         )
@@ -161,7 +168,9 @@ class _Golden:
 GENERATION_TOKENS = 32
 
 
-def _decoded(lowering: Lowering, prompt: np.ndarray, key: jax.Array, row: int, n: int) -> list[int]:
+def _decoded(
+    lowering: Lowering, prompt: np.ndarray, key: np.ndarray, row: int, n: int
+) -> list[int]:
     """One stream's `n` new tokens after `prompt`, in Python: the model's own `prefill` and
     `step` from its empty cache, each token drawn by `draw_tokens` as stream `row` of a batch."""
     model = lowering.causal_model
@@ -188,7 +197,7 @@ def _static_cases(
     lowering: Lowering,
     functions: dict[str, Function],
     entries: Sequence[dict[str, Any]],
-    key: jax.Array,
+    seed: int,
     arrays: dict[str, np.ndarray],
 ) -> list[dict[str, Any]]:
     """For each function and static shape: its inputs (all but the weights, in the manifest's
@@ -201,9 +210,6 @@ def _static_cases(
     cases = []
     done = set()
 
-    def case_key(n: int, i: int) -> jax.Array:
-        return jax.random.fold_in(jax.random.fold_in(key, 5000 + n), i)
-
     for n, entry in enumerate(entries):
         name, sizes = entry["function"], entry["shape"]
         if (name, tuple(sizes.items())) in done:
@@ -214,10 +220,10 @@ def _static_cases(
         b = sizes["B"]
 
         def normal(i: int, shape: tuple[int, ...], n: int = n) -> np.ndarray:
-            return np.asarray(jax.random.normal(case_key(n, i), shape), np.float32)
+            return _rng(seed, 5000 + n, i).standard_normal(shape, dtype=np.float32)
 
         def draw(i: int, leading: tuple[int, ...], n: int = n) -> np.ndarray:
-            return lowering.draw_inputs(case_key(n, i), leading)
+            return lowering.draw_inputs(_rng(seed, 5000 + n, i), leading)
 
         context = []
         if lowering.width is not None:
@@ -226,7 +232,9 @@ def _static_cases(
                 mask[0, -1] = False
             context = [normal(0, (b, sizes["S"], lowering.width)), mask]
         init_inputs = context or [np.ones(b, bool)]
-        inputs, outputs, steps = _static_run(lowering, name, sizes, draw, init_inputs, context)
+        inputs, outputs, steps = _static_run(
+            lowering, functions, name, sizes, draw, init_inputs, context
+        )
         names = [f"{prefix}.in{i}" for i in range(len(inputs))]
         out_names = [f"{prefix}.out{i}" for i in range(len(outputs))]
         arrays.update(zip(names, map(_stored, inputs), strict=True))
@@ -242,6 +250,7 @@ def _static_cases(
 
 def _static_run(
     lowering: Lowering,
+    functions: dict[str, Function],
     name: str,
     sizes: dict[str, int],
     draw: Any,
@@ -249,33 +258,34 @@ def _static_run(
     context: list[Any],
 ) -> tuple[list[Any], list[Any], int | None]:
     """One static case's inputs and the Python outputs for them (`steps`: a step case's
-    length), the cache starting empty."""
+    length), the cache starting empty. Each function runs through the jitted wrapper its static
+    module was exported from (`Function.jitted(donate=False)`), whose trace at this shape it
+    reuses."""
+    jitted = {n: f.jitted(donate=False) for n, f in functions.items()}
     b = sizes["B"]
-    cache = list(jax.jit(lowering.init_cache)(lowering.weights, *init_inputs))
+    cache = list(jitted["init_cache"](lowering.weights, *init_inputs))
     steps = None
     if name == "forward":
         inputs = [draw(1, (b, sizes["T"])), *context]
-        outputs = [jax.jit(lowering.forward)(lowering.weights, *inputs)]
+        outputs = [jitted["forward"](lowering.weights, *inputs)]
     elif name == "init_cache":
         inputs, outputs = init_inputs, cache
     elif name == "step":
         steps = min(lowering.capacity, GOLDEN_STEPS)
         xs = draw(2, (b, steps))
-        step, ys, state = jax.jit(lowering.step), [], cache
+        step, ys, state = jitted["step"], [], cache
         for t in range(steps):
             y_t, state, overflow = step(lowering.weights, xs[:, t], state)
             ys.append(y_t)
         inputs, outputs = [xs, *cache], [jnp.stack(ys, axis=1), *state, overflow]
     elif name == "sample_prefill":
         inputs = [draw(3, (b, sizes["T"])), _KEY, *cache]
-        token, state, overflow = jax.jit(lowering.sample_prefill)(
-            lowering.weights, inputs[0], _KEY, cache
-        )
+        token, state, overflow = jitted["sample_prefill"](lowering.weights, inputs[0], _KEY, cache)
         outputs = [token, *state, overflow]
     elif name == "sample_step":  # a stream fed its own tokens: decoding
         steps = min(lowering.capacity, GOLDEN_STEPS)
         first = draw(2, (b,))
-        decode, tokens, state, token = jax.jit(lowering.sample_step), [], cache, first
+        decode, tokens, state, token = jitted["sample_step"], [], cache, first
         for _ in range(steps):
             token, state, overflow = decode(lowering.weights, token, _KEY, state)
             tokens.append(token)
@@ -283,16 +293,16 @@ def _static_run(
         outputs = [jnp.stack(tokens, axis=1), *state, overflow]
     elif name == "prefill":
         inputs = [draw(3, (b, sizes["T"])), *cache]
-        y, state, overflow = jax.jit(lowering.prefill)(lowering.weights, *inputs[:1], cache)
+        y, state, overflow = jitted["prefill"](lowering.weights, *inputs[:1], cache)
         outputs = [y, *state, overflow]
     else:  # reset: a cache part-way through a stream, every other stream reset
-        _, state, _ = jax.jit(lowering.prefill)(
+        _, state, _ = jitted["prefill"](
             lowering.weights,
             draw(4, (b, max(1, min(lowering.capacity, GOLDEN_STEPS) // 2))),
             cache,
         )
         inputs = [np.arange(b) % 2 == 1, *context, *state]
-        outputs = jax.jit(lowering.reset)(lowering.weights, inputs[0], *context, state)
+        outputs = jitted["reset"](lowering.weights, inputs[0], *context, state)
     return inputs, outputs, steps
 
 

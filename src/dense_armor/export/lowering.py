@@ -79,6 +79,9 @@ class Function:
     # locations were stripped: traced once, its outputs read from it
     portable: Any = None
     stripped: bool = False
+    # its `jax.jit` wrappers by whether the cache is donated: one per function, so that the
+    # golden outputs computed at a static module's shape reuse that module's trace
+    _jitted: dict[bool, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def plain(self) -> list[Spec]:
@@ -99,9 +102,11 @@ class Function:
         place) unless `donate=False`: the static modules for other runtimes are lowered without
         donation, because IREE (3.x, llvm-cpu) computes wrong results from a module whose
         inputs alias its outputs; such a runtime reuses buffers itself."""
-        if not self.cache or not donate:
-            return jax.jit(self.fn)
-        return jax.jit(self.fn, donate_argnums=1 + len(self.plain))
+        donated = bool(self.cache) and donate
+        if donated not in self._jitted:
+            donating = {"donate_argnums": 1 + len(self.plain)} if donated else {}
+            self._jitted[donated] = jax.jit(self.fn, **donating)
+        return self._jitted[donated]
 
     def arguments(self, weights: list[Any], sizes: dict[str, Any]) -> list[Any]:
         """`(weight avals, *plain avals, [cache avals])` at `sizes`."""
@@ -251,13 +256,13 @@ class Lowering:
             (i for i, s in enumerate(self.cache) if s["name"] in indices[:1]), None
         )
 
-    def draw_inputs(self, key: jax.Array, leading: tuple[int, ...]) -> np.ndarray:
-        """Inputs of shape `leading + step_shape` from `key`: standard normal features, or token
+    def draw_inputs(self, rng: np.random.Generator, leading: tuple[int, ...]) -> np.ndarray:
+        """Inputs of shape `leading + step_shape` from `rng`: standard normal features, or token
         ids uniform in `[0, vocab)`."""
         shape = (*leading, *self.step_shape)
         if self.vocab is not None:
-            return np.asarray(jax.random.randint(key, shape, 0, self.vocab), np.int32)
-        return np.asarray(jax.random.normal(key, shape), np.float32)
+            return rng.integers(0, self.vocab, shape, dtype=np.int32)
+        return rng.standard_normal(shape, dtype=np.float32)
 
     # -- the model's pieces -----------------------------------------------------------------
 
