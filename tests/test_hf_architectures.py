@@ -29,6 +29,7 @@ from dense_armor.nn.layers.experts import MixtureOfExperts, balance_loss
 from dense_armor.nn.layers.language import ids_checked
 from dense_armor.nn.models.language_model import TransformerLM
 from dense_armor.nn.models.stack import scanned
+from test_language_models import batch_of_prompts
 
 DATA = pathlib.Path(__file__).parent / "data" / "hf"
 EVERY = sorted(p.name for p in DATA.iterdir() if p.is_dir())
@@ -379,15 +380,15 @@ def test_the_server_gives_transformers_tokens_beside_other_requests(name):
     model, _ = import_hf(DATA / name)
     golden = load_file(str(DATA / f"{name}.io.safetensors"))
     want = golden["generated"][0]
-    others = [golden["ids"][0, :9].tolist(), golden["ids"][1, :2].tolist()]
-    prompts = [golden["prompt"][0].tolist(), *others]
+    batch = batch_of_prompts(golden)  # test_language_models.py generates the same batch
+    prompts = [batch[2].tolist(), batch[1].tolist(), batch[0].tolist()]
     new = [len(want), 7, 11]
     server = Server(model, slots=2, capacity=48, chunk=4)  # three requests, two slots
     done = {c.number: c for c in server.serve(zip(prompts, new, strict=True))}
     np.testing.assert_array_equal(done[0].tokens, want)  # transformers' greedy tokens
-    solo = np.asarray(generate(model, others, max(new[1:])).tokens)
-    for n in (1, 2):
-        np.testing.assert_array_equal(done[n].tokens, solo[n - 1, : new[n]], err_msg=str(n))
+    solo = np.asarray(generate(model, batch, len(want)).tokens)  # each row as alone
+    for n, row in ((1, 1), (2, 0)):
+        np.testing.assert_array_equal(done[n].tokens, solo[row, : new[n]], err_msg=str(n))
 
 
 def write_bfloat16(tensors, path):

@@ -235,13 +235,20 @@ def test_a_missing_directory_is_refused(tmp_path):
 # generate: one compiled function
 
 
+def batch_of_prompts(golden):
+    """Four prompts of different lengths from a case's golden data, transformers' third. The
+    server's test (test_hf_architectures.py) generates the same batch: one compilation of
+    `generate` per architecture for both, shared through the compilation cache."""
+    ids = golden["ids"]
+    return [ids[0, :3], ids[1, :8], golden["prompt"][0], ids[0, :1]]
+
+
 def test_generate_is_transformers_greedy_generation_and_each_prompt_of_a_batch_its_solo_one(case):
     """One batch of prompts of different lengths (one compilation): transformers' prompt gives
     transformers' tokens, and every row is that prompt's generation alone, streamed step by
     step in Python."""
     _, model, _, golden = case
-    ids, want = golden["ids"], golden["generated"][0]
-    prompts = [ids[0, :3], ids[1, :8], golden["prompt"][0], ids[0, :1]]
+    want, prompts = golden["generated"][0], batch_of_prompts(golden)
     batch = generate(model, prompts, len(want))
     np.testing.assert_array_equal(np.asarray(batch.tokens[2]), want)
     for i, prompt in enumerate(prompts):
