@@ -20,7 +20,7 @@ from dense_armor.nn.state.paged import (
 )
 from dense_armor.serving import Server
 from dense_armor.serving.pages import PageBook
-from test_language_models import DATA
+from test_language_models import DATA, PREFILL, STEP
 
 LENGTHS = [5, 1, 12, 3, 21, 8, 2, 16, 9]
 NEW = [6, 3, 9, 4, 2, 7, 5, 4, 8]
@@ -48,14 +48,14 @@ def _poisoned(cache):
 def test_a_stream_over_scattered_pages_equals_the_fixed_cache(name, kv_dtype):
     model, _ = import_hf(DATA / name)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, model.vocab, 20))
-    expected, _ = model.prefill(ids, model.init_cache(32, on_overflow="nan", kv_dtype=kv_dtype))
+    expected, _ = PREFILL(model, ids, model.init_cache(32, on_overflow="nan", kv_dtype=kv_dtype))
     one = model.init_cache(32, on_overflow="nan", kv_dtype=kv_dtype)
     cache = _poisoned(paged_cache(one, pages=9, page_size=4, width=8))
     cache = with_tables(cache, jnp.array([5, 2, 7, 1, 3, 8, 4, 6]))
-    first, cache = model.prefill(ids[:13], cache)  # a chunk across pages, then steps
+    first, cache = PREFILL(model, ids[:13], cache)  # a chunk across pages, then steps
     steps = []
     for token in ids[13:]:
-        logits, cache = model.step(token, cache)
+        logits, cache = STEP(model, token, cache)
         steps.append(logits)
     got = jnp.concatenate([first, jnp.stack(steps)])
     assert bool(jnp.isfinite(got).all())
@@ -77,7 +77,7 @@ def test_a_batch_of_streams_shares_one_pool():
     pools = [n.keys.shape for n in paged if isinstance(n, PagedKVCache)]
     assert pools and all(shape[0] == 9 for shape in pools)  # one pool each, no batch axis
     for row, start in enumerate((0, 8)):
-        solo, _ = model.prefill(jnp.asarray(ids[start : start + 8]), model.init_cache(16))
+        solo, _ = PREFILL(model, jnp.asarray(ids[start : start + 8]), model.init_cache(16))
         np.testing.assert_allclose(jnp.stack(outputs)[:, row], solo, atol=2e-5, rtol=1e-5)
 
 
