@@ -176,11 +176,12 @@ def _decoded(
     model = lowering.causal_model
     cache = lowering.start(model, ())
     logits, cache = _prefill(model, jnp.asarray(prompt), cache)
+    raw_key = jnp.asarray(key)
     tokens: list[int] = []
     position = len(prompt)
     while True:
         token = draw_tokens(
-            logits[-1:], key, jnp.array([row], jnp.int32), jnp.array([position], jnp.int32),
+            logits[-1:], raw_key, jnp.array([row], jnp.int32), jnp.array([position], jnp.int32),
             **lowering.sampling,
         )  # fmt: skip
         tokens.append(int(token[0]))

@@ -104,8 +104,8 @@ class Function:
         inputs alias its outputs; such a runtime reuses buffers itself."""
         donated = bool(self.cache) and donate
         if donated not in self._jitted:
-            donating = {"donate_argnums": 1 + len(self.plain)} if donated else {}
-            self._jitted[donated] = jax.jit(self.fn, **donating)
+            donating = (1 + len(self.plain),) if donated else ()
+            self._jitted[donated] = jax.jit(self.fn, donate_argnums=donating)
         return self._jitted[donated]
 
     def arguments(self, weights: list[Any], sizes: dict[str, Any]) -> list[Any]:
