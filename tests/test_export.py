@@ -617,3 +617,23 @@ def test_an_artifact_exported_by_an_earlier_release_still_loads_and_runs():
     cache = artifact.init_cache(3)
     y, cache, overflow = artifact.prefill(np.ones((3, 4, 3), np.float32), cache)
     assert y.shape == (3, 4, 4) and not bool(overflow.any())
+
+
+def test_the_seed_draws_the_golden_inputs_and_any_seed_is_checked_alike(
+    tmp_path, model, artifact_dir
+):
+    """The golden inputs come from `seed` (the default 0 for `artifact_dir`; that one seed draws
+    the same inputs is the export's determinism, checked above): another seed, one past 64 bits
+    included, draws other inputs of the same shapes, whose outputs the artifact reproduces as
+    well."""
+    default = load_file(str(artifact_dir / "golden.safetensors"))
+    drawn = re.compile(r"(forward\d|stream)\.x|static\.(forward|step|prefill)\.B2\.T5\.in0")
+    options = {"capacity": CAPACITY, "platforms": ["cpu"], "static_shapes": [(2, 5)]}
+    for seed in (1, 2**70):
+        out = export_model(model, CONFIG, tmp_path / str(seed), seed=seed, **options).directory
+        golden = load_file(str(out / "golden.safetensors"))
+        inputs = sorted(k for k in golden if drawn.fullmatch(k))
+        assert inputs == sorted(k for k in default if drawn.fullmatch(k)) and len(inputs) == 6
+        for k in inputs:
+            assert golden[k].shape == default[k].shape and not np.array_equal(golden[k], default[k])
+        assert max(check_golden(load(out)).values()) < 1e-5
