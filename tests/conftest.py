@@ -27,33 +27,33 @@ enable_compilation_cache()
 # `--no-loadscope-reorder`, as the noxfile runs it; xdist otherwise sorts files by their number
 # of tests), so when the longest go first the last files to run are short ones and neither worker
 # waits on the other at the end.
-LONGEST_FIRST = [  # worker-seconds of each file with empty caches (2026-12-06)
-    "test_architecture_artifacts.py",  # 486 (20 exports, each in JAX, IREE and C)
-    "test_docs.py",  # 324
-    "test_hf_architectures.py",  # 223
-    "test_language_models.py",  # 205
-    "test_index_safety.py",  # 117
-    "test_paged.py",  # 101
-    "test_examples.py",  # 100
-    "test_iree.py",  # 87
-    "test_export.py",  # 84
-    "test_precision.py",  # 76
+LONGEST_FIRST = [  # worker-seconds of each file with empty caches (2026-12-06, evening)
+    "test_architecture_artifacts.py",  # 467 (20 exports, each in JAX, IREE and C)
+    "test_docs.py",  # 385
+    "test_hf_architectures.py",  # 207
+    "test_examples.py",  # 141
+    "test_index_safety.py",  # 127
+    "test_language_models.py",  # 125
+    "test_paged.py",  # 108
+    "test_iree.py",  # 102
+    "test_export.py",  # 92
+    "test_precision.py",  # 71
+    "test_bad_inputs.py",  # 66
     "test_sequences.py",  # 57
-    "test_serving.py",  # 56
-    "test_bad_inputs.py",  # 56
-    "test_prefill.py",  # 53
+    "test_serving.py",  # 52
+    "test_prefill.py",  # 51
     "test_distributed.py",  # 51
-    "test_runner.py",  # 51
+    "test_runner.py",  # 48
     "test_recurrent.py",  # 41
-    "test_http.py",  # 40
-    "test_attention.py",  # 38
+    "test_http.py",  # 39
+    "test_attention.py",  # 39
     "test_scan.py",  # 35
-    "test_sharded_checkpoint.py",  # 34
+    "test_sharded_checkpoint.py",  # 33
     "test_blocked.py",  # 32
-    "test_gqa.py",  # 28
     "test_training.py",  # 26
+    "test_gqa.py",  # 26
     "test_streaming.py",  # 23
-    "test_rotary.py",  # 19
+    "test_rotary.py",  # 21
 ]
 
 
