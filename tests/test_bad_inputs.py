@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from unittest import mock
 
 import equinox as eqx
 import jax
@@ -358,17 +359,10 @@ def pjrt_cache_survives(tmp, damage):
     modules (and any warning) is raised as SystemExit for the sweep: never a damaged entry
     loaded."""
     directory, cache = exported(tmp), tmp / "cache"
-    saved = os.environ.get("DENSE_ARMOR_PJRT_CACHE")
-    os.environ["DENSE_ARMOR_PJRT_CACHE"] = str(cache)
-    try:
+    with mock.patch.dict(os.environ, DENSE_ARMOR_PJRT_CACHE=str(cache)):
         assert run_pjrt(directory).returncode == 0
         damage(cache)
         done = run_pjrt(directory)
-    finally:
-        if saved is None:
-            del os.environ["DENSE_ARMOR_PJRT_CACHE"]
-        else:
-            os.environ["DENSE_ARMOR_PJRT_CACHE"] = saved
     if done.returncode != 0:
         raise AssertionError(done.stdout + done.stderr)
     raise SystemExit(done.stderr + next(x for x in done.stdout.splitlines() if "modules:" in x))

@@ -492,6 +492,14 @@ static void check(PJRT_Error *error, const char *what) {
        m.message);
 }
 
+/* Whether the call that returned `error` failed; its error destroyed (for what may fail quietly). */
+static int failed_quietly(PJRT_Error *error) {
+  if (!error) return 0;
+  PJRT_Error_Destroy_Args e = {.struct_size = PJRT_Error_Destroy_Args_STRUCT_SIZE, .error = error};
+  api->PJRT_Error_Destroy(&e);
+  return 1;
+}
+
 static void await_event(PJRT_Event *event, const char *what) {
   if (!event) return;
   PJRT_Event_Await_Args a = {.struct_size = PJRT_Event_Await_Args_STRUCT_SIZE, .event = event};
@@ -610,7 +618,8 @@ static int cache_head_size = -1;
 
 static void cache_key(const Bytes *code, const char *options, size_t n_options, const char *plugin,
                       char key[65]) {
-  const char *flags = getenv("XLA_FLAGS") ? getenv("XLA_FLAGS") : "";
+  const char *flags = getenv("XLA_FLAGS");
+  if (!flags) flags = "";
   if (cache_head_size < 0) {
     struct stat st;
     if (stat(plugin, &st)) memset(&st, 0, sizeof st);
@@ -649,11 +658,7 @@ static PJRT_LoadedExecutable *cache_read(const char *key) {
           .struct_size = PJRT_Executable_DeserializeAndLoad_Args_STRUCT_SIZE, .client = client,
           .serialized_executable = (const char *)entry.data + 65,
           .serialized_executable_size = entry.size - 65};
-      PJRT_Error *error = api->PJRT_Executable_DeserializeAndLoad(&d);
-      if (error) {
-        PJRT_Error_Destroy_Args e = {.struct_size = PJRT_Error_Destroy_Args_STRUCT_SIZE, .error = error};
-        api->PJRT_Error_Destroy(&e);
-      } else loaded = d.loaded_executable;
+      if (!failed_quietly(api->PJRT_Executable_DeserializeAndLoad(&d))) loaded = d.loaded_executable;
     }
   }
   free(entry.data);
@@ -667,12 +672,7 @@ static PJRT_LoadedExecutable *cache_read(const char *key) {
 static void cache_write(const char *key, PJRT_Executable *executable) {
   PJRT_Executable_Serialize_Args a = {.struct_size = PJRT_Executable_Serialize_Args_STRUCT_SIZE,
                                       .executable = executable};
-  PJRT_Error *error = api->PJRT_Executable_Serialize(&a);
-  if (error) {
-    PJRT_Error_Destroy_Args e = {.struct_size = PJRT_Error_Destroy_Args_STRUCT_SIZE, .error = error};
-    api->PJRT_Error_Destroy(&e);
-    return;
-  }
+  if (failed_quietly(api->PJRT_Executable_Serialize(&a))) return;
   mkdir(cache_dir, 0777);
   char name[80], digest[65], temporary[96];
   snprintf(name, sizeof name, "%s.pjrt", key);
