@@ -1,6 +1,7 @@
 """Strict numerics for every test: silent broadcasting or dtype promotion is a bug here. And one
 JAX compilation cache shared by every process of the suite, XLA's quickest compilation for the
-suite's own functions, and a garbage collector that runs less often (tests/environment.py)."""
+suite's own functions, one MLIR context per thread for JAX's lowerings, and a garbage collector
+that runs less often (tests/environment.py)."""
 
 import gc
 import os
@@ -9,6 +10,8 @@ from environment import (
     collect_garbage_less_often,
     compile_quickly,
     enable_compilation_cache,
+    fresh_mlir_context,
+    share_one_mlir_context,
     trim_compilation_cache,
 )
 
@@ -19,6 +22,7 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 enable_compilation_cache()
+share_one_mlir_context()
 
 
 # The test files that take longest, longest first (seconds of one worker with empty compilation
@@ -66,12 +70,14 @@ def pytest_collection_modifyitems(session, config, items):
 
 @pytest.fixture(scope="module", autouse=True)
 def _fresh_heap_per_file():
-    """After each file, JAX's in-memory caches emptied and the garbage collected: a worker runs
-    dozens of files, and what one file compiled (read back from the disk cache by the next file
-    that needs it) made every later file's tracing slower as the heap grew (the suite's last
-    files ran up to twice as slow as the same files run first)."""
+    """After each file, JAX's in-memory caches emptied, a new MLIR context for the next file's
+    lowerings and the garbage collected: a worker runs dozens of files, and what one file
+    compiled (read back from the disk cache by the next file that needs it) made every later
+    file's tracing slower as the heap grew (the suite's last files ran up to twice as slow as
+    the same files run first)."""
     yield
     jax.clear_caches()
+    fresh_mlir_context()
     gc.collect()
 
 
