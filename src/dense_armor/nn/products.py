@@ -27,6 +27,20 @@ compiler (jax 0.10.2, a decode-shaped `(B, 2048) @ (2048, 8192)`), where the obv
   multiply-and-reduce 4.0-5.6. A tied 16-bit table (`transposed`) is the product's left operand
   as it lies, `(n, d) x (d, m)`: read as the right one, XLA transposes the whole table once per
   call of a loop (0.5 GB at Llama-3's vocabulary).
+  The library GEMM is YNNPACK's (XLA's default `LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT`), whose
+  bfloat16 kernels are the CPU's: on the same AMD machine with AVX2 only (its virtual machine
+  hiding AVX-512, 2026-12-07), the padded row takes 3.8-4.9 ms against float32's 1.4-2.4, and a
+  4-layer model of Llama-3.2-1B's shape decodes a batch-1 step in 173-205 ms against float32's
+  71-84 (0.41x; batch 8: 0.8x). A single row goes to no YNNPACK kernel: XLA widens the whole
+  matrix and runs float32's matrix-vector product (27-35 ms); YNNPACK's own fusions of the
+  widening (`--xla_cpu_experimental_ynn_fusion_type=+LIBRARY_FUSION_TYPE_ELTWISE`, `..._DOT`)
+  and XNNPACK's change none of these.
+- float32 weights held as rows, read as the product's left operand (`nd,md->nm`), on that AVX2
+  machine under YNNPACK: a `(M, 2048) x (2048, 8192)` product 5.3 ms against 10.6 as stored at
+  M=8, 14 against 26 at M=32, 55 against 73 at M=256, equal at M=1; in the 4-layer model above
+  the first token of a 32-token prompt 191-200 ms against 310-367, a step 10-20% faster at
+  batch 1 and 8 (bfloat16 rows: no faster). Not built, for the reason above (a layout every
+  user of a matrix would have to know); this CPU is where it would pay most.
 - int8 weights: converted to float32 a block of 256 input rows at a time in a `lax.scan` over
   the blocks (a sequence the loop slices itself: no index in the graph), each block's product
   accumulated: 1.3-1.5 ms at B=1 against float32's 1.6-2.3 (the matrix is
