@@ -1,4 +1,5 @@
-"""The suite's JAX compilation cache, and the environment of the processes the suite starts.
+"""The suite's JAX compilation cache, the one MLIR context its lowerings share, and the
+environment of the processes the suite starts.
 
 Every process of the suite (the pytest workers, and the interpreters started for documentation
 pages, examples and distributed runs) shares one persistent JAX compilation cache, so a function
