@@ -48,9 +48,10 @@ from dense_armor.distributed import data_mesh, device_mesh, place  # noqa: E402
 from dense_armor.training import evaluate, fit  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from environment import collect_garbage_less_often  # noqa: E402
+from environment import collect_garbage_less_often, share_one_mlir_context  # noqa: E402
 
 collect_garbage_less_often()
+share_one_mlir_context()
 
 CONFIG = ModelConfig(
     "transformer_encoder",
