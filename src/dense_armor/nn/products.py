@@ -47,6 +47,11 @@ compiler (jax 0.10.2, a decode-shaped `(B, 2048) @ (2048, 8192)`), where the obv
   a quarter of the bytes), 1.8-2.1 against 2.7-4.2 at B=8, equal at B=64. Converting the whole
   matrix first costs 22-26 ms; 64-row blocks 2.8 ms, 512-row ones 2.2 (measured 128 to 512: 256
   is best at every batch); a `lax.map` over blocks of output columns 12-15 ms.
+  On the AVX2-only machine (2026-12-07), int8 matrices held as rows `(n, d)` and widened a
+  block of rows at a time as a table is (`_blocks_out`): `2048 -> 8192` at B=1 0.9-1.1 ms
+  against 2.7 as stored (float32 2.5), but `8192 -> 2048` 36-40 ms against 3.7 and at B=8
+  7.0-9.4 against 6.0; a multiply-and-reduce over each block 74-102 ms. Not used: no one layout
+  is faster for every matrix of a layer.
 """
 
 import math
