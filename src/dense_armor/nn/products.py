@@ -56,8 +56,9 @@ compiler (jax 0.10.2, a decode-shaped `(B, 2048) @ (2048, 8192)`), where the obv
   the matrix as rows `(n, d)`, a single row padded to two) take YNNPACK's int8 GEMM there:
   1.1-1.3 ms at B=1, 3.2-4.1 at B=8 and 8.6-10 at B=32 for both shapes, 2-3x float32; but the
   trained byte model of tests/test_precision.py then agrees with float32's top token at 97.4% of
-  2048 bytes (96.9% with an int8 cache; KL 2.1e-3), and 97.9% with a scale per 16 activations:
-  below the 98% the weight-only path keeps (98.9%). Not used.
+  2048 bytes (96.9% with an int8 cache; KL 2.1e-3), below the 98% the weight-only path keeps
+  (98.9%). A scale per 16 activations keeps 98.1% (97.9% with the cache) but its batched
+  products of 16 take 11.7 ms at B=2 (per 256: 2.8 ms, no faster than float32). Not used.
 """
 
 import math
