@@ -50,8 +50,10 @@ compiler (jax 0.10.2, a decode-shaped `(B, 2048) @ (2048, 8192)`), where the obv
   On the AVX2-only machine (2026-12-07), int8 matrices held as rows `(n, d)` and widened a
   block of rows at a time as a table is (`_blocks_out`): `2048 -> 8192` at B=1 0.9-1.1 ms
   against 2.7 as stored (float32 2.5), but `8192 -> 2048` 36-40 ms against 3.7 and at B=8
-  7.0-9.4 against 6.0; a multiply-and-reduce over each block 74-102 ms. Not used: no one layout
-  is faster for every matrix of a layer.
+  7.0-9.4 against 6.0; a multiply-and-reduce over each block 74-102 ms; held as tiles of 256
+  output columns `(n / 256, d, 256)`, each widened whole: `2048 -> 8192` 3.5 ms at B=1 against
+  2.1, `8192 -> 2048` 2.3 against 3.5. Not used: no one layout is faster for every matrix of a
+  layer.
   int8 x int8 products accumulated in int32 (the activations quantized too, a scale per row,
   the matrix as rows `(n, d)`, a single row padded to two) take YNNPACK's int8 GEMM there:
   1.1-1.3 ms at B=1, 3.2-4.1 at B=8 and 8.6-10 at B=32 for both shapes, 2-3x float32; but the
