@@ -29,6 +29,7 @@ from ..nn import precision
 from ..nn.models.language_model import TransformerLM
 from . import gemma, gpt2, hybrid, llama
 from ._files import HuggingFaceError, Tensors, load_tokenizer, read_config, read_tensors
+from ._keys import read_arguments
 from ._tables import Entry, Table, fill
 from .writing import export_hf
 
@@ -81,7 +82,7 @@ def import_hf(
     config = read_config(root)
     wrapper = architecture_of(root, config)
     architecture, config = text_model(config, root)
-    arguments = FAMILIES[architecture].arguments(config, architecture)
+    arguments = read_arguments(FAMILIES[architecture], config, architecture)
     wanted = {
         "param_dtype": dtype,
         "quantize": quantize,

@@ -2,27 +2,116 @@
 conventions are options of the one model: the embedding scaled by `sqrt(hidden)`, RMSNorm scaled
 by `1 + w`, the tanh GeGLU, a tied head; Gemma 2 and 3 add four norms per block, a query scale of
 `query_pre_attn_scalar ** -0.5`, sliding and global layers (each kind its own rotary base in
-Gemma 3), soft-capped scores and logits (Gemma 2) and per-head query/key norms (Gemma 3)."""
+Gemma 3), soft-capped scores and logits (Gemma 2) and per-head query/key norms (Gemma 3).
+
+The hub's Gemma 2 and 3 files were written by transformers 4 and carry no `layer_types`: the
+layers' kinds are then derived as transformers derives them (Gemma 2: every second layer global;
+Gemma 3: every `sliding_window_pattern`-th, 6 when absent), and Gemma 3's rotary bases from
+`rope_theta` (the global layers', 1e6 when absent, with `rope_scaling`) and `rope_local_base_freq`
+(the sliding layers', 1e4 when absent)."""
 
 from typing import Any
 
-from ._files import option, refuse
+from ._files import HuggingFaceError, option, refuse
+from ._keys import with_changes
 from ._tables import Table, per_layer
 from .llama import layer_windows, per_layer_options
+from .rope import LAYER_TYPES
 
-__all__ = ["ARCHITECTURES", "arguments", "table"]
+__all__ = ["ARCHITECTURES", "DEFAULTS", "IGNORED", "arguments", "table"]
 
 ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _THETA = {"GemmaForCausalLM": 10000.0, "Gemma2ForCausalLM": 10000.0, "Gemma3ForCausalLM": 1e6}
+_GEMMA = {
+    "vocab_size": 256000, "hidden_size": 3072, "intermediate_size": 24576,
+    "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 16,
+    "head_dim": 256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True, "attention_bias": False,
+}  # fmt: skip
+_LATER = {**_GEMMA, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+          "num_attention_heads": 8, "num_key_value_heads": 4, "query_pre_attn_scalar": 256,
+          "sliding_window": 4096}  # fmt: skip
+# transformers 5's defaults of each architecture's config class: what a key left out of a
+# config means (the hub's files leave many out). Applied under the config before it is read.
+DEFAULTS = {
+    "GemmaForCausalLM": _GEMMA,
+    "Gemma2ForCausalLM": {**_LATER, "attn_logit_softcapping": 50.0,
+                          "final_logit_softcapping": 30.0},
+    "Gemma3ForCausalLM": {**_LATER, "vocab_size": 262208, "max_position_embeddings": 131072},
+}  # fmt: skip
+# Keys the hub's files carry that transformers' Gemma 2 and 3 do not read (their MLP reads
+# `hidden_activation`)
+IGNORED = {"Gemma2ForCausalLM": ("hidden_act",), "Gemma3ForCausalLM": ("hidden_act",)}
+_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 
 
-def _activation(config: dict[str, Any]) -> str:
-    """Gemma's `hidden_activation`: the tanh GELU (transformers takes it for a missing one, and
-    reads no `hidden_act`)."""
-    name = config.get("hidden_activation") or "gelu_pytorch_tanh"
-    refuse({"hidden_activation": name}, "hidden_activation",
-           ("gelu_pytorch_tanh", "gelu_tanh").__contains__, "the GeGLU's activation")  # fmt: skip
+def _activation(config: dict[str, Any], architecture: str) -> str:
+    """The GeGLU's activation: the tanh GELU. Gemma reads `hidden_act` (its `"gelu"` meant the
+    tanh form, as transformers says), and transformers 4's files may carry `hidden_activation`
+    beside it; Gemma 2 and 3 read `hidden_activation` (the tanh GELU when absent)."""
+    names = {"hidden_activation": config.get("hidden_activation") or "gelu_pytorch_tanh"}
+    if architecture == "GemmaForCausalLM":
+        names["hidden_act"] = config.get("hidden_act") or "gelu_pytorch_tanh"
+    for key, name in names.items():
+        allowed = (*_TANH, "gelu") if key == "hidden_act" else _TANH
+        refuse({key: name}, key, allowed.__contains__, "the GeGLU's activation")
     return "gelu_tanh"
+
+
+def _layer_types(config: dict[str, Any], architecture: str, depth: int) -> list[str]:
+    """Gemma 2 and 3's layer kinds: `layer_types`, or the pattern transformers derives for
+    files without it (see the module)."""
+    types = config.get("layer_types")
+    pattern = option(config, "sliding_window_pattern", int, 6)
+    saved = config.get("_sliding_window_pattern")  # transformers 5 writes its own copy
+    if types is not None:
+        return list(types) if isinstance(types, list) else types
+    if saved is not None and "sliding_window_pattern" in config and saved != pattern:
+        raise HuggingFaceError(
+            f"config.json: `sliding_window_pattern` {pattern} and `_sliding_window_pattern` "
+            f"{saved!r} disagree, and no `layer_types` says which layers slide."
+        )
+    if architecture == "Gemma2ForCausalLM":
+        pattern = 2
+    elif saved is not None and "sliding_window_pattern" not in config:
+        pattern = option({"_sliding_window_pattern": saved}, "_sliding_window_pattern", int, 6)
+    if pattern < 1:
+        raise HuggingFaceError(f"config.json: `sliding_window_pattern` is {pattern}.")
+    return [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(depth)
+    ]
+
+
+def _gemma3_rope(config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's rotary options per layer kind in transformers 5's nested `rope_parameters`,
+    from the older keys when the file has them (see the module)."""
+    parameters = config.get("rope_parameters")
+    if isinstance(parameters, dict) and any(kind in parameters for kind in LAYER_TYPES):
+        return parameters
+    if parameters is not None:
+        raise HuggingFaceError(
+            f"config.json: a Gemma 3 `rope_parameters` holds one mapping per layer kind "
+            f"{LAYER_TYPES}; found {parameters!r}."
+        )
+    scaling = config.get("rope_scaling") or {}
+    if not isinstance(scaling, dict):
+        raise HuggingFaceError(f"config.json: `rope_scaling` is {scaling!r}; expected an object.")
+    full = {"rope_type": "default", **scaling}
+    full.setdefault("rope_theta", config.get("rope_theta", 1e6))
+    local = config.get("rope_local_base_freq", 1e4)
+    return {
+        "full_attention": full,
+        "sliding_attention": {"rope_type": "default", "rope_theta": local},
+    }
+
+
+def _later(config: dict[str, Any], architecture: str, depth: int) -> dict[str, Any]:
+    """Gemma 2 and 3's config in transformers 5's terms: `layer_types` always, and Gemma 3's
+    rotary options nested by layer kind."""
+    changes: dict[str, Any] = {"layer_types": _layer_types(config, architecture, depth)}
+    if architecture == "Gemma3ForCausalLM":
+        changes["rope_parameters"] = _gemma3_rope(config)
+    return with_changes(config, **changes)
 
 
 def arguments(config: dict[str, Any], architecture: str) -> dict[str, Any]:
@@ -34,6 +123,8 @@ def arguments(config: dict[str, Any], architecture: str) -> dict[str, Any]:
     depth = option(config, "num_hidden_layers", int, 18)
     eps = float(option(config, "rms_norm_eps", (int, float), 1e-6))
     later = architecture != "GemmaForCausalLM"
+    if later:
+        config = _later(config, architecture, depth)
     windows = layer_windows(config, depth) if later else [None] * depth
     shared, layers = per_layer_options(config, depth, windows, _THETA[architecture])
     result: dict[str, Any] = {
@@ -47,7 +138,7 @@ def arguments(config: dict[str, Any], architecture: str) -> dict[str, Any]:
         **shared,
         "norm": "rms_plus_one",
         "feed_forward": "gated",
-        "activation": _activation(config),
+        "activation": _activation(config, architecture),
         "eps": eps,
         "tie_embeddings": option(config, "tie_word_embeddings", bool, True),
         "n_kv_heads": option(config, "num_key_value_heads", int, None) or n_heads,

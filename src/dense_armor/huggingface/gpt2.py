@@ -6,10 +6,21 @@ from typing import Any
 from ._files import option, refuse
 from ._tables import Table, per_layer
 
-__all__ = ["ARCHITECTURES", "arguments", "table"]
+__all__ = ["ARCHITECTURES", "DEFAULTS", "IGNORED", "arguments", "table"]
 
 ARCHITECTURES = ("GPT2LMHeadModel",)
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+# transformers 5's defaults of the config class: what a key left out of a config means
+DEFAULTS = {
+    "GPT2LMHeadModel": {
+        "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12,
+        "n_inner": None, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
+        "tie_word_embeddings": True,
+    }
+}  # fmt: skip
+# Keys the hub's files carry that transformers' GPT-2 does not read (`n_ctx`: the older
+# spelling of `n_positions`, which is read)
+IGNORED = {"GPT2LMHeadModel": ("n_ctx",)}
 
 
 def arguments(config: dict[str, Any], architecture: str) -> dict[str, Any]:

@@ -12,10 +12,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._files import HuggingFaceError, option, refuse
+from ._keys import with_changes
 from ._tables import Table, per_layer
 from .rope import rotary_options
 
-__all__ = ["ARCHITECTURES", "arguments", "config", "table"]
+__all__ = ["ARCHITECTURES", "DEFAULTS", "IGNORED", "arguments", "config", "table"]
 
 ARCHITECTURES = ("Lfm2ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 LFM2, QWEN35, QWEN35_MOE = ARCHITECTURES
@@ -25,10 +26,46 @@ KINDS = {
     QWEN35: {"linear_attention": "gated_deltanet", "full_attention": "attention"},
 }
 KINDS[QWEN35_MOE] = KINDS[QWEN35]
+# Keys the hub's files carry that the architecture's transformers model does not read: LFM2's
+# norms read `norm_eps`, and its first releases' files carry their own spellings beside
+# transformers' (`theta`, `num_heads`, `block_dim`, ...), which transformers never reads
+IGNORED = {
+    LFM2: ("rms_norm_eps", "theta", "num_heads", "block_dim", "block_norm_eps", "conv_dim",
+           "conv_dim_out", "use_pos_enc", "block_use_swiglu", "block_mlp_init_scale",
+           "block_out_init_scale", "block_use_xavier_init", "conv_use_xavier_init"),
+}  # fmt: skip
+_QWEN35 = {
+    "vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288,
+    "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4,
+    "head_dim": 256, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False, "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+}  # fmt: skip
+# transformers 5's defaults of each architecture's config class: what a key left out of a
+# config means (the hub's files leave many out). Applied under the config before it is read.
+DEFAULTS = {
+    LFM2: {"vocab_size": 65536, "hidden_size": 2560, "intermediate_size": 12288,
+           "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "max_position_embeddings": 128000, "norm_eps": 1e-5, "tie_word_embeddings": True,
+           "rope_theta": 1e6, "conv_bias": False, "conv_L_cache": 3, "block_multiple_of": 256,
+           "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": True},
+    QWEN35: _QWEN35,
+    QWEN35_MOE: {**_QWEN35, "hidden_size": 2048, "num_hidden_layers": 40,
+                 "num_key_value_heads": 2, "moe_intermediate_size": 512,
+                 "shared_expert_intermediate_size": 512, "num_experts_per_tok": 8,
+                 "num_experts": 256},
+}  # fmt: skip
 
 
 def _layer_types(config: dict[str, Any], architecture: str, depth: int) -> list[str]:
+    """`layer_types`, or what transformers derives without it (LFM2's `full_attn_idxs`, all
+    layers attention when absent; Qwen3.5's every `full_attention_interval`-th, 4 when absent);
+    with it, transformers reads neither of those, and nor does this."""
     types = config.get("layer_types")
+    older = "full_attn_idxs" if architecture == LFM2 else "full_attention_interval"
+    if types is not None:
+        config.get(older)  # read, and left to `layer_types` as transformers leaves it
     if types is None and architecture == LFM2:
         full = config.get("full_attn_idxs")
         full = list(range(depth)) if full is None else full
@@ -49,9 +86,8 @@ def _layer_types(config: dict[str, Any], architecture: str, depth: int) -> list[
 def _lfm2_d_ff(config: dict[str, Any]) -> int:
     """LFM2's feed-forward width: `intermediate_size` (`block_ff_dim`), adjusted as `Lfm2MLP`
     adjusts it (two thirds, times the multiplier, up to a multiple of `block_multiple_of`)."""
-    d_ff = option(config, "block_ff_dim", int, None) or option(
-        config, "intermediate_size", int, 12288
-    )
+    stated = option(config, "intermediate_size", int, 12288)
+    d_ff = option(config, "block_ff_dim", int, None) or stated  # the older key wins
     if not option(config, "block_auto_adjust_ff_dim", bool, True):
         return d_ff
     d_ff = int(2 * d_ff / 3)
@@ -70,7 +106,7 @@ def _rope(config: dict[str, Any], architecture: str) -> dict[str, Any]:
         parameters = dict(config["rope_parameters"])
         for name in ("mrope_section", "mrope_interleaved"):
             parameters.pop(name, None)
-        config = {**config, "rope_parameters": parameters}
+        config = with_changes(config, rope_parameters=parameters)
     theta = 1e6 if architecture == LFM2 else 1e7
     return rotary_options(config, None, theta)
 

@@ -8,10 +8,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._files import HuggingFaceError, option, refuse
+from ._keys import with_changes
 from ._tables import Table, per_layer
 from .rope import LAYER_TYPES, rotary_options
 
-__all__ = ["ARCHITECTURES", "arguments", "layer_windows", "per_layer_options", "table"]
+__all__ = [
+    "ARCHITECTURES", "DEFAULTS", "IGNORED", "arguments", "layer_windows", "per_layer_options", "table",
+]  # fmt: skip
 
 ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -22,6 +25,52 @@ QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # The architectures whose attention reads `sliding_window` (transformers' Llama and OLMo 2 do not)
 WINDOWED = ("MistralForCausalLM", "Phi3ForCausalLM", "Starcoder2ForCausalLM", "MixtralForCausalLM")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+_LLAMA = {
+    "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "hidden_act": "silu",
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "attention_bias": False, "mlp_bias": False, "rope_theta": 10000.0,
+}  # fmt: skip
+_QWEN = {"vocab_size": 151936, "intermediate_size": 22016, "max_position_embeddings": 32768,
+         "num_key_value_heads": 32, "use_sliding_window": False, "max_window_layers": 28}  # fmt: skip
+# transformers 5's defaults of each architecture's config class: what a key left out of a
+# config means (the hub's files leave many out). Applied under the config before it is read.
+DEFAULTS = {
+    "LlamaForCausalLM": _LLAMA,
+    "MistralForCausalLM": {**_LLAMA, "intermediate_size": 14336, "num_key_value_heads": 8,
+                           "max_position_embeddings": 131072, "sliding_window": 4096},
+    "MixtralForCausalLM": {**_LLAMA, "intermediate_size": 14336, "num_key_value_heads": 8,
+                           "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                           "rope_theta": 1e6, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "Qwen2ForCausalLM": {**_LLAMA, **_QWEN},
+    "Qwen3ForCausalLM": {**_LLAMA, **_QWEN, "head_dim": 128},
+    "Qwen3MoeForCausalLM": {**_LLAMA, **_QWEN, "hidden_size": 2048, "intermediate_size": 6144,
+                            "num_hidden_layers": 24, "num_key_value_heads": 4,
+                            "moe_intermediate_size": 768, "num_experts_per_tok": 8,
+                            "num_experts": 128, "norm_topk_prob": False,
+                            "decoder_sparse_step": 1},
+    "Phi3ForCausalLM": {**_LLAMA, "vocab_size": 32064, "hidden_size": 3072,
+                        "intermediate_size": 8192, "max_position_embeddings": 4096,
+                        "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
+    "Olmo2ForCausalLM": {**_LLAMA, "vocab_size": 50304, "rms_norm_eps": 1e-5},
+    "Starcoder2ForCausalLM": {**_LLAMA, "vocab_size": 49152, "hidden_size": 3072,
+                              "intermediate_size": 12288, "num_hidden_layers": 30,
+                              "num_attention_heads": 24, "num_key_value_heads": 2,
+                              "hidden_act": "gelu_pytorch_tanh", "max_position_embeddings": 4096,
+                              "norm_epsilon": 1e-5, "use_bias": True,
+                              "tie_word_embeddings": True},
+}  # fmt: skip
+# Keys the hub's files carry that the architecture's transformers model does not read
+IGNORED = {
+    "LlamaForCausalLM": ("sliding_window",),  # read by the windowed architectures only
+    "Olmo2ForCausalLM": ("sliding_window",),
+    # its LayerNorms read `norm_epsilon`, its projections `use_bias`
+    "Starcoder2ForCausalLM": ("rms_norm_eps", "attention_bias"),
+    "Qwen2ForCausalLM": ("attention_bias",),  # biases on the query, key and value always
+    # transformers 5's Qwen3-MoE windows every layer when `use_sliding_window` (no
+    # `max_window_layers`), which the hub's files carry from transformers 4
+    "Qwen3MoeForCausalLM": ("max_window_layers",),
+}
 
 
 def layer_windows(config: dict[str, Any], depth: int) -> list[int | None]:
@@ -66,10 +115,12 @@ def arguments(config: dict[str, Any], architecture: str) -> dict[str, Any]:
     depth = option(config, "num_hidden_layers", int, 32)
     head_dim = option(config, "head_dim", int, None) or d_model // n_heads
     qwen2, star = architecture == "Qwen2ForCausalLM", architecture == "Starcoder2ForCausalLM"
-    windows = layer_windows(config, depth) if architecture in WINDOWED else [None] * depth
+    windows = [None] * depth
+    if architecture in WINDOWED:
+        windows = layer_windows(config, depth)
     if architecture in QWEN:
-        windows = _qwen_windows(config, depth)
-    shared, layers = per_layer_options(config, depth, windows, 10000.0)
+        config, windows = _qwen_windows(config, depth, architecture)
+    shared, layers = per_layer_options(config, depth, windows, 1e4)
     result: dict[str, Any] = {
         "vocab": option(config, "vocab_size", int, 32000),
         "d_model": d_model,
@@ -124,16 +175,29 @@ def _experts(config: dict[str, Any], architecture: str) -> dict[str, Any]:
     }
 
 
-def _qwen_windows(config: dict[str, Any], depth: int) -> list[int | None]:
-    """Qwen2/3's windows: with `use_sliding_window`, the layers from `max_window_layers` on (as
-    transformers' `layer_types` says for configs that carry it)."""
-    if config.get("layer_types") is not None:
-        return layer_windows(config, depth)
-    if not config.get("use_sliding_window", False):
-        return [None] * depth
-    window = option(config, "sliding_window", int, 4096)
-    start = option(config, "max_window_layers", int, depth)
-    return [window if i >= start else None for i in range(depth)]
+def _qwen_windows(
+    config: dict[str, Any], depth: int, architecture: str
+) -> tuple[dict[str, Any], list[int | None]]:
+    """Qwen2/3's windows as transformers 5 reads them: `sliding_window` (4096 when absent) only
+    with `use_sliding_window`, on the layers `layer_types` calls sliding, or without it on the
+    layers from `max_window_layers` (28 when absent) on; Qwen3-MoE's on every layer. The config
+    is returned with the derived `layer_types`."""
+    use = option(config, "use_sliding_window", bool, False)
+    window = config.get("sliding_window", 4096)
+    window = window if use else None
+    if window is not None:
+        window = option({"sliding_window": window}, "sliding_window", int, None)
+    if architecture == "Qwen3MoeForCausalLM":
+        return config, [window] * depth
+    start = option(config, "max_window_layers", int, 28)
+    if config.get("layer_types") is None:
+        sliding = window is not None
+        types = ["sliding_attention" if sliding and i >= start else "full_attention"
+                 for i in range(depth)]  # fmt: skip
+        config = with_changes(config, layer_types=types)
+    if window is None:  # sliding layers without a window attend to every position
+        return config, [None] * depth
+    return config, layer_windows(with_changes(config, sliding_window=window), depth)
 
 
 def table(a: dict[str, Any], architecture: str) -> Table:

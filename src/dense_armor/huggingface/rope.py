@@ -1,8 +1,8 @@
 """A config's rotary positions as the attention's options (`rope_base`, `rope_scaling`,
 `rotary_fraction`), from either spelling of the hub's configs: transformers 5's `rope_parameters`
-(one mapping, or one per layer type: Gemma 3's `sliding_attention` and `full_attention`) or the
-earlier `rope_theta`, `rope_scaling` (`type` or `rope_type`), `partial_rotary_factor` and Gemma
-3's `rope_local_base_freq`. A kind the attention does not build (`dynamic`, or one unknown) is
+(one mapping, or one per layer type: Gemma 3's `sliding_attention` and `full_attention`, which
+`gemma` derives from Gemma 3's older keys) or the earlier `rope_theta`, `rope_scaling` (`type` or
+`rope_type`) and `partial_rotary_factor`. A kind the attention does not build (`dynamic`, or one unknown) is
 refused by name."""
 
 import math
@@ -33,8 +33,6 @@ def _parameters(config: dict[str, Any], layer_type: str | None) -> dict[str, Any
     scaling = config.get("rope_scaling") or {}
     if not isinstance(scaling, dict):
         raise HuggingFaceError(f"config.json: `rope_scaling` is {scaling!r}; expected an object.")
-    if layer_type == "sliding_attention" and "rope_local_base_freq" in config:  # Gemma 3's
-        return {"rope_theta": config["rope_local_base_freq"]}  # scaling is the global layers'
     scaling = dict(scaling)
     if "type" in scaling:  # the older key
         scaling.setdefault("rope_type", scaling.pop("type"))
@@ -49,6 +47,8 @@ def rotary_options(
 ) -> dict[str, Any]:
     """`rope_base`, `rope_scaling` (or None) and `rotary_fraction` for `layer_type`'s layers."""
     values = _parameters(config, layer_type)
+    # the pretrained length: read always, used by the kinds that scale past it
+    original = config.get("original_max_position_embeddings")
     kind = values.pop("rope_type", values.pop("type", "default"))
     theta = values.pop("rope_theta", config.get("rope_theta", default_theta))
     fraction = values.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
@@ -67,7 +67,6 @@ def rotary_options(
             )
         return options
     if kind in _LONG:
-        original = config.get("original_max_position_embeddings")
         values.setdefault("original_max_position_embeddings", original)
         if values["original_max_position_embeddings"] is None:
             values["original_max_position_embeddings"] = config.get("max_position_embeddings")

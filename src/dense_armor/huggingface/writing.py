@@ -26,6 +26,7 @@ from ..nn.models.sequential import Sequential
 from ..nn.models.stack import Stack
 from . import hybrid
 from ._files import HuggingFaceError
+from ._keys import read_arguments
 from ._tables import gather
 
 __all__ = ["TOKENIZER_FILES", "export_hf", "hf_config"]
@@ -47,6 +48,8 @@ MODEL_TYPES = {
     "Lfm2ForCausalLM": "lfm2", "Qwen3_5ForCausalLM": "qwen3_5_text",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
 }  # fmt: skip
+# The architectures whose transformers model reads no `sliding_window`
+UNWINDOWED = ("LlamaForCausalLM", "Olmo2ForCausalLM", "GemmaForCausalLM")
 ACTIVATION_NAMES = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}
 
 
@@ -98,18 +101,22 @@ def hf_config(arguments: Mapping[str, Any], architecture: str) -> dict[str, Any]
         "hidden_act": ACTIVATION_NAMES.get(a.get("activation", "silu"), "?"),
         "attention_bias": bool(a.get("use_bias", False)),
     }  # fmt: skip
-    if window is not None or architecture not in ("LlamaForCausalLM", "Olmo2ForCausalLM"):
+    if window is not None or architecture not in UNWINDOWED:
         config["sliding_window"] = window  # read by the others (a window on Llama: refused)
     if architecture != "MistralForCausalLM" and architecture != "Phi3ForCausalLM":
         config["layer_types"] = types
     if rope.get("rope_type") == "longrope":  # Phi-3's config reads its own key, default 4096
         config["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
+    if architecture in ("Qwen2ForCausalLM", "Starcoder2ForCausalLM"):
+        del config["attention_bias"]  # biases said by the architecture, or by `use_bias`
     config.update(_family_keys(a, architecture, window))
     return config
 
 
 def _family_keys(a: Mapping[str, Any], architecture: str, window: int | None) -> dict[str, Any]:
     """The keys one architecture spells its own way."""
+    if architecture == "GemmaForCausalLM":  # Gemma 1 reads `hidden_act`, written above
+        return {}
     if architecture.startswith("Gemma"):
         scale = a.get("query_scale")
         scalar = a.get("head_dim", 256) if scale is None else round(scale**-2, 6)
@@ -237,7 +244,9 @@ def export_hf(
     config.update(hf_config(arguments, architecture))
     config.update(architectures=[architecture], model_type=MODEL_TYPES[architecture], dtype=dtype)
     try:
-        read_back = FAMILIES[architecture].arguments(json.loads(json.dumps(config)), architecture)
+        read_back = read_arguments(
+            FAMILIES[architecture], json.loads(json.dumps(config)), architecture
+        )
     except HuggingFaceError as error:
         raise HuggingFaceError(
             f"a {architecture} config cannot say this model's arguments: {error}"
