@@ -460,6 +460,18 @@ def resume_with_tuple_mixers(tmp):
     raise SystemExit("resumed")  # what the row expects: no "another model" refusal
 
 
+def hf_edited(tmp, name, **changes):
+    """`import_hf` of a copy of the committed checkpoint `name` whose config has `changes` (a
+    value None removes the key)."""
+    target = tmp / name
+    shutil.copytree(HF / name, target)
+    config = json.loads((target / "config.json").read_text())
+    config.update(changes)
+    config = {k: v for k, v in config.items() if v is not None}
+    (target / "config.json").write_text(json.dumps(config))
+    return import_hf(target)
+
+
 def _full_server():
     """A server whose one queue place is taken."""
     server = Server(TINY_LM, max_queue=1)
@@ -524,6 +536,14 @@ BAD = [
     ("export-kv-dtype-encoder", lambda tmp, _: export_model(MODEL, CONFIG, tmp / "art", kv_dtype="int8"), ArtifactError, r"export_model: `kv_dtype` is for a language model's cache; a transformer_encoder keeps float32"),
     ("cast-to-int8", lambda: precision.cast(TINY_LM, "int8"), ValueError, r"`dtype` must be one of \('float32', 'bfloat16', 'float16'\); received `dtype='int8'`"),
     ("quantize-embeddings-string", lambda: precision.quantize(TINY_LM, embeddings="no"), ValueError, r"`embeddings` must be True or False"),
+    ("import-hf-unknown-config-key", lambda tmp, capsys: hf_edited(tmp, "llama_gqa", attention_temperature=0.5), HuggingFaceError, r"LlamaForCausalLM keys the importer does not read: \{'attention_temperature': 0.5\}.*refusing rather than ignoring"),
+    ("import-hf-quantization-config", lambda tmp, capsys: hf_edited(tmp, "qwen3", quantization_config={"quant_method": "awq", "bits": 4}), HuggingFaceError, r"keys the importer does not read: \{'quantization_config'"),
+    ("import-hf-gemma3-patterns-disagree", lambda tmp, capsys: hf_edited(tmp, "gemma3_hub", sliding_window_pattern=3, _sliding_window_pattern=4), HuggingFaceError, r"`sliding_window_pattern` 3 and `_sliding_window_pattern` 4 disagree"),
+    ("import-hf-gemma3-pattern-zero", lambda tmp, capsys: hf_edited(tmp, "gemma3_hub", sliding_window_pattern=0), HuggingFaceError, r"`sliding_window_pattern` is 0"),
+    ("import-hf-gemma3-flat-rope-parameters", lambda tmp, capsys: hf_edited(tmp, "gemma3_hub", rope_parameters={"rope_type": "default", "rope_theta": 1e4}), HuggingFaceError, r"a Gemma 3 `rope_parameters` holds one mapping per layer kind"),
+    ("import-hf-gemma2-layer-types-short", lambda tmp, capsys: hf_edited(tmp, "gemma2_hub", layer_types=["full_attention"]), HuggingFaceError, r"`layer_types` is \['full_attention'\]; expected 3 of"),
+    ("import-hf-gemma-activation-exact-gelu", lambda tmp, capsys: hf_edited(tmp, "gemma", hidden_activation="gelu"), HuggingFaceError, r"`hidden_activation='gelu'` \(the GeGLU's activation\) is not implemented"),
+    ("import-hf-qwen2-window-a-string", lambda tmp, capsys: hf_edited(tmp, "qwen2", use_sliding_window=True, sliding_window="4", layer_types=None), HuggingFaceError, r"`sliding_window` is '4'; expected"),
     ("import-hf-dtype-int8", lambda: import_hf(HF / "llama_gqa", dtype="int8"), HuggingFaceError, r"config.json describes no model TransformerLM builds: `param_dtype` must be one of"),
     ("import-hf-quantize-int4", lambda: import_hf(HF / "llama_gqa", quantize="int4"), HuggingFaceError, r"config.json describes no model TransformerLM builds: `quantize` must be one of \('int8',\)"),
     ("import-hf-quantize-embeddings-alone", lambda: import_hf(HF / "llama_gqa", quantize_embeddings=True), HuggingFaceError, r"`quantize_embeddings=True` quantizes the tables along with the projections"),
@@ -839,8 +859,12 @@ BAD = [
     ("server-not-a-language-model", lambda: Server(MODEL), TypeError, r"Server: `model` must be a TransformerLM; received Sequential"),
     ("server-zero-slots", lambda: Server(TINY_LM, slots=0), ValueError, r"`slots` must be a positive integer"),
     ("server-chunk-a-string", lambda: Server(TINY_LM, chunk="4"), (TypeError, ValueError), r"`chunk` must be a positive integer"),
-    ("server-capacity-past-learned-positions", lambda: Server(TINY_GPT, capacity=9), ValueError, r"`capacity=9` passes the model's positions, which end at 8 \(its learned positions' max_len"),
-    ("server-capacity-past-longrope", lambda: Server(TransformerLM(16, 8, 2, 16, 1, KEY, 32, rope_scaling={"rope_type": "longrope", "factor": 2.0, "original_max_position_embeddings": 16, "short_factor": [1.0, 1.0], "long_factor": [2.0, 2.0]}), capacity=17), ValueError, r"`capacity=17` passes the model's positions, which end at 16 \(.*LongRoPE's pretrained length\)"),
+    ("server-capacity-past-learned-positions", lambda: Server(TINY_GPT, capacity=9), ValueError, r"`capacity=9` passes the model's context of 8 positions \(`max_len`"),
+    ("server-capacity-past-a-rotary-context", lambda: Server(TINY_LM, capacity=9), ValueError, r"`capacity=9` passes the model's context of 8 positions \(`max_len`: an imported checkpoint's max_position_embeddings"),
+    ("generate-past-a-rotary-context", lambda: generate(TINY_LM, [[1, 2, 3]], 6), ValueError, r"generate: the longest prompt \(3 tokens\) and `max_new_tokens=6` need 9 positions; the model is made for 8 \(its context"),
+    ("serve-http-default-temperature-negative", lambda tmp, capsys: cli_serve(tmp, capsys, "--http", "--temperature", "-1"), SystemExit, r"serve: error: --temperature: `temperature` must be a number in \[0.0, 2.0\]"),
+    ("serve-http-default-top-k-a-bool", lambda tmp, capsys: cli_serve(tmp, capsys, "--http", "--top-k", "x"), SystemExit, r"argument --top-k: invalid int value: 'x'"),
+    ("server-capacity-past-longrope", lambda: Server(TransformerLM(16, 8, 2, 16, 1, KEY, 32, rope_scaling={"rope_type": "longrope", "factor": 2.0, "original_max_position_embeddings": 16, "short_factor": [1.0, 1.0], "long_factor": [2.0, 2.0]}), capacity=17), ValueError, r"`capacity=17` passes the model's context of 16 positions \(.*LongRoPE's pretrained length\)"),
     ("server-temperature-without-key", lambda: Server(TINY_LM, temperature=0.5), TypeError, r"`key` must be a JAX PRNG key, e.g. `jax.random.PRNGKey\(0\)`; received None"),
     ("server-stop-token-outside-the-vocabulary", lambda: Server(TINY_LM, stop_tokens=[16]), ValueError, r"Server: `stop_tokens` \(16,\) must lie in \[0, 16\)"),
     ("server-stop-tokens-a-string", lambda: Server(TINY_LM, stop_tokens="2"), ValueError, r"Server: `stop_tokens` must be a list of token ids; received str"),

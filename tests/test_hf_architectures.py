@@ -37,7 +37,8 @@ EVERY = sorted(p.name for p in DATA.iterdir() if p.is_dir())
 CASES = [
     name
     for name in EVERY
-    if json.loads((DATA / name / "config.json").read_text())["architectures"][0] in ARCHITECTURES
+    if not name.endswith("_hub")  # the hub's older config form: tests/test_hf_configs.py
+    and json.loads((DATA / name / "config.json").read_text())["architectures"][0] in ARCHITECTURES
 ]
 FORWARD = eqx.filter_jit(lambda m, ids: jax.vmap(m)(ids))
 
@@ -445,7 +446,7 @@ def test_a_longrope_model_streams_to_its_pretrained_length_and_no_further(tmp_pa
         model(ids)
     from dense_armor.nn.models.generation import generate
 
-    with pytest.raises(ValueError, match=r"reach position 48; the model's positions end at 48"):
+    with pytest.raises(ValueError, match=r"need 49 positions; the model is made for 48 \(its context"):
         generate(model, [[3] * 40], 9)
     with pytest.raises(ArtifactError, match="capacity"):
         export_model(model, ModelConfig("transformer_lm", arguments), tmp_path / "a", capacity=49)

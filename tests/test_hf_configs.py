@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from dense_armor.huggingface import FAMILIES, HuggingFaceError, import_hf
+from dense_armor.huggingface import FAMILIES, HuggingFaceError, export_hf, import_hf
 from dense_armor.huggingface._keys import read_arguments
 from dense_armor.nn.layers.language import ids_checked
 
@@ -39,9 +39,7 @@ def test_a_hub_form_config_reads_as_transformers_reads_it(name):
         with pytest.raises(HuggingFaceError, match=REFUSED[name]):
             read_arguments(family, hub, architecture)
         return
-    assert read_arguments(family, hub, architecture) == read_arguments(
-        family, theirs, architecture
-    )
+    assert read_arguments(family, hub, architecture) == read_arguments(family, theirs, architecture)
 
 
 def test_every_architecture_has_hub_form_cases():
@@ -80,7 +78,7 @@ def test_a_family_that_forgets_a_key_refuses_it():
 @pytest.mark.parametrize("name", ["gemma2_hub", "gemma3_hub"])
 def test_a_gemma_directory_in_the_hubs_form_imports_to_transformers_logits(tmp_path, name):
     golden = load_file(str(DATA / "hf" / f"{name}.io.safetensors"))
-    model, arguments = import_hf(DATA / "hf" / name)
+    model, _ = import_hf(DATA / "hf" / name)
     with ids_checked():
         logits = np.asarray(FORWARD(model, jnp.asarray(golden["ids"])))
     np.testing.assert_allclose(logits, golden["logits"], atol=1e-5, rtol=0)
@@ -98,3 +96,16 @@ def test_a_gemma_directory_in_the_hubs_form_imports_to_transformers_logits(tmp_p
     with ids_checked():
         far = np.asarray(FORWARD(misread, jnp.asarray(golden["ids"])))
     assert np.abs(far - golden["logits"]).max() > 1e-2
+
+
+@pytest.mark.parametrize("name", ["gemma2_hub", "gemma3_hub"])
+def test_a_hub_form_import_is_written_back_in_transformers_5s_form(tmp_path, name):
+    model, arguments = import_hf(DATA / "hf" / name)
+    architecture = json.loads((DATA / "hf" / name / "config.json").read_text())["architectures"]
+    written = export_hf(model, arguments, tmp_path / name, architecture=architecture[0])
+    config = json.loads((written / "config.json").read_text())
+    assert len(config["layer_types"]) == config["num_hidden_layers"]
+    again, arguments_again = import_hf(written)
+    assert arguments_again == arguments
+    for a, b in zip(model.params(), again.params(), strict=True):
+        np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value))

@@ -35,6 +35,7 @@ DATA = pathlib.Path(__file__).parent / "data"
 BYTES, CHAT = DATA / "byte_lm", DATA / "chat"
 NAME, SLOTS, MAX_QUEUE, CONTEXT, PAGES = "byte-lm", 4, 64, 148, 40
 START_TIMEOUT, REQUEST_TIMEOUT = 240, 120
+DEFAULT_NEW = 8  # the server's --max-new-tokens
 PROMPTS = [
     "def main(",
     "import os\n",
@@ -77,6 +78,10 @@ def served(tmp_path_factory):
         str(PAGES),
         "--page-size",
         "16",
+        "--temperature",  # the defaults of requests that set none
+        "0",
+        "--max-new-tokens",
+        str(DEFAULT_NEW),
     ]
     log = tmp_path_factory.mktemp("http") / "server.log"
     with open(log, "w") as errors:
@@ -309,6 +314,96 @@ def test_a_bad_request_is_refused_naming_its_field_and_the_server_serves_on(
     )
 
 
+def test_the_serve_flags_are_the_defaults_of_requests_that_set_none(served, reference):
+    url, _ = served
+    (want,) = _solo(reference, [PROMPTS[5]], DEFAULT_NEW)  # greedy: --temperature 0
+    client = _client(url)
+    texts = [client.completions.create(model=NAME, prompt=PROMPTS[5]) for _ in range(3)]
+    assert [t.choices[0].text for t in texts] == [want] * 3
+    assert all(t.usage.completion_tokens == DEFAULT_NEW for t in texts)
+    # a field the request sets is its own
+    (longer,) = _solo(reference, [PROMPTS[5]], DEFAULT_NEW + 4)
+    answer = client.completions.create(model=NAME, prompt=PROMPTS[5], max_tokens=DEFAULT_NEW + 4)
+    assert answer.choices[0].text == longer
+
+
+def test_the_servers_default_length_is_cut_to_the_room_a_prompt_leaves():
+    from dense_armor.serving.http import _rules
+    from dense_armor.serving.protocol import Defaults, parse_completion
+
+    ask = parse_completion({"model": NAME, "prompt": "x"}, 256)
+    _, _, new = _rules(ask, 140, (148, "the context (148 tokens)"), Defaults(max_tokens=32))
+    assert new == 8
+    asked = parse_completion({"model": NAME, "prompt": "x", "max_tokens": 32}, 256)
+    with pytest.raises(Exception, match=r"`max_tokens=32` pass the context \(148 tokens\)"):
+        _rules(asked, 140, (148, "the context (148 tokens)"), Defaults(max_tokens=32))
+
+
+def test_a_paged_servers_refusal_names_the_pool_when_the_pool_is_short():
+    import types
+
+    from dense_armor.serving.http import _limit, _rules
+    from dense_armor.serving.protocol import ApiError, Defaults, parse_completion
+
+    paged = types.SimpleNamespace(longest_request=625, capacity=1024, pool=(40, 16))
+    fixed = types.SimpleNamespace(longest_request=1024, capacity=1024, pool=None)
+    ask = parse_completion({"model": NAME, "prompt": "x", "max_tokens": 100}, 256)
+    with pytest.raises(ApiError, match=r"pass the page pool \(39 pages of 16 positions: 625"):
+        _rules(ask, 600, _limit(paged), Defaults())
+    with pytest.raises(ApiError, match=r"leaves no room in the context \(1024 tokens\)"):
+        _rules(ask, 1024, _limit(fixed), Defaults())
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "raw", "status"),
+    [
+        ("POST", "/v1/nothing", b"{}", 404),
+        ("GET", "/", None, 404),
+        ("GET", "/v1/completions", None, 405),
+        ("DELETE", "/v1/models", None, 405),
+    ],
+)
+def test_every_refusal_is_openais_error_object(served, method, path, raw, status):
+    url, _ = served
+    request = urllib.request.Request(f"{url}{path}", raw, method=method)
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT)
+    assert caught.value.code == status
+    answer = json.loads(caught.value.read())
+    assert set(answer) == {"error"} and set(answer["error"]) == {"message", "type", "param", "code"}
+    assert path in answer["error"]["message"]
+
+
+def test_a_body_past_the_limit_is_refused_before_it_is_read(served):
+    import socket
+
+    url, _ = served
+    host, port = url.removeprefix("http://").split(":")
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {8 * 2**20 + 1}\r\n\r\n"
+    )
+    with socket.create_connection((host, int(port)), timeout=REQUEST_TIMEOUT) as sock:
+        sock.sendall(head.encode() + b" " * 1024)  # a start of the body, never the rest
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            piece = sock.recv(65536)
+            if not piece:
+                break
+            answer += piece
+    status, _, body = answer.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 413")
+    error = json.loads(body)["error"]
+    assert error["code"] == "request_too_large" and str(8 * 2**20) in error["message"]
+
+
+def test_the_openai_client_reads_a_missing_route_as_not_found(served):
+    url, _ = served
+    client = openai.OpenAI(base_url=f"{url}/v2", api_key="none", max_retries=0, timeout=30)
+    with pytest.raises(openai.NotFoundError, match="no such route"):
+        client.completions.create(model=NAME, prompt="x")
+
+
 def test_a_top_k_past_any_vocabulary_keeps_every_token(served, reference):
     url, _ = served
     (want,) = _solo(reference, [PROMPTS[3]], 8)
@@ -505,6 +600,52 @@ def test_serve_http_refuses_a_bad_setup_in_one_line(capsys, extra, words):
     err = capsys.readouterr().err
     assert err.startswith("dense-armor serve: error: ") and err.count("\n") == 1
     assert re.search(words, err), err
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        (["--temperature", "-1"], r"--temperature: `temperature` must be a number in \[0.0, 2.0\]"),
+        (["--max-new-tokens", "0"], r"--max-new-tokens: `max_tokens` must be an integer >= 1"),
+        (["--top-p", "0"], r"--top-p: `top_p` must be a number in \(0.0, 1.0\]"),
+    ],
+)
+def test_serve_http_refuses_a_bad_default_before_reading_the_model(
+    monkeypatch, capsys, extra, words
+):
+    from dense_armor import cli_language
+    from dense_armor.cli import main as cli
+
+    def never(args):
+        raise AssertionError("the model was read")
+
+    monkeypatch.setattr(cli_language, "_language_model", never)
+    assert cli(["serve", str(BYTES), "--http", "--tokenizer", str(CHAT), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(words, err), err
+
+
+@pytest.mark.parametrize("missing", ["uvicorn", "starlette", "prometheus_client"])
+def test_serve_http_without_the_extra_says_so_before_reading_the_model(
+    monkeypatch, capsys, missing
+):
+    import importlib.util
+
+    from dense_armor import cli_language
+    from dense_armor.cli import main as cli
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == missing else find(name, *a)
+    )
+
+    def never(args):
+        raise AssertionError("the model was read")
+
+    monkeypatch.setattr(cli_language, "_language_model", never)
+    assert cli(["serve", str(BYTES), "--http", "--tokenizer", str(CHAT)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and missing in err and "pip install 'dense-armor[serve]'" in err
 
 
 def test_serve_http_refuses_a_taken_port_and_a_corrupted_config(tmp_path, capsys):

@@ -358,7 +358,7 @@ BAD_GENERATE = [
     ("max-new-tokens-zero", lambda m: generate(m, [[1]], 0), r"`max_new_tokens` must be a positive integer; received `max_new_tokens=0`"),
     ("max-new-tokens-negative", lambda m: generate(m, [[1]], -2), r"`max_new_tokens` must be a positive integer"),
     ("prompt-longer-than-the-capacity", lambda m: generate(m, [list(range(3, 13))], 4, capacity=8), r"the longest prompt \(10 tokens\) and `max_new_tokens=4` need 14 cache slots; `capacity=8`"),
-    ("past-the-learned-positions", lambda m: generate(m, [[3] * 60], 8), r"reach position 67; the model's positions end at 64 \(its learned positions' max_len"),
+    ("past-the-learned-positions", lambda m: generate(m, [[3] * 60], 8), r"need 68 positions; the model is made for 64 \(its context: `max_len`"),
     ("top-p-zero", lambda m: generate(m, [[1]], 3, jax.random.PRNGKey(0), temperature=1.0, top_p=0.0), r"`top_p` must be a number in \(0, 1\]"),
     ("top-p-above-one", lambda m: generate(m, [[1]], 3, jax.random.PRNGKey(0), temperature=1.0, top_p=1.2), r"`top_p` must be a number in \(0, 1\]"),
     ("temperature-negative", lambda m: generate(m, [[1]], 3, temperature=-0.5), r"`temperature` must be a finite number >= 0"),

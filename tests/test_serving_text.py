@@ -11,7 +11,7 @@ pytest.importorskip("jinja2", reason="the serve extra's jinja2 renders chat temp
 
 from dense_armor.huggingface import load_tokenizer
 from dense_armor.serving.chat import ChatError, ChatTemplate
-from dense_armor.serving.protocol import ApiError, parse_chat, parse_completion
+from dense_armor.serving.protocol import ApiError, Defaults, parse_chat, parse_completion
 from dense_armor.serving.text import TextStream
 
 CHAT = pathlib.Path(__file__).parent / "data" / "chat"
@@ -120,13 +120,15 @@ def test_the_protocol_refuses_each_bad_field_by_name(body, param):
 
 def test_the_protocol_reads_openais_defaults_and_chat_fields():
     ask = parse_completion({"model": "m", "prompt": [[1, 2, 3]], "top_k": -1}, 256)
+    # fields left out stay unset: the server's `Defaults` fill them, OpenAI's unless it says
     assert (ask.prompt, ask.temperature, ask.top_k, ask.top_p, ask.max_tokens) == (
         [1, 2, 3],
-        1.0,
+        None,
         None,
         None,
         None,
     )
+    assert Defaults().temperature == 1.0 and Defaults().max_tokens is None
     chat = parse_chat(
         {
             "model": "m",

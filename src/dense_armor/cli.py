@@ -16,9 +16,16 @@ dense-armor generate CHECKPOINT_DIR (--prompt TEXT | --ids 1,2,3) [--tokenizer t
                      [--max-new-tokens 32] [--temperature 0] [--top-k K] [--top-p P]
                      [--min-p P] [--stop 2,...] [--seed 0] [--kv-dtype int8]
 dense-armor serve CHECKPOINT_DIR [--input FILE] [--slots 8] [--capacity N] [--chunk 16]
+                  [--pages N] [--page-size 16] [--share-prefixes | --no-share-prefixes]
                   [--tokenizer tokenizer.json] [--max-new-tokens 32] [--temperature 0]
                   [--top-k K] [--top-p P] [--min-p P] [--stop 2,...] [--seed 0]
                   [--kv-dtype int8]
+                  [--http [--host 127.0.0.1] [--port 8000] [--max-queue 64] [--name NAME]]
+
+`serve`'s sampling flags and --max-new-tokens are the defaults of the requests that set none
+(over HTTP, OpenAI's defaults where a flag is not given: temperature 1, the room left in the
+context); --capacity defaults to the checkpoint's context (`max_len`, an imported model's
+max_position_embeddings), bounded by memory.
 """
 
 import argparse

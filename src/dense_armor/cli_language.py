@@ -4,6 +4,7 @@
 `generate` and `serve` (and `export`, in `cli`)."""
 
 import argparse
+import importlib.util
 import json
 import pathlib
 import shutil
@@ -81,8 +82,14 @@ def _add_sampling(parser: Any) -> None:
     parser.add_argument(
         "--tokenizer", type=pathlib.Path, help="a tokenizer.json (default: the checkpoint's)"
     )
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    parser.add_argument(
+        "--max-new-tokens", type=int, help="new tokens per prompt (default 32; serve: the "
+        "default of requests that set none, over HTTP the room left in the context)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--temperature", type=float, help="0: greedy (the default, but over HTTP OpenAI's 1); "
+        "serve: the default of requests that set none, as --top-k, --top-p and --min-p",
+    )  # fmt: skip
     parser.add_argument("--top-k", type=int)
     parser.add_argument("--top-p", type=float)
     parser.add_argument("--min-p", type=float)
@@ -196,16 +203,19 @@ def _serve(args: argparse.Namespace) -> None:
 
     from .serving import Server, read_requests
 
+    if args.http:  # the extra and the flags checked before the model is read and compiled
+        _require_serve_extra()
+        defaults = _request_defaults(args)
     model, tokenizer = _language_model(args)
     if args.http:
-        return _serve_http(args, model, tokenizer)
+        return _serve_http(args, model, tokenizer, defaults)
     where = str(args.input) if args.input else "standard input"
     lines = args.input.read_text().splitlines() if args.input else sys.stdin.read().splitlines()
     try:
-        requests = read_requests(lines, tokenizer, args.max_new_tokens, where)
+        requests = read_requests(lines, tokenizer, _or(args.max_new_tokens, 32), where)
         server = Server(
             model, args.slots, args.capacity, jax.random.PRNGKey(args.seed),
-            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+            temperature=_or(args.temperature, 0.0), top_k=args.top_k, top_p=args.top_p,
             min_p=args.min_p, stop_tokens=args.stop, chunk=args.chunk, kv_dtype=args.kv_dtype,
             **_paging(args),
         )  # fmt: skip
@@ -225,21 +235,28 @@ def _serve(args: argparse.Namespace) -> None:
         raise UsageError(str(error)) from None
 
 
-def _serve_http(args: argparse.Namespace, model: Any, tokenizer: Any) -> None:
+SERVE_EXTRA = ("starlette", "uvicorn", "jinja2", "prometheus_client", "tokenizers")
+
+
+def _require_serve_extra() -> None:
+    """`serve --http`'s packages (the `serve` extra), each found before anything else runs."""
+    missing = [name for name in SERVE_EXTRA if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(
+            f"serve --http needs the serve extra ({', '.join(missing)} missing): "
+            "pip install 'dense-armor[serve]'."
+        )
+
+
+def _serve_http(args: argparse.Namespace, model: Any, tokenizer: Any, defaults: Any) -> None:
     """`serve --http`: the OpenAI-compatible server on the checkpoint's model; prints the URL it
     listens on once it does."""
     import jax
 
     from .serving import Server
+    from .serving.chat import ChatError, ChatTemplate
+    from .serving.http import create_app, serve_http
 
-    try:
-        from .serving.chat import ChatError, ChatTemplate
-        from .serving.http import create_app, serve_http
-    except ImportError as error:
-        raise UsageError(
-            f"serve --http needs the serve extra ({error.name} is missing): "
-            "pip install 'dense-armor[serve]'."
-        ) from None
     if tokenizer is None:
         raise UsageError(
             f"serve --http needs a tokenizer: pass --tokenizer (none in {args.checkpoint})."
@@ -259,13 +276,38 @@ def _serve_http(args: argparse.Namespace, model: Any, tokenizer: Any) -> None:
         raise UsageError(str(error)) from None
     server.warm_up()  # every compilation now, before the first client waits for one
     name = args.name or args.checkpoint.resolve().name
-    app = create_app(server, tokenizer, name, template, _eos(args.checkpoint) + list(args.stop))
+    app = create_app(
+        server, tokenizer, name, template, _eos(args.checkpoint) + list(args.stop),
+        defaults,
+    )  # fmt: skip
     try:
         serve_http(
             app, args.host, args.port, lambda url: print(f"serving {name} on {url}", flush=True)
         )
     except OSError as error:  # the address is taken, or not this machine's
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {error.strerror}") from None
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def _request_defaults(args: argparse.Namespace) -> Any:
+    """What an HTTP request that leaves a field out gets: the flag given, else OpenAI's default
+    (checked as a request's own field is)."""
+    from .serving.protocol import ApiError, Defaults, parse_completion
+
+    given = {
+        "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+        "min_p": args.min_p, "max_tokens": args.max_new_tokens,
+    }  # fmt: skip
+    given = {name: value for name, value in given.items() if value is not None}
+    try:  # the same ranges as a request's
+        ask = parse_completion({"model": "-", "prompt": "-", **given}, 1)
+    except ApiError as error:
+        flag = {"max_tokens": "max-new-tokens"}.get(str(error.param), str(error.param))
+        raise UsageError(f"--{flag.replace('_', '-')}: {error.message}") from None
+    return Defaults(**{name: getattr(ask, name) for name in given})
 
 
 def _eos(checkpoint: pathlib.Path) -> list[int]:
@@ -295,10 +337,10 @@ def _generate(args: argparse.Namespace) -> None:
         raise UsageError(f"--prompt needs a tokenizer: pass --tokenizer (none in {path.parent}).")
     else:
         ids = tokenizer.encode(args.prompt).ids
-    settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    settings = dict(temperature=_or(args.temperature, 0.0), top_k=args.top_k, top_p=args.top_p)
     try:
         tokens = stream_tokens(
-            model, ids, args.max_new_tokens, jax.random.PRNGKey(args.seed),
+            model, ids, _or(args.max_new_tokens, 32), jax.random.PRNGKey(args.seed),
             min_p=args.min_p, stop_tokens=args.stop, kv_dtype=args.kv_dtype, **settings,
         )  # fmt: skip
         shown, new = "", []

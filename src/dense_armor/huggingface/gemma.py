@@ -77,9 +77,7 @@ def _layer_types(config: dict[str, Any], architecture: str, depth: int) -> list[
         pattern = option({"_sliding_window_pattern": saved}, "_sliding_window_pattern", int, 6)
     if pattern < 1:
         raise HuggingFaceError(f"config.json: `sliding_window_pattern` is {pattern}.")
-    return [
-        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(depth)
-    ]
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(depth)]
 
 
 def _gemma3_rope(config: dict[str, Any]) -> dict[str, Any]:

@@ -13,7 +13,8 @@ from ._tables import Table, per_layer
 from .rope import LAYER_TYPES, rotary_options
 
 __all__ = [
-    "ARCHITECTURES", "DEFAULTS", "IGNORED", "arguments", "layer_windows", "per_layer_options", "table",
+    "ARCHITECTURES", "DEFAULTS", "IGNORED", "arguments", "layer_windows", "per_layer_options",
+    "table",
 ]  # fmt: skip
 
 ARCHITECTURES = (
@@ -31,8 +32,10 @@ _LLAMA = {
     "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
     "attention_bias": False, "mlp_bias": False, "rope_theta": 10000.0,
 }  # fmt: skip
-_QWEN = {"vocab_size": 151936, "intermediate_size": 22016, "max_position_embeddings": 32768,
-         "num_key_value_heads": 32, "use_sliding_window": False, "max_window_layers": 28}  # fmt: skip
+_QWEN = {
+    "vocab_size": 151936, "intermediate_size": 22016, "max_position_embeddings": 32768,
+    "num_key_value_heads": 32, "use_sliding_window": False, "max_window_layers": 28,
+}  # fmt: skip
 # transformers 5's defaults of each architecture's config class: what a key left out of a
 # config means (the hub's files leave many out). Applied under the config before it is read.
 DEFAULTS = {
@@ -73,6 +76,14 @@ IGNORED = {
 }
 
 
+def check_layer_types(types: Any, depth: int) -> None:
+    """`layer_types`: one of `LAYER_TYPES` per layer."""
+    if not isinstance(types, list) or len(types) != depth or not set(types) <= set(LAYER_TYPES):
+        raise HuggingFaceError(
+            f"config.json: `layer_types` is {types!r}; expected {depth} of {LAYER_TYPES}."
+        )
+
+
 def layer_windows(config: dict[str, Any], depth: int) -> list[int | None]:
     """Each layer's window: `sliding_window` on the layers `layer_types` calls sliding (all of
     them when the config has no `layer_types` and a window, as Mistral's)."""
@@ -80,10 +91,7 @@ def layer_windows(config: dict[str, Any], depth: int) -> list[int | None]:
     types = config.get("layer_types")
     if types is None:
         return [window] * depth
-    if not isinstance(types, list) or len(types) != depth or not set(types) <= set(LAYER_TYPES):
-        raise HuggingFaceError(
-            f"config.json: `layer_types` is {types!r}; expected {depth} of {LAYER_TYPES}."
-        )
+    check_layer_types(types, depth)
     if "sliding_attention" in types and window is None:
         raise HuggingFaceError(
             "config.json: sliding layers in `layer_types` but no `sliding_window`."
@@ -190,7 +198,9 @@ def _qwen_windows(
     if architecture == "Qwen3MoeForCausalLM":
         return config, [window] * depth
     start = option(config, "max_window_layers", int, 28)
-    if config.get("layer_types") is None:
+    if config.get("layer_types") is not None:
+        check_layer_types(config["layer_types"], depth)
+    else:
         sliding = window is not None
         types = ["sliding_attention" if sliding and i >= start else "full_attention"
                  for i in range(depth)]  # fmt: skip

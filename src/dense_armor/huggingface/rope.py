@@ -2,8 +2,8 @@
 `rotary_fraction`), from either spelling of the hub's configs: transformers 5's `rope_parameters`
 (one mapping, or one per layer type: Gemma 3's `sliding_attention` and `full_attention`, which
 `gemma` derives from Gemma 3's older keys) or the earlier `rope_theta`, `rope_scaling` (`type` or
-`rope_type`) and `partial_rotary_factor`. A kind the attention does not build (`dynamic`, or one unknown) is
-refused by name."""
+`rope_type`) and `partial_rotary_factor`. A kind the attention does not build (`dynamic`, or one
+unknown) is refused by name."""
 
 import math
 from typing import Any

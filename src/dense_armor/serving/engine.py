@@ -46,8 +46,9 @@ class Server:
     """Continuous batching of generation requests over `slots` cache slots.
 
     **Arguments:** `model` (a `TransformerLM`), `slots` (streams decoded together, default 8),
-    `capacity` (cache slots per stream: a request's prompt and new tokens must fit; default the
-    learned positions' `max_len`, else 256), `key` (the requests' keys derive from it unless
+    `capacity` (cache slots per stream: a request's prompt and new tokens must fit; at most the
+    model's `context`, its default, unless `slots` caches of it pass half of the memory left:
+    see `settings.capacity_of`), `key` (the requests' keys derive from it unless
     given their own), the default sampling rules of the requests (`temperature`, `top_k`,
     `top_p`, `min_p`, as `generate`'s), `stop_tokens` (every request's), `chunk` (the prefill's
     chunk of prompt tokens, default 16: a prompt's whole chunks go through one compiled
@@ -95,9 +96,10 @@ class Server:
         if max_queue is not None:
             require_int(0, caller="Server", max_queue=max_queue)
         self.model, self.slots, self.chunk = model, int(slots), int(chunk)
-        self.capacity = capacity_of(model, capacity)
-        self.sampling = Sampling(temperature, top_k, top_p, min_p)
         check_kv_dtype("Server", kv_dtype)
+        self._paging = paging(pages, page_size, share_prefixes)
+        self.capacity = capacity_of(model, capacity, slots, kv_dtype, self._paging is not None)
+        self.sampling = Sampling(temperature, top_k, top_p, min_p)
         if temperature != 0:
             require_key(key)
         self.kv_dtype, self.max_queue = kv_dtype, max_queue
@@ -109,7 +111,6 @@ class Server:
         self._active: list[_Slot | None] = [None] * self.slots
         self._preempted: dict[int, _Slot] = {}  # by request number, waiting in the queue
         self._submitted = 0
-        self._paging = paging(pages, page_size, share_prefixes)
         self._store: FixedSlots | PagedSlots | None = None
         self._put_off = False  # the last round returned its first tokens before a tick
 
@@ -191,6 +192,12 @@ class Server:
             return self.capacity
         pages, size, _ = self._paging
         return min(self.capacity, (pages - 1) * size + 1)
+
+    @property
+    def pool(self) -> tuple[int, int] | None:
+        """A paged server's pages (the null page among them) and positions per page; None for
+        fixed slots."""
+        return None if self._paging is None else self._paging[:2]
 
     @property
     def page_counts(self) -> tuple[int, int] | None:

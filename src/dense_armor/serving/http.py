@@ -12,6 +12,7 @@ with uvicorn.
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -22,11 +23,23 @@ import jax
 from .chat import ChatError, ChatTemplate
 from .engine import QueueFull, Sampling, Server
 from .metrics import Metrics
-from .protocol import ApiError, Ask, chunk, error_body, parse_chat, parse_completion, response
+from .protocol import (
+    ApiError,
+    Ask,
+    Defaults,
+    chunk,
+    error_body,
+    parse_chat,
+    parse_completion,
+    response,
+)  # fmt: skip
 from .text import TextStream
 from .worker import Engine, Failed
 
 __all__ = ["create_app", "serve_http"]
+
+# The fields a request may leave to the server's `Defaults`
+DEFAULTED = ("temperature", "top_k", "top_p", "min_p", "max_tokens")
 
 
 def create_app(
@@ -35,10 +48,13 @@ def create_app(
     name: str,
     chat_template: ChatTemplate | None = None,
     eos: list[int] | None = None,
+    defaults: Defaults | None = None,
 ) -> Any:
     """The ASGI application serving `server`'s model as `name` (see the module); `tokenizer`
     decodes and encodes text, `chat_template` renders chats (none: the chat endpoint answers
-    400), `eos` the token ids that end every request (with each request's `stop_token_ids`)."""
+    400), `eos` the token ids that end every request (with each request's `stop_token_ids`),
+    `defaults` what a request that leaves out `temperature`, `top_k`, `top_p`, `min_p` or
+    `max_tokens` gets (OpenAI's defaults unless given)."""
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -48,6 +64,7 @@ def create_app(
     metrics = Metrics(server, engine)
     vocab = server.model.vocab
     ends = list(eos or [])
+    defaults = Defaults() if defaults is None else defaults
 
     def failure(error: ApiError) -> JSONResponse:
         metrics.refused(error.status)
@@ -55,9 +72,9 @@ def create_app(
 
     async def complete(request: Request, chat: bool) -> Any:
         try:
-            ask = _parse(await request.body(), chat, vocab, name)
+            ask = _parse(await _body(request), chat, vocab, name)
             prompt = _prompt_ids(ask, tokenizer, chat_template)
-            sampling, key, max_new = _rules(ask, len(prompt), server.longest_request)
+            sampling, key, max_new = _rules(ask, len(prompt), _limit(server), defaults)
             queue = engine.submit(
                 ask.id, prompt, max_new, sampling, key, sorted(set(ends + ask.stop_token_ids))
             )
@@ -108,9 +125,63 @@ def create_app(
         yield
         engine.close()
 
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=_handlers(failure))
     app.state.engine, app.state.metrics = engine, metrics
     return app
+
+
+# OpenAI's error type and code of the answers no route gives itself
+STATUS_KINDS = {
+    404: ("not_found_error", "not_found"), 405: ("invalid_request_error", "method_not_allowed"),
+    413: ("invalid_request_error", "request_too_large"),
+    415: ("invalid_request_error", "unsupported_media_type"),
+    422: ("invalid_request_error", "unprocessable_entity"), 500: ("server_error", "internal_error"),
+}  # fmt: skip
+PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+MAX_BODY = 8 * 2**20  # the bytes of a request's body (413 past them)
+
+
+def _handlers(failure: Callable[[ApiError], Any]) -> dict[Any, Any]:
+    """Starlette's own answers (no such route, a method the route does not take, a crash) as
+    OpenAI's error object, each counted as every refusal is."""
+    from starlette.exceptions import HTTPException
+
+    async def refused(request: Any, error: Any) -> Any:
+        status = int(error.status_code)
+        kind, code = STATUS_KINDS.get(status, ("invalid_request_error", None))
+        where = f"{request.method} {request.url.path}"
+        message = {
+            404: f"{where}: no such route; this server answers {', '.join(PATHS)}.",
+            405: f"{where}: the route does not take {request.method}.",
+        }.get(status, f"{where}: {error.detail}")
+        answer = failure(ApiError(message, None, status, kind, code))
+        for header, value in (error.headers or {}).items():
+            answer.headers[header] = value
+        return answer
+
+    async def crashed(request: Any, error: Exception) -> Any:
+        kind, code = STATUS_KINDS[500]
+        message = f"the server failed on this request ({type(error).__name__}: {error})."
+        return failure(ApiError(message, None, 500, kind, code))
+
+    return {HTTPException: refused, Exception: crashed}
+
+
+async def _body(request: Any) -> bytes:
+    """The request's body, refused (413) past `MAX_BODY` bytes before it is all read."""
+    too_large = ApiError(
+        f"the request body passes {MAX_BODY} bytes.", None, 413, *STATUS_KINDS[413]
+    )
+    stated = request.headers.get("content-length")
+    if stated is not None and stated.isdigit() and int(stated) > MAX_BODY:
+        raise too_large
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > MAX_BODY:
+            raise too_large
+        parts.append(part)
+    return b"".join(parts)
 
 
 def _parse(raw: bytes, chat: bool, vocab: int, name: str) -> Ask:
@@ -144,21 +215,37 @@ def _prompt_ids(ask: Ask, tokenizer: Any, template: ChatTemplate | None) -> list
     return list(tokenizer.encode(ask.prompt).ids)
 
 
-def _rules(ask: Ask, prompt: int, capacity: int) -> tuple[Sampling, Any, int]:
-    """The request's sampling rules, key (its seed's, else None) and new tokens."""
-    room = capacity - prompt
+def _limit(server: Server) -> tuple[int, str]:
+    """The most positions a request may take, and what sets it: the context (each slot's
+    capacity) or, when it is shorter, a paged server's pool."""
+    longest, pool = server.longest_request, server.pool
+    if longest == server.capacity or pool is None:
+        return longest, f"the context ({longest} tokens)"
+    pages, size = pool
+    return longest, (
+        f"the page pool ({pages - 1} pages of {size} positions: {longest} tokens for one "
+        f"request; the context is {server.capacity})"
+    )
+
+
+def _rules(
+    ask: Ask, prompt: int, limit: tuple[int, str], defaults: Defaults
+) -> tuple[Sampling, Any, int]:
+    """The request's sampling rules, key (its seed's, else None) and new tokens, each field the
+    request leaves out from `defaults`; `limit`: the most positions a request may take, and
+    what sets it."""
+    unset = [field for field in DEFAULTED if getattr(ask, field) is None]
+    ask = dataclasses.replace(ask, **{field: getattr(defaults, field) for field in unset})
+    longest, what = limit
+    room = longest - prompt
     if room < 1:
-        raise ApiError(
-            f"the prompt ({prompt} tokens) leaves no room in the context ({capacity} tokens).",
-            "prompt",
-        )
+        raise ApiError(f"the prompt ({prompt} tokens) leaves no room in {what}.", "prompt")
     max_new = room if ask.max_tokens is None else ask.max_tokens
+    if max_new > room and "max_tokens" in unset:
+        max_new = room  # the server's default, cut to the room this prompt leaves
     if max_new > room:
-        name = "max_tokens"
         raise ApiError(
-            f"the prompt ({prompt} tokens) and `{name}={max_new}` pass the context "
-            f"({capacity} tokens).",
-            name,
+            f"the prompt ({prompt} tokens) and `max_tokens={max_new}` pass {what}.", "max_tokens"
         )
     sampling = Sampling(ask.temperature, ask.top_k, ask.top_p, ask.min_p)
     key = None if ask.seed is None else jax.random.PRNGKey(ask.seed)

@@ -15,7 +15,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["ApiError", "Ask", "chunk", "error_body", "parse_chat", "parse_completion", "response"]
+__all__ = [
+    "ApiError", "Ask", "Defaults", "chunk", "error_body", "parse_chat", "parse_completion",
+    "response",
+]  # fmt: skip
 
 MAX_STOPS = 16  # stop strings per request (OpenAI allows 4; vLLM more)
 
@@ -53,6 +56,19 @@ def error_body(error: ApiError) -> dict[str, Any]:
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class Defaults:
+    """What a request that leaves a field out gets: OpenAI's defaults (`temperature` 1, no
+    `top_p`, `top_k` or `min_p`; `max_tokens` the room left in the context), or the server's own
+    (`dense-armor serve --temperature ...`)."""
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    max_tokens: int | None = None
+
+
 @dataclasses.dataclass
 class Ask:
     """A checked request: `prompt` (text, or token ids), or `messages` for a chat."""
@@ -61,8 +77,8 @@ class Ask:
     model: str
     prompt: str | list[int] | None
     messages: list[dict[str, Any]] | None
-    max_tokens: int | None
-    temperature: float
+    max_tokens: int | None  # None: unset in the request (see `Defaults`), as the three below
+    temperature: float | None
     top_p: float | None
     top_k: int | None
     min_p: float | None
@@ -183,7 +199,7 @@ def _common(body: Any, chat: bool, vocab: int) -> dict[str, Any]:
         chat=chat,
         model=model,
         max_tokens=_integer(body, name, 1),
-        temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
+        temperature=_number(body, "temperature", 0.0, 2.0, None),
         top_p=_number(body, "top_p", 0.0, 1.0, None, open_low=True),
         top_k=None if top_k in (None, -1, 0) else top_k,
         min_p=_number(body, "min_p", 0.0, 1.0, None),

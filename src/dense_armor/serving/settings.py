@@ -1,5 +1,7 @@
 """The `Server`'s settings, checked, and the keys its requests draw with."""
 
+import os
+import warnings
 from typing import Any
 
 import jax
@@ -21,17 +23,66 @@ def request_key(key: jax.Array, number: jax.Array) -> jax.Array:
     return jax.random.fold_in(key, number)
 
 
-def capacity_of(model: TransformerLM, capacity: int | None) -> int:
-    """The cache slots per stream: `capacity`, default the model's positions' end, else 256."""
-    end = model.positions_end
-    capacity = (end or 256) if capacity is None else capacity
-    require_int(1, caller="Server", capacity=capacity)
-    if end is not None and capacity > end:
+def capacity_of(
+    model: TransformerLM,
+    capacity: int | None,
+    slots: int = 1,
+    kv_dtype: str | None = None,
+    paged: bool = False,
+) -> int:
+    """The cache slots per stream: `capacity`, at most the model's context; by default the
+    context, unless `slots` whole caches of it would pass half of the memory left on the device
+    (fixed slots only; a paged cache's memory is its pool): then the longest capacity that fits
+    (a multiple of 16), with a warning that says so."""
+    context = int(model.context)
+    if capacity is not None:
+        require_int(1, caller="Server", capacity=capacity)
+        if capacity > context:
+            raise ValueError(
+                f"Server: `capacity={capacity}` passes the model's context of {context} "
+                "positions (`max_len`: an imported checkpoint's max_position_embeddings, or "
+                "LongRoPE's pretrained length)."
+            )
+        return int(capacity)
+    if paged:
+        return context
+    per_position = _cache_bytes(model, 2, kv_dtype) - _cache_bytes(model, 1, kv_dtype)
+    budget = memory_left() // 2
+    if per_position <= 0 or slots * context * per_position <= budget:
+        return context
+    fits = budget // (slots * per_position) // 16 * 16
+    if fits < 16:
         raise ValueError(
-            f"Server: `capacity={capacity}` passes the model's positions, which end at {end} "
-            "(its learned positions' max_len, or LongRoPE's pretrained length)."
+            f"Server: {slots} slots of the smallest cache (16 positions, {per_position * 16} "
+            f"bytes each) pass half of the memory left ({budget * 2} bytes): give fewer `slots` "
+            "or `pages`."
         )
-    return int(capacity)
+    warnings.warn(
+        f"Server: {slots} caches of the model's context ({context} positions, "
+        f"{per_position * context} bytes each) would pass half of the memory left "
+        f"({budget * 2} bytes); each slot holds {fits} positions. Give `capacity` (at most "
+        "the context), fewer `slots`, or `pages` for a paged cache.",
+        stacklevel=3,
+    )
+    return int(fits)
+
+
+def _cache_bytes(model: TransformerLM, capacity: int, kv_dtype: str | None) -> int:
+    """The bytes of one stream's cache of `capacity` positions (shapes only, nothing made)."""
+    shapes = jax.eval_shape(lambda: model.init_cache(capacity, kv_dtype=kv_dtype))
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(shapes))
+
+
+def memory_left() -> int:
+    """The bytes free on the default device: an accelerator's limit less what is in use, the
+    host's available memory on the CPU."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 2**40  # unknown: no bound
 
 
 def paging(pages: Any, page_size: Any, share: Any) -> tuple[int, int, bool | None] | None:

@@ -139,12 +139,13 @@ def _check_generation(
             f"generate: the longest prompt ({longest} tokens) and `max_new_tokens="
             f"{max_new_tokens}` need {needed} cache slots; `capacity={capacity}`."
         )
-    end = model.positions_end
-    if end is not None and needed > end:
+    context = model.context
+    if needed > context:
         raise ValueError(
             f"generate: the longest prompt ({longest} tokens) and `max_new_tokens="
-            f"{max_new_tokens}` reach position {needed - 1}; the model's positions end at {end} "
-            "(its learned positions' max_len, or LongRoPE's pretrained length)."
+            f"{max_new_tokens}` need {needed} positions; the model is made for {context} (its "
+            "context: `max_len`, an imported checkpoint's max_position_embeddings, or LongRoPE's "
+            "pretrained length)."
         )
     return int(capacity)
 

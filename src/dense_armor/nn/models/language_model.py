@@ -31,7 +31,13 @@ from ..mixers.options import attention_options
 from ..state.cache import PositionCache
 from ..state.counter import Counter
 from ..state.streams import batch_streams
-from .language_options import check_softcap, layer_options_checked, longrope_limit, mixer_kinds
+from .language_options import (
+    check_softcap,
+    context_length,
+    layer_options_checked,
+    longrope_limit,
+    mixer_kinds,
+)  # fmt: skip
 from .sequential import Sequential
 from .stack import Stack, scanned
 
@@ -46,7 +52,9 @@ class TransformerLM(Layer):
     norm and the head: `Embedding.attend` (tied) or an `LMHead`.
 
     **Arguments:** `vocab`, `d_model`, `n_heads`, `d_ff`, `depth`, `key`, `max_len` (the longest
-    sequence: the learned positions' rows; rotary positions have no bound but the cache's
+    sequence the model is made for, its `context`: the learned positions' rows, or a rotary
+    model's context, an imported checkpoint's `max_position_embeddings`; `generate` and the
+    `Server` refuse requests past it, while a stream's cache may go on past it up to its
     capacity); then `positions="rope"` (or `"learned"`), `rope_base=10000.0`, `norm="rms"` (or
     `"layer"`), `feed_forward="gated"` (or `"mlp"`), `activation="silu"` (`"gelu_tanh"` for
     GPT-2's MLP), `eps=1e-6` (every norm's), `tie_embeddings=True`, `scan_layers=False` (the
@@ -79,6 +87,7 @@ class TransformerLM(Layer):
         static=True, converter=python_scalar, default=None
     )
     position_limit: int | None = eqx.field(static=True, converter=python_scalar, default=None)
+    context: int | None = eqx.field(static=True, converter=python_scalar, default=None)
     compute_dtype: str | None = eqx.field(static=True, converter=python_scalar, default=None)
     causal: ClassVar[bool] = True
 
@@ -178,6 +187,7 @@ class TransformerLM(Layer):
         self.embed_scale = embed_scale
         self.final_logit_softcap = check_softcap(final_logit_softcap)
         self.position_limit = longrope_limit(options, per_layer)
+        self.context = context_length(max_len, options, per_layer)
 
     @property
     def positions_end(self) -> int | None:

@@ -13,7 +13,9 @@ from ..core import require_choice
 from ..kernels.rotary import check_rope_scaling
 from ..mixers.options import attention_options
 
-__all__ = ["check_softcap", "layer_options_checked", "longrope_limit", "mixer_kinds"]
+__all__ = [
+    "check_softcap", "context_length", "layer_options_checked", "longrope_limit", "mixer_kinds",
+]  # fmt: skip
 
 
 def check_softcap(cap: Any) -> float | None:
@@ -39,6 +41,26 @@ def longrope_limit(
         and dict(scaling)["rope_type"] == "longrope"
     ]
     return min(limits, default=None)
+
+
+def context_length(
+    max_len: int, options: Mapping[str, Any], per_layer: Sequence[Mapping[str, Any]]
+) -> int:
+    """The most positions the model was made for: `max_len` (a checkpoint's
+    `max_position_embeddings`), or the longer context a YaRN scaling stretches its pretrained
+    length to (`factor` times `original_max_position_embeddings`), or LongRoPE's pretrained
+    length where the model's positions end (`longrope_limit`)."""
+    limit = longrope_limit(options, per_layer)
+    if limit is not None:
+        return min(int(max_len), limit)
+    stretched = [
+        int(float(scaling["factor"]) * int(scaling["original_max_position_embeddings"]))
+        for layer in per_layer
+        if (found := check_rope_scaling({**options, **layer}.get("rope_scaling")))
+        and (scaling := dict(found))["rope_type"] == "yarn"
+        and scaling.get("original_max_position_embeddings")
+    ]
+    return max([int(max_len), *stretched])
 
 
 def mixer_kinds(
