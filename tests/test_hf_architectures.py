@@ -446,7 +446,9 @@ def test_a_longrope_model_streams_to_its_pretrained_length_and_no_further(tmp_pa
         model(ids)
     from dense_armor.nn.models.generation import generate
 
-    with pytest.raises(ValueError, match=r"need 49 positions; the model is made for 48 \(its context"):
+    with pytest.raises(
+        ValueError, match=r"need 49 positions; the model is made for 48 \(its context"
+    ):
         generate(model, [[3] * 40], 9)
     with pytest.raises(ArtifactError, match="capacity"):
         export_model(model, ModelConfig("transformer_lm", arguments), tmp_path / "a", capacity=49)
