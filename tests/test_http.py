@@ -669,3 +669,27 @@ def test_serve_http_refuses_a_taken_port_and_a_corrupted_config(tmp_path, capsys
         assert cli([*base, "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert re.search(rf"cannot listen on 127.0.0.1:{port}: Address already in use", err), err
+
+
+def test_a_failure_of_the_server_itself_is_openais_error_object():
+    """A tokenizer that fails inside a request (what no bad input may cause): a 500 with the
+    error object, type `server_error`, and the next request is answered."""
+    from starlette.testclient import TestClient
+
+    from dense_armor.nn.models.language_model import TransformerLM
+    from dense_armor.serving import Server
+    from dense_armor.serving.http import create_app
+
+    class Broken:
+        def encode(self, text, add_special_tokens=True):
+            raise RuntimeError("the tokenizer's file went away")
+
+    model = TransformerLM(16, 16, 2, 32, 1, jax.random.PRNGKey(0), 8)
+    app = create_app(Server(model, slots=1), Broken(), "tiny")
+    with TestClient(app, raise_server_exceptions=False) as client:
+        for _ in range(2):
+            answer = client.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
+            assert answer.status_code == 500
+            error = answer.json()["error"]
+            assert error["type"] == "server_error" and "went away" in error["message"]
+        assert client.get("/v1/models").status_code == 200

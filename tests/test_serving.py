@@ -257,3 +257,26 @@ def test_the_cli_refuses_bad_requests_in_one_line(tmp_path, capsys, text, words)
     err = capsys.readouterr().err
     assert err.startswith("dense-armor serve: error: ") and err.count("\n") == 1
     assert re.search(words, err), err
+
+
+def test_the_default_capacity_is_the_models_context_bounded_by_memory(monkeypatch):
+    """A checkpoint's context travels with it: an imported Llama's max_position_embeddings (64)
+    is its Server's capacity, a larger one is refused; when the slots' caches of that context
+    would pass half of the memory left, the capacity is what fits (a multiple of 16), said in a
+    warning; when not even 16 positions fit, a refusal names the remedies."""
+    from dense_armor.serving import settings
+
+    model, arguments = import_hf(DATA / "llama_gqa")
+    assert arguments["max_len"] == 64 == model.context
+    assert Server(model, slots=2).capacity == 64
+    with pytest.raises(ValueError, match=r"`capacity=65` passes the model's context of 64"):
+        Server(model, slots=2, capacity=65)
+    # 2 layers x 2 key/value heads x 8 features x keys and values x 4 bytes = 256 per position
+    per_position = 2 * 2 * 8 * 2 * 4
+    monkeypatch.setattr(settings, "memory_left", lambda: 2 * 4 * 40 * per_position)
+    with pytest.warns(UserWarning, match=r"4 caches of the model's context \(64 positions"):
+        assert Server(model, slots=4).capacity == 32  # 40 fit: 32, a multiple of 16
+    assert Server(model, slots=4, pages=9).capacity == 64  # a paged cache's memory is its pool
+    monkeypatch.setattr(settings, "memory_left", lambda: 2 * 4 * 8 * per_position)
+    with pytest.raises(ValueError, match=r"give fewer `slots` or `pages`"):
+        Server(model, slots=4)

@@ -70,7 +70,7 @@ class Config(dict[str, Any]):
         super().__init__(data)
         self.read: set[str] = set() if read is None else read
 
-    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+    def get(self, key: str, default: Any = None) -> Any:
         self.read.add(key)
         return super().get(key, default)
 

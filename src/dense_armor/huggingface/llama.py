@@ -123,7 +123,7 @@ def arguments(config: dict[str, Any], architecture: str) -> dict[str, Any]:
     depth = option(config, "num_hidden_layers", int, 32)
     head_dim = option(config, "head_dim", int, None) or d_model // n_heads
     qwen2, star = architecture == "Qwen2ForCausalLM", architecture == "Starcoder2ForCausalLM"
-    windows = [None] * depth
+    windows: list[int | None] = [None] * depth
     if architecture in WINDOWED:
         windows = layer_windows(config, depth)
     if architecture in QWEN:

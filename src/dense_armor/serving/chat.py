@@ -41,7 +41,7 @@ def _environment() -> Any:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Generation(jinja2.ext.Extension):  # `{% generation %}...{% endgeneration %}`: its body
-        tags = frozenset({"generation"})
+        tags = {"generation"}  # noqa: RUF012 (jinja2 declares it a set)
 
         def parse(self, parser: Any) -> Any:
             lineno = next(parser.stream).lineno

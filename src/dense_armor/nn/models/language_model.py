@@ -87,7 +87,7 @@ class TransformerLM(Layer):
         static=True, converter=python_scalar, default=None
     )
     position_limit: int | None = eqx.field(static=True, converter=python_scalar, default=None)
-    context: int | None = eqx.field(static=True, converter=python_scalar, default=None)
+    context: int = eqx.field(static=True, converter=python_scalar, default=0)
     compute_dtype: str | None = eqx.field(static=True, converter=python_scalar, default=None)
     causal: ClassVar[bool] = True
 
