@@ -160,3 +160,39 @@ def test_checkpoints_and_artifacts_get_the_usual_permissions(tmp_path):
     for file in [*ckpt.iterdir(), *art.directory.iterdir()]:
         if file.is_file():
             assert stat.S_IMODE(file.stat().st_mode) == 0o644, file
+
+
+def test_arrays_in_a_devices_column_major_order_are_written_row_major(tmp_path, monkeypatch):
+    """On a TPU `np.asarray(x)` can give a view in the device buffer's layout (a matrix
+    column-major); safetensors' writer copies memory as it lies, so every file the package writes
+    goes through `write_safetensors`, which makes each array row-major. Here the weights come
+    back column-major, as a TPU hands some back: checkpoint, artifact and Hugging Face directory
+    still hold the model's values."""
+    import ast
+    import pathlib
+
+    from dense_armor import _tensors
+    from dense_armor.huggingface import export_hf, import_hf
+    from dense_armor.nn.models.language_model import TransformerLM
+
+    arguments = dict(vocab=32, d_model=16, n_heads=2, d_ff=24, depth=1, max_len=8)
+    model = TransformerLM(**arguments, key=jax.random.PRNGKey(0))
+    config = ModelConfig("transformer_lm", arguments)
+    row_major = _tensors.row_major
+    monkeypatch.setattr(_tensors, "row_major", lambda a: row_major(np.asfortranarray(a)))
+    assert not np.asfortranarray(np.ones((3, 2))).flags.c_contiguous  # what the writer is given
+    loaded = load_checkpoint(save_checkpoint(tmp_path / "ckpt", model, config)).model
+    written = export_hf(model, arguments, tmp_path / "hf", architecture="LlamaForCausalLM")
+    again, _ = import_hf(written)
+    for copy in (loaded, again):
+        for a, b in zip(model.params(), copy.params(), strict=True):
+            np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value))
+    # and nothing in the package writes a safetensors file another way
+    source = pathlib.Path(_tensors.__file__).parent
+    for path in source.rglob("*.py"):
+        names = {
+            node.attr if isinstance(node, ast.Attribute) else node.id
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute | ast.Name)
+        }
+        assert "save_file" not in names or path.name == "_tensors.py", path

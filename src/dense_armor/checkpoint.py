@@ -30,10 +30,11 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 from safetensors import SafetensorError
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from . import _atomic
 from ._atomic import WRITE_STEPS, sha256
+from ._tensors import write_safetensors
 from .families import FAMILIES
 from .nn.core import is_integer, python_scalar, require_bool
 from .nn.models.stack import stack_layers, unstack_layers
@@ -239,9 +240,9 @@ def _write_checkpoint(
         )
 
     def fill(tmp: pathlib.Path) -> None:
-        save_file(weights, str(tmp / "weights.safetensors"), metadata={"format": FORMAT})
+        write_safetensors(weights, tmp / "weights.safetensors", metadata={"format": FORMAT})
         if state_arrays is not None:
-            save_file(dict(state_arrays), str(tmp / "state.safetensors"))
+            write_safetensors(state_arrays, tmp / "state.safetensors")
         if state is not None:
             _write_json(tmp / "state.json", dict(state))
         _atomic.reached("files written")

@@ -43,10 +43,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
-from safetensors.numpy import save_file
 
 from .. import _atomic
+from .._tensors import write_safetensors
 from ..checkpoint import (
     ModelConfig,
     check_fits,
@@ -157,12 +156,11 @@ def export_model(
     def fill(tmp: pathlib.Path) -> None:
         exported, stripped = write_portable(tmp, functions, platforms)
         static_entries, static_stripped = write_static(tmp, functions, lowering, platforms, shapes)
-        save_file(
-            dict(zip(lowering.names, map(np.asarray, lowering.weights), strict=True)),
-            str(tmp / "weights.safetensors"),
+        write_safetensors(
+            dict(zip(lowering.names, lowering.weights, strict=True)), tmp / "weights.safetensors"
         )
         golden_arrays, golden_plan = golden(lowering, seed, functions, static_entries)
-        save_file(golden_arrays, str(tmp / "golden.safetensors"))
+        write_safetensors(golden_arrays, tmp / "golden.safetensors")
         (tmp / "run.py").write_text(pathlib.Path(standalone.__file__).read_text())
         pjrt = write_runner(tmp)
         manifest = describe(

@@ -18,9 +18,9 @@ from typing import Any
 import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
-from safetensors.numpy import save_file
 
 from .._atomic import write_directory
+from .._tensors import write_safetensors
 from ..nn.models.language_model import TransformerLM
 from ..nn.models.sequential import Sequential
 from ..nn.models.stack import Stack
@@ -261,7 +261,7 @@ def export_hf(
 
     def fill(tmp: pathlib.Path) -> None:
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         for name in TOKENIZER_FILES if tokenizer is not None else ():
             path = pathlib.Path(tokenizer) / name  # type: ignore[arg-type]
             if path.is_file():
