@@ -50,7 +50,20 @@ def golden(
     """The golden arrays and their plan for the manifest: three forward shapes, and a stream of
     two, `min(capacity, GOLDEN_STEPS)` steps long: `init_cache`, `prefill` of the first steps,
     `step` over the rest with stream 1 reset part-way (to a new context, for a family with one);
-    and a case for every static module's function and shape (`_static_cases`)."""
+    and a case for every static module's function and shape (`_static_cases`).
+
+    Every output is computed on the host's CPU device (`Lowering.on_host`), whatever JAX's
+    default backend: the same golden data from every machine that exports."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        return _golden(lowering.on_host(), seed, functions, static_entries)
+
+
+def _golden(
+    lowering: Lowering,
+    seed: int,
+    functions: dict[str, Function],
+    static_entries: Sequence[dict[str, Any]],
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     data = _Golden(lowering, seed, functions)
     forward = data.forward_cases()
     stream = data.stream()

@@ -22,6 +22,7 @@ Shapes, dtypes and names of every input and output are read from the model (`jax
 symbolic shapes), never written by hand; Equinox classes never reach a signature.
 """
 
+import copy
 import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
@@ -265,6 +266,17 @@ class Lowering:
         return rng.standard_normal(shape, dtype=np.float32)
 
     # -- the model's pieces -----------------------------------------------------------------
+
+    def on_host(self) -> "Lowering":
+        """This lowering with its weights (and the causal model over them) on the host's CPU
+        device: what the golden outputs are computed with, so that they are the same values
+        whichever machine exports (an accelerator's float32 arithmetic differs from the host's,
+        and the golden data must never carry it)."""
+        cpu = jax.devices("cpu")[0]
+        host = copy.copy(self)
+        host.weights = [jax.device_put(w, cpu) for w in self.weights]
+        host.causal_model = host._model(host.weights, causal=True)
+        return host
 
     def _model(self, weights: list[jax.Array], causal: bool) -> Any:
         treedef, static = (

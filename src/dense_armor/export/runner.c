@@ -568,6 +568,14 @@ static PJRT_Buffer *to_device(const Array *a, const DType *type) {
     }
     data = converted;
   }
+  /* the host bytes' layout stated: row-major, each dimension's stride in bytes */
+  int64_t strides[16];
+  if (a->ndim > 16) fail("an input of %d dimensions (the runner writes up to 16)", a->ndim);
+  int64_t stride = (int64_t)type->size;
+  for (int i = a->ndim - 1; i >= 0; i--) {
+    strides[i] = stride;
+    stride *= a->dims[i];
+  }
   PJRT_Client_BufferFromHostBuffer_Args b = {
       .struct_size = PJRT_Client_BufferFromHostBuffer_Args_STRUCT_SIZE,
       .client = client,
@@ -575,6 +583,8 @@ static PJRT_Buffer *to_device(const Array *a, const DType *type) {
       .type = type->pjrt,
       .dims = a->dims,
       .num_dims = (size_t)a->ndim,
+      .byte_strides = strides,
+      .num_byte_strides = (size_t)a->ndim,
       .host_buffer_semantics = PJRT_HostBufferSemantics_kImmutableOnlyDuringCall,
       .device = device,
   };
@@ -584,10 +594,28 @@ static PJRT_Buffer *to_device(const Array *a, const DType *type) {
   return b.buffer;
 }
 
-/* A device buffer's bytes on the host (`*size` of them). */
+/* A device buffer's bytes on the host (`*size` of them), always row-major: the host layout is
+   stated (dimensions major to minor, no tiles), never left to the device buffer's own, which
+   XLA's TPU compiler may order otherwise (with a null `host_layout` the bytes would come back
+   in that order). */
 static unsigned char *to_host(PJRT_Buffer *buffer, size_t *size) {
+  PJRT_Buffer_Dimensions_Args d = {.struct_size = PJRT_Buffer_Dimensions_Args_STRUCT_SIZE,
+                                   .buffer = buffer};
+  check(api->PJRT_Buffer_Dimensions(&d), "reading an output's dimensions");
+  int64_t minor_to_major[16];
+  if (d.num_dims > 16) fail("an output of %zu dimensions (the runner reads up to 16)", d.num_dims);
+  for (size_t i = 0; i < d.num_dims; i++) minor_to_major[i] = (int64_t)(d.num_dims - 1 - i);
+  PJRT_Buffer_MemoryLayout row_major = {
+      .struct_size = PJRT_Buffer_MemoryLayout_STRUCT_SIZE,
+      .tiled = {.struct_size = PJRT_Buffer_MemoryLayout_Tiled_STRUCT_SIZE,
+                .minor_to_major = minor_to_major,
+                .minor_to_major_size = d.num_dims,
+                .num_tiles = 0},
+      .type = PJRT_Buffer_MemoryLayout_Type_Tiled,
+  };
   PJRT_Buffer_ToHostBuffer_Args a = {.struct_size = PJRT_Buffer_ToHostBuffer_Args_STRUCT_SIZE,
-                                     .src = buffer};
+                                     .src = buffer,
+                                     .host_layout = &row_major};
   check(api->PJRT_Buffer_ToHostBuffer(&a), "sizing an output");
   unsigned char *data = checked_alloc(a.dst_size);
   a.dst = data;
