@@ -1,0 +1,61 @@
+"""The device lane's code on the CPU, with XLA's CPU plugin for the C runner: what a developer
+runs on an accelerator machine (tests/device_lane.py) exports, checks through JAX and from C,
+and reports here too, so that CI keeps it alive without an accelerator."""
+
+import json
+import shutil
+
+import pytest
+
+import device_lane
+
+
+def test_the_lane_exports_checks_and_reports_a_language_model_on_the_cpu(tmp_path):
+    if not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):  # .ci/run's machine has one
+        pytest.skip("no C compiler here: the C runner cannot be built")
+    name = "language model, greedy"
+    device_lane.export(tmp_path / "cpu", [name], ["cpu"])
+    rows = tmp_path / "rows.jsonl"
+    artifacts = device_lane._artifacts([str(tmp_path / "cpu")])
+    assert [a.name for a in artifacts] == [device_lane.slug(name)]
+    device_lane.check_jax(artifacts, rows)
+    device_lane.check_c(artifacts, rows, None, None)
+    device_lane.report(rows, tmp_path / "report", "cpu", device_lane.machine())
+    written = json.loads((tmp_path / "report" / "cpu.json").read_text())
+    assert written["machine"]["platform"] == "cpu"
+    found = [(r["family"], r["runtime"], r["exported_on"], r["ok"]) for r in written["rows"]]
+    assert found == [(name, "jax", "cpu", True), (name, "c", "cpu", True)], written["rows"]
+    for row in written["rows"]:  # golden cases, the decoding, and the steps past the capacity
+        assert row["tokens_differ"] == 0 and row["max_error"] <= row["tolerance"]
+        assert row["checks"] >= 8 and row["step_us"] > 0
+    table = (tmp_path / "report" / "cpu.md").read_text()
+    assert "2 of 2 rows ok" in table and table.count("| language model, greedy |") == 2
+
+
+def test_a_row_past_its_tolerance_or_with_a_token_off_is_not_ok(tmp_path):
+    directory = tmp_path / "cpu" / "encoder"
+    directory.mkdir(parents=True)
+    (tmp_path / "cpu" / "exported.json").write_text(
+        json.dumps({"exported_on": "cpu", "families": {"encoder": "encoder"}})
+    )
+    (directory / "manifest.json").write_text(json.dumps({"precision": {"tolerance": 1e-4}}))
+    good = device_lane._row(directory, "c", {"forward": 1e-6, "decode (tokens that differ)": 0})
+    off = device_lane._row(directory, "c", {"forward": 1e-6, "decode (tokens that differ)": 1})
+    far = device_lane._row(directory, "c", {"forward": 2e-4})
+    assert (good["ok"], off["ok"], far["ok"]) == (True, False, False)
+    assert off["tokens_differ"] == 1 and far["max_error"] == 2e-4
+
+
+def test_the_readmes_tpu_section_is_the_committed_reports():
+    root = device_lane.ROOT
+    text = (root / "README.md").read_text()
+    section = text[
+        text.index(device_lane.BEGIN) + len(device_lane.BEGIN) : text.index(device_lane.END)
+    ]
+    report = root / "docs" / "devices" / "tpu-v5e.json"
+    assert section.strip() == device_lane.readme_section(report).strip()
+    rows = json.loads(report.read_text())["rows"]
+    assert {r["runtime"] for r in rows} == {"jax", "c"} and {r["exported_on"] for r in rows} == {
+        "cpu",
+        "tpu",
+    }
