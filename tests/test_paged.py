@@ -237,3 +237,23 @@ def test_a_hybrid_serves_from_pages_with_its_states_beside_them():
         np.testing.assert_array_equal(completion.tokens, greedy[n], err_msg=str(n))
     assert sum(c.preempted for c in done) > 0
     assert (server._store.book.available, server._store.book.held) == (7, 0)
+
+
+def test_a_scanned_model_serves_from_pages_token_exact():
+    """`scan_layers=True`: the layers' caches stacked on a depth axis, so every pool, table and
+    counter carries it (the pools' pages on axis 1); prefix sharing copies a page of every
+    layer's pool, preemption recomputes, and each request still gets its solo tokens."""
+    from dense_armor.nn.models.stack import scanned
+
+    model, _ = import_hf(DATA / "llama_gqa")
+    stacked = eqx.tree_at(lambda m: m.blocks, model, scanned(model.blocks))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, model.vocab, n).tolist() for n in (5, 1, 12, 3, 21, 8)]
+    prompts.append(prompts[4][:16])  # a whole prompt in shared pages: its last page copied
+    greedy = np.asarray(generate(model, prompts, 6).tokens)
+    server = Server(stacked, 3, 32, chunk=4, pages=10, page_size=4, share_prefixes=True)
+    done = server.serve([(p, 6) for p in prompts])
+    for n, completion in enumerate(done):
+        np.testing.assert_array_equal(completion.tokens, greedy[n], err_msg=str(n))
+    assert done[-1].cached_tokens == 15 and sum(c.preempted for c in done) > 0
+    assert (server._store.book.available, server._store.book.held) == (9, 0)

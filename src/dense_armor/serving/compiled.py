@@ -195,7 +195,8 @@ def start_stream(fresh: Any, table: Any, index: Any) -> Any:
 
     def one(node: Any) -> Any:
         if isinstance(node, Counter):
-            return eqx.tree_at(lambda c: c.index, node, jnp.asarray(index, node.index.dtype))
+            at = jnp.broadcast_to(jnp.asarray(index, node.index.dtype), node.index.shape)
+            return eqx.tree_at(lambda c: c.index, node, at)  # a scanned stack's: every layer
         return node
 
     return jax.tree.map(one, with_tables(fresh, table), is_leaf=lambda n: isinstance(n, Counter))

@@ -14,6 +14,10 @@ Page 0 is the null page: no stream owns it. A table's unused entries may point t
 step past a stream's pages (which the page owner never lets happen) writes there: every index is
 inside the pool by construction, whatever runtime runs the step.
 
+A scanned stack's caches (`scan_layers=True`) carry the layers' axis first: its pools are
+`(depth, pages, ...)`, its tables and counters `(depth, ...)`, every layer the same pages
+(`with_tables` broadcasts a stream's table to them); the stack's scan hands each layer its slice.
+
 A batch of streams shares the pools: `paged_streams` gives every stream its own table and
 counters (a leading batch axis) and the pools none; `stream_axes` is the `jax.vmap` axes of such
 a batch (`None` for the pools). Under `jax.vmap`, each stream's write of its rows is batched into
@@ -27,6 +31,7 @@ from typing import Any, ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.custom_batching import custom_vmap
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Int
@@ -158,14 +163,15 @@ def paged_cache(cache: Any, pages: int, page_size: int, width: int) -> Any:
     def one(node: Any) -> Any:
         if not _is_paged_source(node):
             return node
-        n_heads, _, d_head = node.keys.shape
-        zeros = jnp.zeros((pages, n_heads, page_size, d_head), node.keys.dtype)
+        *depth, n_heads, _, d_head = node.keys.shape  # `depth`: the layers of a scanned stack
+        zeros = jnp.zeros((*depth, pages, n_heads, page_size, d_head), node.keys.dtype)
         scales = None
         if node.key_scale is not None:
-            scales = jnp.zeros((pages, n_heads, page_size, 1), jnp.float32)
+            scales = jnp.zeros((*depth, pages, n_heads, page_size, 1), jnp.float32)
         mode = node.on_overflow if isinstance(node, FixedKVCache) else "nan"
         counter = Counter.start(mode, width * page_size)
-        table = jnp.zeros(width, jnp.int32)
+        counter = jax.tree.map(lambda a: jnp.broadcast_to(a, (*depth, *a.shape)), counter)
+        table = jnp.zeros((*depth, width), jnp.int32)
         return PagedKVCache(
             keys=zeros, values=zeros.copy(), table=table, counter=counter, key_scale=scales,
             value_scale=_copy(scales),
@@ -213,9 +219,13 @@ def with_tables(cache: Any, table: Array) -> Any:
     """`cache` with every paged cache's table `table` (the layers share a stream's pages)."""
 
     def one(node: Any) -> Any:
-        if isinstance(node, PagedKVCache):
-            return eqx.tree_at(lambda c: c.table, node, table)
-        return node
+        if not isinstance(node, PagedKVCache):
+            return node
+        given = jnp.asarray(table, node.table.dtype)
+        if node.table.ndim > given.ndim:  # a scanned stack's: every layer the same pages
+            shape = (*node.table.shape[:-1], given.shape[-1])
+            given = jnp.broadcast_to(jnp.expand_dims(given, -2), shape)
+        return eqx.tree_at(lambda c: c.table, node, given)
 
     return jax.tree.map(one, cache, is_leaf=lambda n: isinstance(n, PagedKVCache))
 
@@ -227,14 +237,20 @@ def copy_page(cache: Any, source: ArrayLike, target: ArrayLike) -> Any:
     def one(node: Any) -> Any:
         if not isinstance(node, PagedKVCache):
             return node
-        pools = [node.keys, node.values, node.key_scale, node.value_scale]
-        last = node.keys.shape[0] - 1
+        axis = node.keys.ndim - 4  # the pages' axis: 1 in a scanned stack's pools
+        last = node.keys.shape[axis] - 1
         src, dst = jnp.clip(source, 0, last), jnp.clip(target, 0, last)
-        key_scale, value_scale = (None if p is None else p.at[dst].set(p[src]) for p in pools[2:])
+
+        def copied(p: Array | None) -> Array | None:
+            if p is None:
+                return None
+            page = lax.dynamic_index_in_dim(p, src, axis, keepdims=False)
+            return lax.dynamic_update_index_in_dim(p, page, dst, axis)
+
         return PagedKVCache(
-            keys=node.keys.at[dst].set(node.keys[src]),
-            values=node.values.at[dst].set(node.values[src]),
-            table=node.table, counter=node.counter, key_scale=key_scale, value_scale=value_scale,
+            keys=copied(node.keys), values=copied(node.values), table=node.table,
+            counter=node.counter, key_scale=copied(node.key_scale),
+            value_scale=copied(node.value_scale),
         )  # fmt: skip
 
     return jax.tree.map(one, cache, is_leaf=lambda n: isinstance(n, PagedKVCache))
