@@ -241,16 +241,14 @@ def copy_page(cache: Any, source: ArrayLike, target: ArrayLike) -> Any:
         last = node.keys.shape[axis] - 1
         src, dst = jnp.clip(source, 0, last), jnp.clip(target, 0, last)
 
-        def copied(p: Array | None) -> Array | None:
-            if p is None:
-                return None
+        def copied(p: Array) -> Array:
             page = lax.dynamic_index_in_dim(p, src, axis, keepdims=False)
             return lax.dynamic_update_index_in_dim(p, page, dst, axis)
 
+        scales = [None if p is None else copied(p) for p in (node.key_scale, node.value_scale)]
         return PagedKVCache(
             keys=copied(node.keys), values=copied(node.values), table=node.table,
-            counter=node.counter, key_scale=copied(node.key_scale),
-            value_scale=copied(node.value_scale),
+            counter=node.counter, key_scale=scales[0], value_scale=scales[1],
         )  # fmt: skip
 
     return jax.tree.map(one, cache, is_leaf=lambda n: isinstance(n, PagedKVCache))
