@@ -63,7 +63,7 @@ def test_interrupted_write_keeps_the_previous_checkpoint(tmp_path, getkey, monke
             handle.write(b"\x00" * 10)  # a partial file, then the process "dies"
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(checkpoint_module, "save_file", crash)
+    monkeypatch.setattr(checkpoint_module, "write_safetensors", crash)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(tmp_path / "ckpt", CONFIG.build(getkey()), CONFIG)
     monkeypatch.undo()

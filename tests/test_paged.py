@@ -257,3 +257,29 @@ def test_a_scanned_model_serves_from_pages_token_exact():
         np.testing.assert_array_equal(completion.tokens, greedy[n], err_msg=str(n))
     assert done[-1].cached_tokens == 15 and sum(c.preempted for c in done) > 0
     assert (server._store.book.available, server._store.book.held) == (9, 0)
+
+
+def test_nothing_compiles_after_warm_up_whatever_the_load():
+    """After `warm_up`, a paged server with shared prefixes serves prompts of every length up to
+    its context, prompts that share prefixes (copied pages) and more than its pool holds at once
+    (preemption and recompute) without tracing anything anew (JAX's monitoring events), each
+    request its solo tokens."""
+    from test_serving import Traces
+
+    model, _ = import_hf(DATA / "llama_gqa")
+    server = Server(model, 3, 32, chunk=4, pages=10, page_size=4, share_prefixes=True)
+    server.warm_up()
+    rng = np.random.default_rng(3)
+    base = rng.integers(0, model.vocab, 31).tolist()
+    prompts = [rng.integers(0, model.vocab, n).tolist() for n in range(1, 31)]
+    prompts += [base[:n] for n in (31, 17, 9, 24, 31)]  # prefixes of one another, repeated
+    new = [
+        32 - len(p) if i % 3 == 0 else min(1 + i % 4, 32 - len(p)) for i, p in enumerate(prompts)
+    ]
+    with Traces() as traces:
+        done = server.serve(zip(prompts, new, strict=True))
+    assert traces.count == 0
+    assert sum(c.preempted for c in done) > 0 and sum(c.cached_tokens for c in done) > 0
+    for n in (0, 12, 29, 30, 34):  # a sample of them, against `generate` alone
+        alone = np.asarray(generate(model, [prompts[n]], new[n]).tokens[0])
+        np.testing.assert_array_equal(done[n].tokens, alone, err_msg=str(n))

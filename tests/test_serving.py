@@ -280,3 +280,15 @@ def test_the_default_capacity_is_the_models_context_bounded_by_memory(monkeypatc
     monkeypatch.setattr(settings, "memory_left", lambda: 2 * 4 * 8 * per_position)
     with pytest.raises(ValueError, match=r"give fewer `slots` or `pages`"):
         Server(model, slots=4)
+
+
+def test_serves_compilation_cache_defaults_to_the_users_cache_directory(monkeypatch, tmp_path):
+    from dense_armor.cli_language import compile_cache_dir
+
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compile_cache_dir(None) == tmp_path / "xdg" / "dense-armor" / "jax"
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "own"))
+    assert compile_cache_dir(None) == tmp_path / "own"  # the user's JAX setting wins
+    assert compile_cache_dir("none") is None and compile_cache_dir("NONE") is None
+    assert compile_cache_dir(str(tmp_path / "given")) == tmp_path / "given"

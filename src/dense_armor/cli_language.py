@@ -6,6 +6,7 @@
 import argparse
 import importlib.util
 import json
+import os
 import pathlib
 import shutil
 import sys
@@ -130,6 +131,11 @@ def _add_serve(commands: Any) -> None:
     http.add_argument("--port", type=int, default=8000, help="the port (0: a free one)")
     http.add_argument("--max-queue", type=int, default=64, help="requests waiting at most (503)")
     http.add_argument("--name", help="the model's name in requests (default: the directory's)")
+    se.add_argument(
+        "--compile-cache", help="JAX's persistent compilation cache, where a restarted server "
+        "finds its compiled functions (default: $JAX_COMPILATION_CACHE_DIR if set, else "
+        "$XDG_CACHE_HOME/dense-armor/jax, ~/.cache/dense-armor/jax; 'none': off)",
+    )  # fmt: skip
     _add_sampling(se)
 
 
@@ -206,6 +212,7 @@ def _serve(args: argparse.Namespace) -> None:
     if args.http:  # the extra and the flags checked before the model is read and compiled
         _require_serve_extra()
         defaults = _request_defaults(args)
+    _compile_cache(args.compile_cache)
     model, tokenizer = _language_model(args)
     if args.http:
         return _serve_http(args, model, tokenizer, defaults)
@@ -286,6 +293,33 @@ def _serve_http(args: argparse.Namespace, model: Any, tokenizer: Any, defaults: 
         )
     except OSError as error:  # the address is taken, or not this machine's
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {error.strerror}") from None
+
+
+def compile_cache_dir(given: str | None) -> pathlib.Path | None:
+    """Where `serve` keeps JAX's compiled functions (see `--compile-cache`), or None."""
+    if given is not None:
+        return None if given.lower() == "none" else pathlib.Path(given).expanduser()
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return pathlib.Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(base) / "dense-armor" / "jax"
+
+
+def _compile_cache(given: str | None) -> None:
+    """JAX's persistent compilation cache on, every compiled function kept (small ones too: a
+    server compiles many), before anything compiles."""
+    import jax
+
+    directory = compile_cache_dir(given)
+    if directory is None:
+        return
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"--compile-cache {directory}: {error.strerror}") from None
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _or(value: Any, default: Any) -> Any:

@@ -224,7 +224,8 @@ class Server:
     def warm_up(self) -> None:
         """Compile now what serving will run, so that no request waits for a compilation: every
         prefill piece, the batched prefill and admission of each batch size the slots allow
-        (requests admitted in one round are prefilled together), and the tick. It serves a few
+        (requests admitted in one round are prefilled together), and the tick; a paged server's
+        prefill pieces and ticks at every table width too (`PagedSlots.warm`). It serves a few
         two-token requests of zeros; later requests are numbered as if it had not."""
         if not self.idle:
             raise ValueError("Server.warm_up: call it before submitting requests.")
@@ -237,6 +238,9 @@ class Server:
             # two new tokens each: the first drawn from the prefill, the second by a tick
             self.serve([([0] * n, 2)] + [([0] * (2 * n), 2)] * (count - 1))
         self._submitted = submitted
+        store = self._slots()
+        if isinstance(store, PagedSlots):  # and every table width a longer request reaches
+            store.warm(self._inputs())
 
     def run(self) -> Iterator[Completion]:
         """Serve the queue until it is empty and every slot idle, yielding each `Completion` as

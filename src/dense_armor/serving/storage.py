@@ -262,6 +262,34 @@ class PagedSlots:
         every[rows] = np.asarray(chosen)
         return every
 
+    def warm(self, arrays: tuple[np.ndarray, ...]) -> None:
+        """Compile now, at every table width a request can reach (the powers of two up to the
+        whole table), each prefill piece and the tick of every batch size, and the copy of a
+        page: whatever its length, sharing or preemption, no later request waits for a
+        compilation. Each call reads and writes only the null page (all-zero tables), and the
+        idle slots' states it steps are replaced when a request is admitted (`arrays`: the
+        tick's arrays of idle slots)."""
+        widths = sorted({bucket(k, self.width) for k in range(1, self.width + 1)})
+        sizes = sorted(set(prefill_pieces(2 * self.chunk - 1, self.chunk)))
+        counts = sorted({bucket(k, self.slots) for k in range(1, self.slots + 1)})
+        null = np.zeros(self.width, np.int32)
+        for width in widths:
+            own = start_stream(self.fresh, null, np.int32(0))
+            for size in sizes:
+                piece = np.zeros(size, np.int32)  # token 0: in every vocabulary
+                with ids_checked():
+                    self.pools, own = paged_prefill(
+                        self.model, piece, self.pools, own, null[:width]
+                    )
+            for count in counts:
+                rows = np.arange(count, dtype=np.int32)
+                with ids_checked():
+                    _, self.pools, self.own = paged_tick(
+                        self.model, self.pools, self.own, rows,
+                        np.zeros((count, width), np.int32), *(a[rows] for a in arrays),
+                    )  # fmt: skip
+        self.pools = copy_page(self.pools, np.int32(0), np.int32(0))
+
     def release(self, i: int, written: np.ndarray | None = None) -> None:
         if self.share and written is not None:  # its full pages, kept by key for its return
             self.book.register(written, self.held[i], len(written))
