@@ -21,12 +21,11 @@ from .rope import LAYER_TYPES
 __all__ = ["ARCHITECTURES", "DEFAULTS", "IGNORED", "arguments", "table"]
 
 ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
-_THETA = {"GemmaForCausalLM": 10000.0, "Gemma2ForCausalLM": 10000.0, "Gemma3ForCausalLM": 1e6}
 _GEMMA = {
     "vocab_size": 256000, "hidden_size": 3072, "intermediate_size": 24576,
     "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 16,
     "head_dim": 256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": True, "attention_bias": False,
+    "tie_word_embeddings": True, "attention_bias": False, "rope_theta": 10000.0,
 }  # fmt: skip
 _LATER = {**_GEMMA, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
           "num_attention_heads": 8, "num_key_value_heads": 4, "query_pre_attn_scalar": 256,
@@ -37,7 +36,8 @@ DEFAULTS = {
     "GemmaForCausalLM": _GEMMA,
     "Gemma2ForCausalLM": {**_LATER, "attn_logit_softcapping": 50.0,
                           "final_logit_softcapping": 30.0},
-    "Gemma3ForCausalLM": {**_LATER, "vocab_size": 262208, "max_position_embeddings": 131072},
+    "Gemma3ForCausalLM": {**_LATER, "vocab_size": 262208, "max_position_embeddings": 131072,
+                          "rope_theta": 1e6},  # the global layers' (the sliding ones': 1e4)
 }  # fmt: skip
 # Keys the hub's files carry that transformers' Gemma 2 and 3 do not read (their MLP reads
 # `hidden_activation`)
@@ -95,7 +95,7 @@ def _gemma3_rope(config: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(scaling, dict):
         raise HuggingFaceError(f"config.json: `rope_scaling` is {scaling!r}; expected an object.")
     full = {"rope_type": "default", **scaling}
-    full.setdefault("rope_theta", config.get("rope_theta", 1e6))
+    full.setdefault("rope_theta", config.get("rope_theta"))  # DEFAULTS: 1e6
     local = config.get("rope_local_base_freq", 1e4)
     return {
         "full_attention": full,
@@ -124,7 +124,7 @@ def arguments(config: dict[str, Any], architecture: str) -> dict[str, Any]:
     if later:
         config = _later(config, architecture, depth)
     windows = layer_windows(config, depth) if later else [None] * depth
-    shared, layers = per_layer_options(config, depth, windows, _THETA[architecture])
+    shared, layers = per_layer_options(config, depth, windows, 1e4)  # bases from DEFAULTS
     result: dict[str, Any] = {
         "vocab": option(config, "vocab_size", int, 256000),
         "d_model": d_model,

@@ -107,8 +107,7 @@ def _rope(config: dict[str, Any], architecture: str) -> dict[str, Any]:
         for name in ("mrope_section", "mrope_interleaved"):
             parameters.pop(name, None)
         config = with_changes(config, rope_parameters=parameters)
-    theta = 1e6 if architecture == LFM2 else 1e7
-    return rotary_options(config, None, theta)
+    return rotary_options(config, None)  # the base's default: DEFAULTS
 
 
 def arguments(config: dict[str, Any], architecture: str) -> dict[str, Any]:
