@@ -18,7 +18,11 @@ import pytest
 from environment import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PAGES = [*sorted((ROOT / "docs").glob("**/*.md")), ROOT / "README.md"]
+# docs/devices/ holds the device lane's reports (data, made by tests/device_lane.py), not pages
+PAGES = [
+    *sorted(p for p in (ROOT / "docs").glob("**/*.md") if "devices" not in p.parts),
+    ROOT / "README.md",
+]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 # A page may name the environment its listings run with (the forced host devices of a page on
 # meshes, which JAX reads once, at its start): <!-- listings run with: NAME=value ... -->
