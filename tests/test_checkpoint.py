@@ -178,6 +178,13 @@ def test_arrays_in_a_devices_column_major_order_are_written_row_major(tmp_path, 
     arguments = dict(vocab=32, d_model=16, n_heads=2, d_ff=24, depth=1, max_len=8)
     model = TransformerLM(**arguments, key=jax.random.PRNGKey(0))
     config = ModelConfig("transformer_lm", arguments)
+    # every shape keeps its own: a scalar (an optimizer's step count), a vector, a matrix
+    arrays = {"count": np.int32(7), "bias": np.arange(3.0), "W": np.asfortranarray(np.eye(2, 3))}
+    _tensors.write_safetensors(arrays, tmp_path / "shapes.safetensors")
+    back = load_file(str(tmp_path / "shapes.safetensors"))
+    for name, value in arrays.items():
+        assert back[name].shape == np.shape(value), name
+        np.testing.assert_array_equal(back[name], value)
     row_major = _tensors.row_major
     monkeypatch.setattr(_tensors, "row_major", lambda a: row_major(np.asfortranarray(a)))
     assert not np.asfortranarray(np.ones((3, 2))).flags.c_contiguous  # what the writer is given

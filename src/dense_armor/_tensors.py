@@ -18,8 +18,9 @@ __all__ = ["row_major", "write_safetensors"]
 
 
 def row_major(value: Any) -> np.ndarray:
-    """`value` as a C-contiguous NumPy array (a copy only where it is not one)."""
-    return np.ascontiguousarray(np.asarray(value))
+    """`value` as a C-contiguous NumPy array of its own shape (a copy only where it is not one;
+    `np.ascontiguousarray` would turn a scalar into one element)."""
+    return np.asarray(value, order="C")
 
 
 def write_safetensors(
