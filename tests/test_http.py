@@ -121,10 +121,20 @@ def reference():
     return load_checkpoint(BYTES).model, load_tokenizer(CHAT)
 
 
-def _client(url):
-    return openai.OpenAI(
-        base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=REQUEST_TIMEOUT
-    )
+_CLIENTS = []  # each test's clients, closed after it (an unclosed socket is an error here)
+
+
+@pytest.fixture(autouse=True)
+def _close_clients():
+    yield
+    while _CLIENTS:
+        _CLIENTS.pop().close()
+
+
+def _client(url, path="/v1", timeout=REQUEST_TIMEOUT):
+    client = openai.OpenAI(base_url=f"{url}{path}", api_key="none", max_retries=0, timeout=timeout)
+    _CLIENTS.append(client)
+    return client
 
 
 def _solo(reference, prompts, new, **sampling):
@@ -399,7 +409,7 @@ def test_a_body_past_the_limit_is_refused_before_it_is_read(served):
 
 def test_the_openai_client_reads_a_missing_route_as_not_found(served):
     url, _ = served
-    client = openai.OpenAI(base_url=f"{url}/v2", api_key="none", max_retries=0, timeout=30)
+    client = _client(url, "/v2", 30)
     with pytest.raises(openai.NotFoundError, match="no such route"):
         client.completions.create(model=NAME, prompt="x")
 
