@@ -283,7 +283,7 @@ def test_the_default_capacity_is_the_models_context_bounded_by_memory(monkeypatc
 
 
 def test_serves_compilation_cache_defaults_to_the_users_cache_directory(monkeypatch, tmp_path):
-    from dense_armor.cli_language import compile_cache_dir
+    from dense_armor.serving.settings import compile_cache_dir
 
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

@@ -6,7 +6,6 @@
 import argparse
 import importlib.util
 import json
-import os
 import pathlib
 import shutil
 import sys
@@ -295,31 +294,13 @@ def _serve_http(args: argparse.Namespace, model: Any, tokenizer: Any, defaults: 
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {error.strerror}") from None
 
 
-def compile_cache_dir(given: str | None) -> pathlib.Path | None:
-    """Where `serve` keeps JAX's compiled functions (see `--compile-cache`), or None."""
-    if given is not None:
-        return None if given.lower() == "none" else pathlib.Path(given).expanduser()
-    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        return pathlib.Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
-    return pathlib.Path(base) / "dense-armor" / "jax"
-
-
 def _compile_cache(given: str | None) -> None:
-    """JAX's persistent compilation cache on, every compiled function kept (small ones too: a
-    server compiles many), before anything compiles."""
-    import jax
+    from .serving.settings import enable_compile_cache
 
-    directory = compile_cache_dir(given)
-    if directory is None:
-        return
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        enable_compile_cache(given)
     except OSError as error:
-        raise UsageError(f"--compile-cache {directory}: {error.strerror}") from None
-    jax.config.update("jax_compilation_cache_dir", str(directory))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        raise UsageError(f"--compile-cache {given or ''}: {error.strerror}") from None
 
 
 def _or(value: Any, default: Any) -> Any:

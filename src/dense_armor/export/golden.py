@@ -54,23 +54,16 @@ def golden(
 
     Every output is computed on the host's CPU device (`Lowering.on_host`), whatever JAX's
     default backend: the same golden data from every machine that exports."""
+    lowering = lowering.on_host()
     with jax.default_device(jax.devices("cpu")[0]):
-        return _golden(lowering.on_host(), seed, functions, static_entries)
-
-
-def _golden(
-    lowering: Lowering,
-    seed: int,
-    functions: dict[str, Function],
-    static_entries: Sequence[dict[str, Any]],
-) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    data = _Golden(lowering, seed, functions)
-    forward = data.forward_cases()
-    stream = data.stream()
-    static = _static_cases(lowering, functions, static_entries, seed, data.arrays)
-    plan = {"file": "golden.safetensors", "static": static, "forward": forward, "stream": stream}
-    if "sample_step" in functions:
-        plan["generation"] = data.generation()
+        data = _Golden(lowering, seed, functions)
+        forward = data.forward_cases()
+        stream = data.stream()
+        static = _static_cases(lowering, functions, static_entries, seed, data.arrays)
+        plan: dict[str, Any] = {"file": "golden.safetensors", "static": static}
+        plan.update(forward=forward, stream=stream)
+        if "sample_step" in functions:
+            plan["generation"] = data.generation()
     return data.arrays, plan
 
 

@@ -1,6 +1,7 @@
 """The `Server`'s settings, checked, and the keys its requests draw with."""
 
 import os
+import pathlib
 import warnings
 from typing import Any
 
@@ -10,7 +11,10 @@ import jax.numpy as jnp
 from ..nn.core import require_int
 from ..nn.models.language_model import TransformerLM
 
-__all__ = ["capacity_of", "key_data", "paging", "request_key"]
+__all__ = [
+    "capacity_of", "compile_cache_dir", "enable_compile_cache", "key_data", "paging",
+    "request_key",
+]  # fmt: skip
 
 
 def key_data(key: jax.Array) -> jax.Array:
@@ -98,3 +102,27 @@ def paging(pages: Any, page_size: Any, share: Any) -> tuple[int, int, bool | Non
             f"Server: `share_prefixes` must be True, False or None; received {share!r}."
         )
     return int(pages), int(page_size), share
+
+
+def compile_cache_dir(given: str | None) -> pathlib.Path | None:
+    """Where `serve` keeps JAX's compiled functions (`--compile-cache`), or None: `given`
+    ('none' turns it off), else $JAX_COMPILATION_CACHE_DIR, else the user's cache directory."""
+    if given is not None:
+        return None if given.lower() == "none" else pathlib.Path(given).expanduser()
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return pathlib.Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(base) / "dense-armor" / "jax"
+
+
+def enable_compile_cache(given: str | None) -> None:
+    """JAX's persistent compilation cache on at `compile_cache_dir(given)`, every compiled
+    function kept (small ones too: a server compiles many), before anything compiles; an
+    `OSError` where the folder cannot be made."""
+    directory = compile_cache_dir(given)
+    if directory is None:
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
