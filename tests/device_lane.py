@@ -131,10 +131,14 @@ def _steps(manifest: dict[str, Any]) -> int:
     return int(manifest["streaming"]["capacity"]) + PAST
 
 
-def _row(directory: pathlib.Path, runtime: str, errors: dict[str, float]) -> dict[str, Any]:
+def _row(
+    directory: pathlib.Path, runtime: str, errors: dict[str, float], platform: str
+) -> dict[str, Any]:
     manifest = json.loads((directory / "manifest.json").read_text())
     info = json.loads((directory.parent / "exported.json").read_text())
-    tolerance = float(manifest["precision"]["tolerance"])
+    from dense_armor.export.standalone import checkers_tolerance  # run.py's own rule
+
+    tolerance = checkers_tolerance(manifest, platform)
     differ = [v for k, v in errors.items() if "tokens that differ" in k]
     values = [v for k, v in errors.items() if "tokens that differ" not in k]
     worst = max(values, default=0.0)
@@ -200,19 +204,23 @@ def jax_step_us(artifact: Any, repeat: int = 50) -> float:
 
 
 def check_jax(directories: Sequence[pathlib.Path], rows: pathlib.Path) -> None:
+    import jax
+
+    here = jax.default_backend()
     for directory in directories:
         run = _run_py(directory)
         artifact = run.load(directory)
         try:
             errors = run.check_golden(artifact, _steps(artifact.manifest))
-            row = _row(directory, "jax", errors)
+            row = _row(directory, "jax", errors, here)
             row["step_us"] = round(jax_step_us(artifact), 1)
         except Exception as error:  # a runtime that cannot do it says so by name
-            row = {**_row(directory, "jax", {}), "ok": False, "error": repr(error)[:300]}
+            row = {**_row(directory, "jax", {}, here), "ok": False, "error": repr(error)[:300]}
         _append(rows, row)
 
 
 RESULT = re.compile(r"^  (pjrt \S.*?)\s+max \|error\| = (\S+)", re.M)
+PLATFORM = re.compile(r"on PJRT plugin .* \((\w+), PJRT C API")
 LATENCY = re.compile(r"([0-9.]+) us per step")
 
 
@@ -232,7 +240,8 @@ def check_c(
                    "--steps", str(_steps(manifest))]  # fmt: skip
         done = subprocess.run(command, capture_output=True, text=True, timeout=600)
         errors = {k: float(v) for k, v in RESULT.findall(done.stdout)}
-        row = _row(directory, "c", errors)
+        on = PLATFORM.search(done.stdout)
+        row = _row(directory, "c", errors, on.group(1) if on else "unknown")
         latencies = [float(v) for v in LATENCY.findall(done.stdout)]
         if latencies:
             row["step_us"] = latencies[-1]

@@ -28,6 +28,7 @@ def test_the_lane_exports_checks_and_reports_a_language_model_on_the_cpu(tmp_pat
     for row in written["rows"]:  # golden cases, the decoding, and the steps past the capacity
         assert row["tokens_differ"] == 0 and row["max_error"] <= row["tolerance"]
         assert row["checks"] >= 8 and row["step_us"] > 0
+        assert row["tolerance"] == 1e-4  # the CPU's, the platform read from each runtime
     table = (tmp_path / "report" / "cpu.md").read_text()
     assert "2 of 2 rows ok" in table and table.count("| language model, greedy |") == 2
 
@@ -38,12 +39,19 @@ def test_a_row_past_its_tolerance_or_with_a_token_off_is_not_ok(tmp_path):
     (tmp_path / "cpu" / "exported.json").write_text(
         json.dumps({"exported_on": "cpu", "families": {"encoder": "encoder"}})
     )
-    (directory / "manifest.json").write_text(json.dumps({"precision": {"tolerance": 1e-4}}))
-    good = device_lane._row(directory, "c", {"forward": 1e-6, "decode (tokens that differ)": 0})
-    off = device_lane._row(directory, "c", {"forward": 1e-6, "decode (tokens that differ)": 1})
-    far = device_lane._row(directory, "c", {"forward": 2e-4})
-    assert (good["ok"], off["ok"], far["ok"]) == (True, False, False)
+    precision = {"tolerance": 1e-4, "accelerator_tolerance": 1e-3}
+    (directory / "manifest.json").write_text(json.dumps({"precision": precision}))
+    good = device_lane._row(
+        directory, "c", {"forward": 1e-6, "decode (tokens that differ)": 0}, "cpu"
+    )
+    off = device_lane._row(
+        directory, "c", {"forward": 1e-6, "decode (tokens that differ)": 1}, "tpu"
+    )
+    far = device_lane._row(directory, "c", {"forward": 2e-4}, "cpu")
+    near = device_lane._row(directory, "jax", {"forward": 2e-4}, "tpu")  # the accelerator's
+    assert (good["ok"], off["ok"], far["ok"], near["ok"]) == (True, False, False, True)
     assert off["tokens_differ"] == 1 and far["max_error"] == 2e-4
+    assert (far["tolerance"], near["tolerance"]) == (1e-4, 1e-3)
 
 
 def test_the_readmes_tpu_section_is_the_committed_reports():

@@ -11,7 +11,7 @@ from safetensors.numpy import load_file, save_file
 
 from dense_armor.checkpoint import CheckpointError, ModelConfig, save_checkpoint
 from dense_armor.cli import main as cli
-from dense_armor.export import ArtifactError, check_golden, export_model, load
+from dense_armor.export import ArtifactError, check_golden, export_model, load, standalone
 from dense_armor.export.standalone import sha256
 from environment import child_env, run_py_without
 from streams import prefix_outputs
@@ -283,6 +283,25 @@ def test_float32_products_are_exported_at_full_precision(every_platform, model, 
     own = module_texts(tmp_path / "own")
     forward = next(text for name, text in own.items() if name.startswith("forward."))
     assert "stablehlo.dot_general" in forward and "HIGHEST" not in forward
+    assert platform_own.manifest["precision"]["accelerator_tolerance"] >= 2e-2
+
+
+def test_an_accelerator_is_held_to_the_manifest_s_own_tolerance(every_platform):
+    """On a CPU the checkers hold float32 artifacts to 1e-4; on an accelerator (whose float32
+    exp, log and logistic are approximations) to 2**-11 of the largest golden output where
+    that is more: both written in the manifest, read by run.py's `checkers_tolerance` (and the
+    C runner, which prints the platform it compared on)."""
+    artifact = load(every_platform)
+    golden = load_file(str(every_platform / "golden.safetensors"))
+    largest = max(float(np.abs(a).max()) for a in golden.values() if a.dtype.kind == "f")
+    precision = artifact.manifest["precision"]
+    assert precision["tolerance"] == 1e-4
+    assert precision["accelerator_tolerance"] == pytest.approx(max(1e-4, largest / 2048))
+    assert standalone.checkers_tolerance(artifact.manifest, "cpu") == 1e-4
+    for platform in ("tpu", "cuda"):
+        assert standalone.checkers_tolerance(artifact.manifest, platform) == pytest.approx(
+            max(1e-4, largest / 2048)
+        )
 
 
 def test_weights_are_arguments_not_constants(artifact_dir, model):

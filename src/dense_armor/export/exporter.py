@@ -62,7 +62,7 @@ from ..nn.sampling import check_sampling
 from . import standalone
 from .golden import golden
 from .lowering import GREEDY, Lowering
-from .manifest import created, half_tolerance
+from .manifest import accelerator_tolerance, created, half_tolerance
 from .manifest import manifest as describe
 from .modules import write_portable, write_runner, write_static
 from .standalone import MANIFEST, ArtifactError
@@ -169,6 +169,9 @@ def export_model(
         manifest["golden"] = golden_plan
         precision = manifest["precision"]
         precision["tolerance"] = half_tolerance(precision, golden_arrays)
+        precision["accelerator_tolerance"] = accelerator_tolerance(
+            precision, golden_arrays, matmul_precision
+        )
         manifest["pjrt"] = pjrt
         manifest["matmul_precision"] = matmul_precision
         manifest["debug_locations"] = "stripped" if stripped and static_stripped else "kept"
