@@ -47,6 +47,14 @@ DECODER = {"n_in": 3, "d_model": 16, "n_heads": 2, "d_ff": 32, "depth": 1, "n_ou
 LM = {"vocab": 64, "d_model": 32, "n_heads": 4, "d_ff": 64, "depth": 2, "max_len": 32,
       "n_kv_heads": 2}  # fmt: skip
 CAPACITY, LM_CAPACITY, PAST = 12, 24, 4  # each stream runs PAST steps beyond its capacity
+# the serving rows' configurations (tests/device_serving.py): slots, cache, decoding steps per
+# dispatch, and whether `warm_up` is timed
+SERVING = "64:fixed:8,64:fixed:1,8:fixed:8:warm,64:paged:8,8:paged:8"
+SERVING_SIZES = {"prompt": 128, "new": 128, "capacity": 256}
+TINY_SERVING = (
+    {"vocab": 64, "d_model": 32, "n_heads": 4, "d_ff": 64, "depth": 2, "n_kv_heads": 2},
+    {"prompt": 8, "new": 8, "capacity": 32},
+)
 
 
 def _built(factory: str, arguments: dict[str, Any]) -> Callable[[], tuple[Any, Any]]:
@@ -279,9 +287,11 @@ def report(
 ) -> None:
     """`out/NAME.json` (the machine and every row) and `out/NAME.md` (a table of them, after
     `note` if given: how the rows were made, when not by one `all`)."""
-    rows = [json.loads(line) for line in rows_file.read_text().splitlines() if line.strip()]
+    every = [json.loads(line) for line in rows_file.read_text().splitlines() if line.strip()]
+    rows = [r for r in every if "kind" not in r]
+    serving = [r for r in every if "kind" in r]  # tests/device_serving.py's
     out.mkdir(parents=True, exist_ok=True)
-    data = {"machine": info, "note": note, "rows": rows}
+    data = {"machine": info, "note": note, "rows": rows, "serving": serving}
     (out / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
     passed = sum(row["ok"] for row in rows)
     versions = ", ".join(f"{k} {v}" for k, v in info["versions"].items())
@@ -305,7 +315,31 @@ def report(
             f"{row['max_error']:.2e} | {row['tolerance']:.0e} | {row['tokens_differ']} | {step} "
             f"| {ok} |"
         )
+    if serving:
+        lines += ["", *serving_table(serving)]
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+
+
+def serving_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The serving rows as a Markdown table (tests/device_serving.py says what each holds)."""
+
+    def cell(value: Any, form: str = "{:.0f}") -> str:
+        return "" if value is None else form.format(value)
+
+    lines = [
+        "| what | slots | cache | steps per dispatch | new tokens/s (whole run) | decoding "
+        "tokens/s | roofline tokens/s | share | warm_up (s) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        share = cell(r["share"] and 100 * r["share"], "{:.0f}%")
+        lines.append(
+            f"| {'Server' if r['kind'] == 'serve' else 'generate'} | {r['slots']} | "
+            f"{r['cache']} | {cell(r['decode_steps'], '{}')} | {cell(r['tokens_per_s'])} | "
+            f"{cell(r['decode_tokens_per_s'])} | {cell(r['roofline_tokens_per_s'])} | {share} | "
+            f"{cell(r['warm_up_s'], '{:.0f}')} |"
+        )
+    return lines
 
 
 BEGIN, END = "<!-- device lane: begin -->", "<!-- device lane: end -->"
@@ -347,7 +381,17 @@ def readme_section(report_file: pathlib.Path) -> str:
             if c and j and "step_us" in c and "step_us" in j:
                 latency = f"{c['step_us']:.0f} / {j['step_us']:.0f}"
         lines.append(f"| {family} | " + " | ".join(cells) + f" | {latency} |")
+    if data.get("serving"):
+        lines += ["", SERVING_LINE.format(**info), "", *serving_table(data["serving"])]
     return "\n".join(lines)
+
+
+SERVING_LINE = (
+    "Serving on {device}: a Llama-3.2-1B-shaped model in bfloat16 (random weights, layers "
+    "scanned), prompts of 128 tokens and 128 new tokens each, greedy, against the roofline of "
+    "the chip's memory bandwidth (the weights and the slots' key/value rows read once per "
+    "decoding step; tests/device_serving.py)."
+)
 
 
 def write_readme(report_file: pathlib.Path, readme: pathlib.Path) -> None:
@@ -425,6 +469,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     rp.add_argument("--out", type=pathlib.Path, default=ROOT / "docs" / "devices")
     rp.add_argument("--name", required=True)
     rp.add_argument("--note", default="", help="how the rows were made, if not by one `all`")
+    sv = commands.add_parser("serve", help="the serving rows (tests/device_serving.py)")
+    sv.add_argument("--rows", type=pathlib.Path, required=True)
+    sv.add_argument("--configs", default=SERVING, help="SLOTS:fixed|paged:STEPS[:warm],...")
+    sv.add_argument("--tiny", action="store_true", help="a tiny shape (the suite's, on a CPU)")
+    sv.add_argument("--budget", type=float, default=420.0, help="no configuration started after")
     rd = commands.add_parser("readme")
     rd.add_argument("report", type=pathlib.Path, nargs="?",
                     default=ROOT / "docs" / "devices" / "tpu-v5e.json")  # fmt: skip
@@ -443,6 +492,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.command == "report":
         info = json.loads(args.machine.read_text())
         report(args.rows, args.out, args.name, info, args.note)
+    elif args.command == "serve":
+        import device_serving
+
+        shape, sizes = device_serving.LLAMA_1B, SERVING_SIZES
+        if args.tiny:
+            shape, sizes = TINY_SERVING
+        configs = device_serving.parse(args.configs)
+        device_serving.run(args.rows, configs, shape, sizes, args.budget)
     elif args.command == "readme":
         write_readme(args.report, args.readme)
     else:

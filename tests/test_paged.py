@@ -91,10 +91,13 @@ def requests(request):
     return model, prompts, greedy
 
 
-@pytest.mark.parametrize("share", [False, True])
-def test_paged_requests_get_their_solo_tokens_and_every_page_comes_back(requests, share):
+@pytest.mark.parametrize("share, steps", [(False, 1), (True, 1), (True, 5)])
+def test_paged_requests_get_their_solo_tokens_and_every_page_comes_back(requests, share, steps):
+    """(`steps`: decoding steps per dispatch; a request ends within a dispatch's steps.)"""
     model, prompts, greedy = requests
-    server = Server(model, 4, 32, chunk=4, pages=12, page_size=4, share_prefixes=share)
+    server = Server(
+        model, 4, 32, chunk=4, pages=12, page_size=4, share_prefixes=share, decode_steps=steps
+    )
     done = server.serve(zip(prompts, NEW, strict=True))
     for n, completion in enumerate(done):
         np.testing.assert_array_equal(completion.tokens, greedy[n, : NEW[n]], err_msg=str(n))
@@ -120,6 +123,21 @@ def test_a_shared_prefix_is_computed_once_and_a_full_prompt_copies_its_last_page
     assert plans[0].copy is not None and plans[0].copy[0] not in plans[0].pages
     assert plans[1].copy is None and plans[1].pages[:2] == plans[0].pages[:2]
     assert (store.book.available, store.book.held) == (15, 0)
+
+
+def test_steps_past_a_request_s_end_never_write_into_its_pages(requests):
+    """A dispatch of 8 steps runs past a request that ends after 2: the steps past its pages
+    write into the null page, not into a page of its table (its first, a shared prefix's, which
+    a later request reads), and not into the pool's other pages."""
+    model, prompts, greedy = requests
+    server = Server(model, 2, 32, chunk=4, pages=16, page_size=4, decode_steps=8)
+    base = prompts[4]  # 21 tokens; requests 7 and 8 are its prefixes (16 and 9 tokens)
+    (short,) = server.serve([(prompts[8], 2)])  # 2 full pages keyed; its steps reach row 16
+    np.testing.assert_array_equal(short.tokens, greedy[8, :2])
+    done = server.serve([(prompts[7], NEW[7]), (base, NEW[4])])  # they read those 2 pages
+    np.testing.assert_array_equal(done[0].tokens, greedy[7, : NEW[7]])
+    np.testing.assert_array_equal(done[1].tokens, greedy[4, : NEW[4]])
+    assert done[0].cached_tokens == 8 and done[1].cached_tokens >= 8  # the short one's pages
 
 
 def _stepped(server, rounds):
@@ -267,7 +285,9 @@ def test_nothing_compiles_after_warm_up_whatever_the_load():
     from test_serving import Traces
 
     model, _ = import_hf(DATA / "llama_gqa")
-    server = Server(model, 3, 32, chunk=4, pages=10, page_size=4, share_prefixes=True)
+    server = Server(
+        model, 3, 32, chunk=4, pages=10, page_size=4, share_prefixes=True, decode_steps=3
+    )
     server.warm_up()
     rng = np.random.default_rng(3)
     base = rng.integers(0, model.vocab, 31).tolist()

@@ -118,9 +118,9 @@ def test_requests_admitted_together_are_prefilled_together(served, monkeypatch):
     # A request alone: its tick steps its slot only (a batch of one, not of 4).
     ticks, tick_rows = [], storage.tick_rows
 
-    def counted_tick(model, caches, rows, *arrays):
+    def counted_tick(model, caches, steps, rows, *arrays):
         ticks.append(rows)
-        return tick_rows(model, caches, rows, *arrays)
+        return tick_rows(model, caches, steps, rows, *arrays)
 
     monkeypatch.setattr(storage, "tick_rows", counted_tick)
     (alone,) = server.serve([(prompts[3], NEW[3])])
@@ -138,22 +138,39 @@ def test_a_prompt_is_prefilled_in_chunks_then_halving_pieces(n, chunk, pieces):
 
 
 def test_sampled_tokens_are_generates_rows_whatever_the_slot(served):
-    """Request `n` draws with `fold_in(fold_in(key, n), position)`, as row `n` of `generate`."""
+    """Request `n` draws with `fold_in(fold_in(key, n), position)`, as row `n` of `generate`,
+    whatever the slots and the decoding steps per dispatch."""
     _, model, _, prompts, _, sampled, sampling = served
-    for slots in (1, 4):
-        server = Server(model, slots=slots, capacity=32, key=KEY, chunk=4, **sampling)
+    for slots, steps in ((1, 1), (4, 1), (4, 3)):
+        server = Server(
+            model, slots=slots, capacity=32, key=KEY, chunk=4, decode_steps=steps, **sampling
+        )
         for n, completion in enumerate(server.serve(zip(prompts, NEW, strict=True))):
             np.testing.assert_array_equal(completion.tokens, sampled[n, : NEW[n]])
 
 
-def test_a_stop_token_ends_its_request_and_frees_the_slot(served):
+@pytest.mark.parametrize("steps", [1, 6])
+def test_a_stop_token_ends_its_request_and_frees_the_slot(served, steps):
+    """(With 6 decoding steps per dispatch, the stop comes within a dispatch: the steps after
+    it are dropped, and the next request takes the slot.)"""
     _, model, _, prompts, greedy, _, _ = served
     stop = int(greedy[2, 3])  # request 2's fourth token
-    server = Server(model, slots=2, capacity=32, chunk=4, stop_tokens=[stop])
-    done = server.serve([(prompts[2], NEW[2]), (prompts[0], NEW[0])])
+    server = Server(model, slots=2, capacity=32, chunk=4, stop_tokens=[stop], decode_steps=steps)
+    done = server.serve([(prompts[2], NEW[2]), (prompts[0], NEW[0]), (prompts[5], NEW[5])])
     first = list(greedy[2, : NEW[2]]).index(stop) + 1
     np.testing.assert_array_equal(done[0].tokens, greedy[2, :first])
     assert done[0].reason == "stop" and done[0].tokens[-1] == stop
+    for completion, n in zip(done[1:], (0, 5), strict=True):
+        until = list(greedy[n, : NEW[n]]).index(stop) + 1 if stop in greedy[n, : NEW[n]] else None
+        np.testing.assert_array_equal(completion.tokens, greedy[n, : NEW[n]][:until])
+
+
+def test_decode_steps_are_checked_and_default_by_platform():
+    model, _ = import_hf(DATA / "gpt2")
+    assert Server(model, 2, 32).decode_steps == (1 if jax.default_backend() == "cpu" else 8)
+    for bad, error in ((0, ValueError), (65, ValueError), (2.5, TypeError), ("8", TypeError)):
+        with pytest.raises(error, match="decode_steps"):
+            Server(model, 2, 32, decode_steps=bad)
 
 
 def test_each_request_its_own_rules_and_key_in_one_compilation(served):

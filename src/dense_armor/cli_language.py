@@ -124,6 +124,11 @@ def _add_serve(commands: Any) -> None:
         help="requests with a common prompt prefix share its pages (default: where the model's "
         "state is all keys and values)",
     )  # fmt: skip
+    se.add_argument(
+        "--decode-steps", type=int, help="decoding steps of every slot per dispatch (a "
+        "request's tokens come back that many at a time; default: 1 on a CPU, 8 on an "
+        "accelerator)",
+    )  # fmt: skip
     http = se.add_argument_group("HTTP (OpenAI's API; pip install 'dense-armor[serve]')")
     http.add_argument("--http", action="store_true", help="serve HTTP instead of standard input")
     http.add_argument("--host", default="127.0.0.1", help="the address to listen on")
@@ -378,5 +383,8 @@ COMMANDS = {
 
 
 def _paging(args: Any) -> dict[str, Any]:
-    """The `Server`'s paged cache options from `serve`'s arguments."""
-    return dict(pages=args.pages, page_size=args.page_size, share_prefixes=args.share_prefixes)
+    """The `Server`'s paged cache and dispatch options from `serve`'s arguments."""
+    return dict(
+        pages=args.pages, page_size=args.page_size, share_prefixes=args.share_prefixes,
+        decode_steps=args.decode_steps,
+    )  # fmt: skip

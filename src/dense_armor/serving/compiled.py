@@ -126,35 +126,42 @@ def admit_rows(new: tuple[Any, Any, Any], caches: Any) -> Any:
     return lax.fori_loop(0, count, one, caches)
 
 
-def _tick(
-    model: TransformerLM,
-    caches: Any,
-    tokens: Any,
-    positions: Any,
-    keys: Any,
-    temperature: Any,
-    top_k: Any,
-    top_p: Any,
-    min_p: Any,
+def _ticks(
+    step: Any, caches: Any, steps: int, tokens: Any, positions: Any, *rules: Any
 ) -> tuple[jax.Array, Any]:
-    """Every slot's `step` on its token, and the token each slot's logits choose with its own
-    rules and key (`draw_rows`: slot `b` at position `p` draws with `fold_in(keys[b], p)`)."""
-    logits, caches = jax.vmap(model.step)(tokens, caches)
-    chosen = draw_rows(logits, keys, positions, temperature, top_k, top_p, min_p)
+    """`steps` rounds of `step (tokens, caches) -> (logits, caches)` over every slot, the token
+    each slot's logits choose with its own rules and key (`draw_rows`: slot `b` at position `p`
+    draws with `fold_in(keys[b], p)`) fed to the next round: the tokens `(steps, B)`. One
+    dispatch for `steps` tokens of every slot; the host ends each request at its stop."""
+    keys, temperature, top_k, top_p, min_p = rules
+
+    def one(carry: tuple[Any, Any], j: Any) -> tuple[tuple[Any, Any], jax.Array]:
+        caches, tokens = carry
+        logits, caches = step(tokens, caches)
+        chosen = draw_rows(logits, keys, positions + j, temperature, top_k, top_p, min_p)
+        return (caches, chosen), chosen
+
+    (caches, _), chosen = lax.scan(one, (caches, tokens), jnp.arange(steps, dtype=jnp.int32))
     return chosen, caches
 
 
-tick = eqx.filter_jit(_tick, donate="all-except-first")  # the caches are updated in place
+@eqx.filter_jit(donate="all-except-first")  # the caches are updated in place
+def tick(model: TransformerLM, caches: Any, steps: int, *arrays: Any) -> tuple[jax.Array, Any]:
+    """`steps` decoding steps of every slot from the tick's arrays (each slot's token, the
+    position its logits choose, its key and rules): the tokens `(steps, slots)`."""
+    return _ticks(jax.vmap(model.step), caches, steps, *arrays)
 
 
 @eqx.filter_jit(donate="all-except-first")  # the caches are updated in place
-def tick_rows(model: TransformerLM, caches: Any, rows: Any, *arrays: Any) -> tuple[jax.Array, Any]:
+def tick_rows(
+    model: TransformerLM, caches: Any, steps: int, rows: Any, *arrays: Any
+) -> tuple[jax.Array, Any]:
     """`tick` of the slots `rows (R,)` only (distinct; the busy ones, padded with idle ones to
-    a power of two), with the tick's arrays of those slots: the tokens they choose `(R,)`; the
-    other slots' caches come back as they came."""
+    a power of two), with the tick's arrays of those slots: the tokens they choose `(steps,
+    R)`; the other slots' caches come back as they came."""
     rows = jnp.clip(rows, 0, jax.tree.leaves(caches)[0].shape[0] - 1)
     chosen_caches = jax.tree.map(lambda a: a[rows], caches)
-    chosen, stepped = _tick(model, chosen_caches, *arrays)
+    chosen, stepped = _ticks(jax.vmap(model.step), chosen_caches, steps, *arrays)
     caches = jax.tree.map(
         lambda a, new: a.at[rows].set(new, mode="promise_in_bounds"), caches, stepped
     )
@@ -166,6 +173,7 @@ def paged_tick(
     model: TransformerLM,
     pools: Any,
     own: Any,
+    steps: int,
     rows: Any,
     tables: Any,
     *arrays: Any,
@@ -173,16 +181,14 @@ def paged_tick(
     """`tick` over the paged slots `rows (R,)` (distinct): `pools` (shared) and `own` (every
     slot's counters and states, `eqx.partition`ed by `pool_mask`), slot `rows[r]` reading the
     pages `tables[r]` lists, with the tick's arrays of those slots; the tokens they choose
-    `(R,)`. The other slots' states, and every slot's own table (the host owns the tables),
-    come back as they came."""
+    `(steps, R)`. The other slots' states, and every slot's own table (the host owns the
+    tables), come back as they came."""
     rows = jnp.clip(rows, 0, jax.tree.leaves(own)[0].shape[0] - 1)
     chosen_own = jax.tree.map(lambda a: a[rows], own)
     caches = eqx.combine(pools, with_tables(chosen_own, tables))
     axes = stream_axes(caches)
     step = jax.vmap(model.step, in_axes=(0, axes), out_axes=(0, axes))
-    tokens, positions, keys, temperature, top_k, top_p, min_p = arrays
-    logits, caches = step(tokens, caches)
-    chosen = draw_rows(logits, keys, positions, temperature, top_k, top_p, min_p)
+    chosen, caches = _ticks(step, caches, steps, *arrays)
     pools, stepped = _parted(caches, chosen_own)
     own = jax.tree.map(lambda a, new: a.at[rows].set(new, mode="promise_in_bounds"), own, stepped)
     return chosen, pools, own

@@ -36,7 +36,7 @@ from ..nn.core import require_int, require_key
 from ..nn.models.generation import _prompts, check_kv_dtype, check_stop_tokens
 from ..nn.models.language_model import TransformerLM
 from .records import Completion, Event, QueueFull, Sampling, _Request, _Slot
-from .settings import capacity_of, key_data, paging, request_key
+from .settings import capacity_of, decode_steps_of, key_data, paging, request_key
 from .storage import FixedSlots, PagedSlots, bucket, prefill_pieces
 
 __all__ = ["Completion", "Event", "QueueFull", "Sampling", "Server", "prefill_pieces"]
@@ -60,7 +60,10 @@ class Server:
     positions per layer instead of a whole cache per slot, taken as requests grow, the
     youngest request preempted and recomputed when the pool runs short; full pages of prompt
     tokens shared between requests by default where every state is keys and values; see
-    `serving.storage` and `serving.pages`).
+    `serving.storage` and `serving.pages`), `decode_steps` (decoding steps of every busy slot
+    per dispatch, the sampled token fed back on the device: the host's round trip paid once
+    for that many tokens; a request's tokens come back that many at a time, the steps past its
+    end dropped; default 1 on a CPU, 8 on an accelerator: `settings.decode_steps_of`).
 
     `warm_up()` compiles every function serving runs before the first request; `submit(prompt,
     max_new_tokens)` queues a request (its own `sampling`, `key` and
@@ -87,6 +90,7 @@ class Server:
         pages: int | None = None,
         page_size: int = 16,
         share_prefixes: bool | None = None,
+        decode_steps: int | None = None,
     ) -> None:
         if not isinstance(model, TransformerLM):
             raise TypeError(
@@ -103,6 +107,7 @@ class Server:
         if temperature != 0:
             require_key(key)
         self.kv_dtype, self.max_queue = kv_dtype, max_queue
+        self.decode_steps = decode_steps_of(decode_steps)
         self.stop_tokens = check_stop_tokens("Server", model, stop_tokens)
         self.key = key_data(jax.random.PRNGKey(0) if key is None else key)
         self._queue: collections.deque[_Request] = collections.deque()
@@ -240,7 +245,7 @@ class Server:
         self._submitted = submitted
         store = self._slots()
         if isinstance(store, PagedSlots):  # and every table width a longer request reaches
-            store.warm(self._inputs())
+            store.warm(self._inputs(), self.decode_steps)
 
     def run(self) -> Iterator[Completion]:
         """Serve the queue until it is empty and every slot idle, yielding each `Completion` as
@@ -273,7 +278,8 @@ class Server:
         self._put_off = False
         self._grow(store)
         busy = [i for i, slot in enumerate(self._active) if slot is not None]
-        return first + self._advance(store.tick(self._inputs(), busy), time.perf_counter())
+        chosen = store.tick(self._inputs(), busy, self.decode_steps)
+        return first + self._advance(chosen, time.perf_counter())
 
     def _admit(self, store: FixedSlots | PagedSlots) -> None:
         """Queued requests into the free slots, the oldest first; it waits for pages if it
@@ -305,9 +311,15 @@ class Server:
         than the pool), so every request ends."""
         busy = sorted((s.request.number, i) for i, s in enumerate(self._active) if s is not None)
         for _, i in busy:
-            while (slot := self._active[i]) is not None and not store.grow(i, slot.position() + 1):
+            while (slot := self._active[i]) is not None and not store.grow(i, self._rows(slot)):
                 running = [(s.request.number, j) for j, s in enumerate(self._active) if s]
                 self._preempt(max(running)[1])
+
+    def _rows(self, slot: _Slot) -> int:
+        """The positions a slot's request holds after the next tick: the `decode_steps` rows
+        the tick writes, up to the last its request writes (its last new token is not)."""
+        last = len(slot.request.prompt) + slot.request.max_new_tokens - 1
+        return min(slot.position() + self.decode_steps, last)
 
     def _preempt(self, i: int) -> None:
         slot = self._active[i]
@@ -372,16 +384,19 @@ class Server:
         )  # fmt: skip
 
     def _advance(self, chosen: np.ndarray, now: float) -> list[Event]:
-        """The tick's tokens: a new token for each slot past its prompt."""
+        """The tick's tokens `(decode_steps, slots)`: a new token for each slot past its prompt
+        at each step, until its request ends (the steps after it are dropped). Only a tick's
+        first step feeds a prompt token (the last: the prefill wrote the others)."""
         events = []
-        for i, slot in enumerate(self._active):
-            if slot is None:
-                continue
-            if slot.fed < len(slot.request.prompt):
-                slot.fed += 1
+        for row in chosen.tolist():
+            for i, slot in enumerate(self._active):
+                if slot is None:
+                    continue
                 if slot.fed < len(slot.request.prompt):
-                    continue  # the logits of a prompt token that another one follows
-            events.append(self._take(i, int(chosen[i]), now))
+                    slot.fed += 1
+                    if slot.fed < len(slot.request.prompt):
+                        continue  # the logits of a prompt token that another one follows
+                events.append(self._take(i, row[i], now))
         return events
 
     def _take(self, i: int, token: int, now: float) -> Event:

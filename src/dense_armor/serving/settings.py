@@ -104,6 +104,27 @@ def paging(pages: Any, page_size: Any, share: Any) -> tuple[int, int, bool | Non
     return int(pages), int(page_size), share
 
 
+# Decoding steps per dispatch when `decode_steps` is left out: a CPU computes longer than the host
+# takes to dispatch (1: tokens stream one by one); an accelerator's step is short beside the
+# host's round trip (the dispatch, the tokens read back, the bookkeeping), paid once for 8.
+DECODE_STEPS = {"cpu": 1}
+ACCELERATOR_DECODE_STEPS = 8
+MAX_DECODE_STEPS = 64
+
+
+def decode_steps_of(given: Any) -> int:
+    """`decode_steps`, checked (1 to `MAX_DECODE_STEPS`), or the platform's default."""
+    if given is None:
+        return DECODE_STEPS.get(jax.default_backend(), ACCELERATOR_DECODE_STEPS)
+    require_int(1, caller="Server", decode_steps=given)
+    if given > MAX_DECODE_STEPS:
+        raise ValueError(
+            f"Server: `decode_steps` must be at most {MAX_DECODE_STEPS} (a request's tokens "
+            f"come back that many at a time); received {given}."
+        )
+    return int(given)
+
+
 def compile_cache_dir(given: str | None) -> pathlib.Path | None:
     """Where `serve` keeps JAX's compiled functions (`--compile-cache`), or None: `given`
     ('none' turns it off), else $JAX_COMPILATION_CACHE_DIR, else the user's cache directory."""

@@ -154,21 +154,24 @@ class FixedSlots:
     def grow(self, i: int, rows: int) -> bool:
         return True
 
-    def tick(self, arrays: tuple[np.ndarray, ...], busy: list[int]) -> np.ndarray:
-        """The busy slots' step (padded with idle ones to a power of two: one busy slot of 8
-        costs a batch of 1, not 8), their caches taken out and put back; every slot's step in
-        place when most are busy, or when moving the busy slots' caches would move more bytes
-        than the step reads of the weights (a long capacity)."""
+    def tick(self, arrays: tuple[np.ndarray, ...], busy: list[int], steps: int) -> np.ndarray:
+        """`steps` steps of the busy slots (padded with idle ones to a power of two: one busy
+        slot of 8 costs a batch of 1, not 8), their caches taken out and put back; every slot's
+        steps in place when most are busy, or when moving the busy slots' caches would move
+        more bytes than a step reads of the weights (a long capacity). The tokens `(steps,
+        slots)`."""
         count = bucket(len(busy), self.slots)
         with ids_checked():  # prompts were checked by `submit`; the rest are sampled ids
             if count == self.slots or 2 * count * self._slot_bytes > self._weight_bytes:
-                every, self.caches = tick(self.model, self.caches, *arrays)
+                every, self.caches = tick(self.model, self.caches, steps, *arrays)
                 return np.asarray(every)
             idle = [i for i in range(self.slots) if i not in busy]
             rows = np.array((busy + idle)[:count], np.int32)
-            some, self.caches = tick_rows(self.model, self.caches, rows, *(a[rows] for a in arrays))
-        chosen = np.zeros(self.slots, np.int32)
-        chosen[rows] = np.asarray(some)
+            some, self.caches = tick_rows(
+                self.model, self.caches, steps, rows, *(a[rows] for a in arrays)
+            )
+        chosen = np.zeros((steps, self.slots), np.int32)
+        chosen[:, rows] = np.asarray(some)
         return chosen
 
     def release(self, i: int, written: np.ndarray | None = None) -> None:
@@ -227,7 +230,7 @@ class PagedSlots:
             self.pools = copy_page(self.pools, *map(np.int32, plan.copy))
             self.book.release([plan.copy[0]])
         self.held[i] = plan.pages
-        self.tables[i] = plan.pages[0]  # unused entries: the slot's own first page
+        self.tables[i] = 0  # unused entries: the null page (a step past the pages writes there)
         self.tables[i, : len(plan.pages)] = plan.pages
         own = start_stream(self.fresh, self.tables[i], np.int32(plan.start))
         table = self.tables[i, : bucket(len(plan.pages), self.width)]
@@ -247,22 +250,24 @@ class PagedSlots:
         self.tables[i, before : len(self.held[i])] = self.held[i][before:]
         return True
 
-    def tick(self, arrays: tuple[np.ndarray, ...], busy: list[int]) -> np.ndarray:
-        """The busy slots' step (padded with idle ones to a power of two: a batch of 4 busy
-        slots of 32 costs a batch of 4), over the pages of the longest request's width."""
+    def tick(self, arrays: tuple[np.ndarray, ...], busy: list[int], steps: int) -> np.ndarray:
+        """`steps` steps of the busy slots (padded with idle ones to a power of two: a batch of
+        4 busy slots of 32 costs a batch of 4), over the pages of the longest request's width;
+        the tokens `(steps, slots)`. A slot's steps past its pages (past its request's end)
+        write into the null page."""
         idle = [i for i in range(self.slots) if i not in busy]
         rows = np.array((busy + idle)[: bucket(len(busy), self.slots)], np.int32)
         width = bucket(max(len(self.held[i]) for i in busy), self.width)
         with ids_checked():  # prompts were checked by `submit`; the rest are sampled ids
             chosen, self.pools, self.own = paged_tick(
-                self.model, self.pools, self.own, rows, self.tables[rows, :width],
+                self.model, self.pools, self.own, steps, rows, self.tables[rows, :width],
                 *(a[rows] for a in arrays),
             )  # fmt: skip
-        every = np.zeros(self.slots, np.int32)
-        every[rows] = np.asarray(chosen)
+        every = np.zeros((steps, self.slots), np.int32)
+        every[:, rows] = np.asarray(chosen)
         return every
 
-    def warm(self, arrays: tuple[np.ndarray, ...]) -> None:
+    def warm(self, arrays: tuple[np.ndarray, ...], steps: int) -> None:
         """Compile now, at every table width a request can reach (the powers of two up to the
         whole table), each prefill piece and the tick of every batch size, and the copy of a
         page: whatever its length, sharing or preemption, no later request waits for a
@@ -285,7 +290,7 @@ class PagedSlots:
                 rows = np.arange(count, dtype=np.int32)
                 with ids_checked():
                     _, self.pools, self.own = paged_tick(
-                        self.model, self.pools, self.own, rows,
+                        self.model, self.pools, self.own, steps, rows,
                         np.zeros((count, width), np.int32), *(a[rows] for a in arrays),
                     )  # fmt: skip
         self.pools = copy_page(self.pools, np.int32(0), np.int32(0))

@@ -1,0 +1,164 @@
+"""The device lane's serving rows: a language model served by `Server` on the machine's
+accelerator (fixed and paged slots, several decoding steps per dispatch), and `generate` at batch
+1, each against the bandwidth roofline of what its decoding step reads.
+
+The shape is Llama-3.2-1B's (vocabulary 128256, d_model 2048, 16 layers, 32 heads and 8
+key/value heads, d_ff 8192; random weights, `scan_layers=True`) cast to bfloat16; every request
+a prompt of `PROMPT` random tokens and `NEW` new tokens, greedy, all submitted before the clock
+starts. A row's tokens per second count every new token over the whole run (the prefills
+included); its decoding tokens per second those after each request's first, from the moment all
+requests have one; its roofline is what the chip's memory bandwidth allows a decoding step: the
+weights once, and each slot's key/value rows (on average half the new tokens past its prompt),
+for `slots` tokens. The suite runs the same code on the CPU with a tiny shape
+(tests/test_device_lane.py).
+"""
+
+import json
+import pathlib
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+LLAMA_1B = dict(vocab=128256, d_model=2048, n_heads=32, d_ff=8192, depth=16, n_kv_heads=8)
+PROMPT, NEW, CAPACITY, PAGE_SIZE = 128, 128, 256, 16
+# the memory bandwidth of each device kind's chip, bytes per second (its maker's figure)
+BANDWIDTH = {"TPU v5 lite": 819e9, "TPU v5e": 819e9, "TPU v6 lite": 1640e9, "TPU v4": 1200e9}
+
+
+def model_of(shape: dict[str, int], max_len: int) -> Any:
+    """A `TransformerLM` of `shape` (random weights, layers scanned) in bfloat16."""
+    import jax
+
+    from dense_armor.nn import precision
+    from dense_armor.nn.models.language_model import TransformerLM
+
+    s = shape
+    model = TransformerLM(
+        s["vocab"], s["d_model"], s["n_heads"], s["d_ff"], s["depth"], jax.random.PRNGKey(0),
+        max_len, n_kv_heads=s["n_kv_heads"], scan_layers=True,
+    )  # fmt: skip
+    return precision.cast(model, "bfloat16")
+
+
+def _bytes(tree: Any) -> int:
+    import jax
+
+    return sum(a.nbytes for a in jax.tree.leaves(tree) if hasattr(a, "nbytes"))
+
+
+def roofline(model: Any, slots: int, bandwidth: float, prompt: int, new: int) -> float:
+    """Decoding tokens per second if a step read only the weights once and each of `slots`
+    slots' key/value rows (its prompt and half its new tokens, on average), at `bandwidth`."""
+    per_position = _bytes(model.init_cache(CAPACITY)) / CAPACITY
+    step = _bytes(model) + slots * per_position * (prompt + new / 2)
+    return slots * bandwidth / step
+
+
+def _load(server: Any, prompts: np.ndarray, new: int) -> tuple[float, float]:
+    """Serve `prompts`, `new` tokens each: the whole run's seconds, and the seconds from the
+    moment every request has its first token to the end."""
+    for prompt in prompts:
+        server.submit(prompt.tolist(), new)
+    begin, first, seen = time.perf_counter(), None, set()
+    while not server.idle:
+        for event in server.step():
+            seen.add(event.id)
+        if first is None and len(seen) == len(prompts):
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return end - begin, end - (first or begin)
+
+
+def serve_row(model: Any, slots: int, paged: bool, steps: int, warm_up: bool, **sizes: int) -> Any:
+    """One configuration's row (see the module): `warm_up` times `Server.warm_up()`, else one
+    run of the same load compiles what the measured run needs."""
+    import jax
+
+    from dense_armor.serving import Server
+
+    prompt, new, capacity = sizes["prompt"], sizes["new"], sizes["capacity"]
+    pages = (
+        {"pages": slots * -(-capacity // PAGE_SIZE) + 1, "page_size": PAGE_SIZE} if paged else {}
+    )
+    server = Server(model, slots, capacity, decode_steps=steps, **pages)
+    prompts = np.random.default_rng(slots).integers(0, model.vocab, (slots, prompt), np.int32)
+    begin = time.perf_counter()
+    if warm_up:
+        server.warm_up()
+    _load(server, prompts, new)  # (with warm_up: compiles nothing)
+    warm = time.perf_counter() - begin
+    whole, decoding = _load(server, (prompts + 1) % model.vocab, new)
+    device = jax.devices()[0]
+    bandwidth = BANDWIDTH.get(getattr(device, "device_kind", ""), 0.0)
+    ceiling = roofline(model, slots, bandwidth, prompt, new) if bandwidth else None
+    decode_rate = slots * (new - 1) / decoding if decoding > 0 else None
+    return {
+        "kind": "serve", "slots": slots, "cache": "paged" if paged else "fixed",
+        "decode_steps": steps, "tokens_per_s": round(slots * new / whole, 1),
+        "decode_tokens_per_s": None if decode_rate is None else round(decode_rate, 1),
+        "roofline_tokens_per_s": None if ceiling is None else round(ceiling, 1),
+        "share": None if not (ceiling and decode_rate) else round(decode_rate / ceiling, 3),
+        "warm_up_s": round(warm, 1) if warm_up else None, "first_run_s": round(warm, 1),
+    }  # fmt: skip
+
+
+def generate_row(model: Any, prompt: int, new: int) -> dict[str, Any]:
+    """`generate` at batch 1: new tokens per second of its decoding (the second of two runs)."""
+    import jax
+
+    from dense_armor.nn.models.generation import generate
+
+    ids = np.random.default_rng(1).integers(0, model.vocab, (1, prompt), np.int32)
+    def seconds(count: int) -> float:  # the best of 3, once compiled
+        np.asarray(generate(model, ids, count).tokens)
+        best = float("inf")
+        for _ in range(3):
+            begin = time.perf_counter()
+            np.asarray(generate(model, ids, count).tokens)
+            best = min(best, time.perf_counter() - begin)
+        return best
+
+    # the prefill and first token alone, then with the decoding
+    rate = (new - 2) / max(seconds(new) - seconds(2), 1e-9)
+    device = jax.devices()[0]
+    bandwidth = BANDWIDTH.get(getattr(device, "device_kind", ""), 0.0)
+    ceiling = roofline(model, 1, bandwidth, prompt, new) if bandwidth else None
+    return {
+        "kind": "generate", "slots": 1, "cache": "fixed", "decode_steps": None,
+        "tokens_per_s": None, "decode_tokens_per_s": round(rate, 1),
+        "roofline_tokens_per_s": None if ceiling is None else round(ceiling, 1),
+        "share": None if ceiling is None else round(rate / ceiling, 3),
+        "warm_up_s": None, "first_run_s": None,
+    }  # fmt: skip
+
+
+def parse(configs: str) -> list[tuple[int, bool, int, bool]]:
+    """`SLOTS:fixed|paged:STEPS[:warm]`, comma separated (e.g. "64:paged:8,8:fixed:8:warm")."""
+    found = []
+    for item in configs.split(","):
+        parts = item.split(":")
+        found.append((int(parts[0]), parts[1] == "paged", int(parts[2]), parts[-1] == "warm"))
+    return found
+
+
+def run(
+    rows: pathlib.Path, configs: Sequence[tuple[int, bool, int, bool]], shape: dict[str, int],
+    sizes: dict[str, int], budget_s: float,
+) -> None:  # fmt: skip
+    """`generate`'s row, then each configuration's, appended to `rows` as each finishes; none
+    started past `budget_s` seconds."""
+    started = time.perf_counter()
+    model = model_of(shape, sizes["capacity"])
+    rows_out = [generate_row(model, sizes["prompt"], sizes["new"])]
+    with rows.open("a") as out:
+        out.write(json.dumps(rows_out[0]) + "\n")
+    for slots, paged, steps, warm in configs:
+        if time.perf_counter() - started > budget_s:
+            print(f"serving: out of time before {slots}:{paged}:{steps}", flush=True)
+            break
+        row = serve_row(model, slots, paged, steps, warm, **sizes)
+        print(json.dumps(row), flush=True)
+        with rows.open("a") as out:
+            out.write(json.dumps(row) + "\n")
