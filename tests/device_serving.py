@@ -111,6 +111,7 @@ def generate_row(model: Any, prompt: int, new: int) -> dict[str, Any]:
     from dense_armor.nn.models.generation import generate
 
     ids = np.random.default_rng(1).integers(0, model.vocab, (1, prompt), np.int32)
+
     def seconds(count: int) -> float:  # the best of 3, once compiled
         np.asarray(generate(model, ids, count).tokens)
         best = float("inf")

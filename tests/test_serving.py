@@ -165,9 +165,9 @@ def test_a_stop_token_ends_its_request_and_frees_the_slot(served, steps):
         np.testing.assert_array_equal(completion.tokens, greedy[n, : NEW[n]][:until])
 
 
-def test_decode_steps_are_checked_and_default_by_platform():
+def test_decode_steps_are_checked():
     model, _ = import_hf(DATA / "gpt2")
-    assert Server(model, 2, 32).decode_steps == (1 if jax.default_backend() == "cpu" else 8)
+    assert Server(model, 2, 32).decode_steps == 1
     for bad, error in ((0, ValueError), (65, ValueError), (2.5, TypeError), ("8", TypeError)):
         with pytest.raises(error, match="decode_steps"):
             Server(model, 2, 32, decode_steps=bad)

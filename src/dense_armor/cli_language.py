@@ -126,8 +126,7 @@ def _add_serve(commands: Any) -> None:
     )  # fmt: skip
     se.add_argument(
         "--decode-steps", type=int, help="decoding steps of every slot per dispatch (a "
-        "request's tokens come back that many at a time; default: 1 on a CPU, 8 on an "
-        "accelerator)",
+        "request's tokens come back that many at a time; default 1)",
     )  # fmt: skip
     http = se.add_argument_group("HTTP (OpenAI's API; pip install 'dense-armor[serve]')")
     http.add_argument("--http", action="store_true", help="serve HTTP instead of standard input")

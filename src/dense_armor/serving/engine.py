@@ -63,7 +63,7 @@ class Server:
     `serving.storage` and `serving.pages`), `decode_steps` (decoding steps of every busy slot
     per dispatch, the sampled token fed back on the device: the host's round trip paid once
     for that many tokens; a request's tokens come back that many at a time, the steps past its
-    end dropped; default 1 on a CPU, 8 on an accelerator: `settings.decode_steps_of`).
+    end dropped; default 1).
 
     `warm_up()` compiles every function serving runs before the first request; `submit(prompt,
     max_new_tokens)` queues a request (its own `sampling`, `key` and

@@ -104,18 +104,14 @@ def paging(pages: Any, page_size: Any, share: Any) -> tuple[int, int, bool | Non
     return int(pages), int(page_size), share
 
 
-# Decoding steps per dispatch when `decode_steps` is left out: a CPU computes longer than the host
-# takes to dispatch (1: tokens stream one by one); an accelerator's step is short beside the
-# host's round trip (the dispatch, the tokens read back, the bookkeeping), paid once for 8.
-DECODE_STEPS = {"cpu": 1}
-ACCELERATOR_DECODE_STEPS = 8
+# Decoding steps per dispatch at most (a request's tokens come back that many at a time).
 MAX_DECODE_STEPS = 64
 
 
 def decode_steps_of(given: Any) -> int:
-    """`decode_steps`, checked (1 to `MAX_DECODE_STEPS`), or the platform's default."""
+    """`decode_steps`, checked (1, the default, to `MAX_DECODE_STEPS`)."""
     if given is None:
-        return DECODE_STEPS.get(jax.default_backend(), ACCELERATOR_DECODE_STEPS)
+        return 1
     require_int(1, caller="Server", decode_steps=given)
     if given > MAX_DECODE_STEPS:
         raise ValueError(
