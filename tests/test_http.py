@@ -280,6 +280,9 @@ BAD = [  # (request body, status, the field named)
     ({"model": NAME, "prompt": "x", "top_k": 2.5}, 400, "top_k"),
     ({"model": NAME, "prompt": "x", "seed": -1}, 400, "seed"),
     ({"model": NAME, "prompt": "x", "seed": 2**70}, 400, "seed"),
+    ({"model": NAME, "prompt": "x", "repetition_penalty": 1.3}, 400, "repetition_penalty"),
+    ({"model": NAME, "prompt": "x", "max_token": 3}, 400, "max_token"),  # a misspelt field
+    ({"model": NAME, "prompt": "x", "modalities": ["audio"]}, 400, "modalities"),
     ({"model": "gpt-9", "prompt": "x"}, 404, "model"),
     ({"prompt": "x"}, 400, "model"),
     ([1, 2], 400, None),
@@ -322,6 +325,17 @@ def test_a_bad_request_is_refused_naming_its_field_and_the_server_serves_on(
         )[0]
         == 200
     )
+
+
+def test_fields_that_change_nothing_are_accepted_and_null_fields_are_unset(served):
+    """OpenAI's bookkeeping fields (`user`, `metadata`, `store`, ...) are accepted and ignored;
+    any field set to null is as if left out, a peer's extension among them."""
+    url, _ = served
+    body = {"model": NAME, "prompt": "x", "max_tokens": 2, "user": "u1", "metadata": {"a": "b"},
+            "store": False, "service_tier": "auto", "repetition_penalty": None, "n": None}  # fmt: skip
+    status, answer = _post(url, "/v1/completions", json.dumps(body).encode())
+    assert status == 200, answer
+    assert answer["usage"]["completion_tokens"] == 2
 
 
 def test_the_serve_flags_are_the_defaults_of_requests_that_set_none(served, reference):

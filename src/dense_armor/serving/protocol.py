@@ -4,8 +4,11 @@ response, chunk and error objects.
 Every field a request may hold is checked by type and range, and a bad one is an `ApiError`
 naming it (`param`), which the HTTP application answers with OpenAI's error object and a 400.
 What is not built is refused the same way, never ignored: `n` above 1, `logprobs`, `echo`,
-`best_of` above 1, penalties, `logit_bias`, `suffix`, tools and non-text response formats.
-Fields no rule reads (`user`, `metadata`, ...) are accepted and ignored, as OpenAI's server does.
+`best_of` above 1, penalties, `logit_bias`, `suffix`, tools and non-text response formats. A
+field that changes nothing an answer holds (`INERT`: `user`, `metadata`, `store`, ...) is
+accepted and ignored, as OpenAI's server does; any other field a request sets is refused by
+name (a peer's extension such as `repetition_penalty` would otherwise be silently without
+effect).
 """
 
 import dataclasses
@@ -133,6 +136,32 @@ def _seed(body: Mapping[str, Any]) -> int | None:
     return seed
 
 
+# The fields a request's answer reads (both endpoints; each checked by its rule below) ...
+READ = frozenset({
+    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
+    "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "stream", "stream_options",
+})  # fmt: skip
+# ... those whose features are refused unless at their default (`_refused`) ...
+NOT_BUILT = frozenset({
+    "n", "best_of", "echo", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
+    "logit_bias", "suffix", "tools", "tool_choice", "response_format", "functions",
+    "function_call", "modalities",
+})  # fmt: skip
+# ... and those that change nothing an answer holds (bookkeeping, caching hints, a choice that
+# only matters with tools), accepted and ignored as OpenAI's server does.
+INERT = frozenset({
+    "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+    "parallel_tool_calls",
+})  # fmt: skip
+
+
+def _unknown(body: Mapping[str, Any]) -> None:
+    """Any other field a request sets (not null) is refused by name."""
+    for name, value in body.items():
+        if value is not None and name not in READ | NOT_BUILT | INERT:
+            raise ApiError(f"`{name}` is not a field this server implements.", name)
+
+
 def _refused(body: Mapping[str, Any]) -> None:
     """The fields whose features are not built, refused unless at their neutral value."""
     neutral: dict[str, tuple[Any, ...]] = {
@@ -147,6 +176,9 @@ def _refused(body: Mapping[str, Any]) -> None:
         "suffix": (None, ""),
         "tools": (None, []),
         "tool_choice": (None, "none"),
+        "functions": (None, []),
+        "function_call": (None, "none"),
+        "modalities": (None, ["text"]),
     }
     for name, allowed in neutral.items():
         value = body.get(name)
@@ -182,6 +214,7 @@ def _common(body: Any, chat: bool, vocab: int) -> dict[str, Any]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ApiError("`model` must be a non-empty string (GET /v1/models lists them).", "model")
+    _unknown(body)
     _refused(body)
     top_k = _integer(body, "top_k", -1)
     stream = body.get("stream", False)
