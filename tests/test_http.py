@@ -332,7 +332,8 @@ def test_fields_that_change_nothing_are_accepted_and_null_fields_are_unset(serve
     any field set to null is as if left out, a peer's extension among them."""
     url, _ = served
     body = {"model": NAME, "prompt": "x", "max_tokens": 2, "user": "u1", "metadata": {"a": "b"},
-            "store": False, "service_tier": "auto", "repetition_penalty": None, "n": None}  # fmt: skip
+            "store": False, "service_tier": "auto", "repetition_penalty": None,
+            "n": None}  # fmt: skip
     status, answer = _post(url, "/v1/completions", json.dumps(body).encode())
     assert status == 200, answer
     assert answer["usage"]["completion_tokens"] == 2

@@ -36,6 +36,7 @@ __all__ = [
     "filter_rows",
     "greedy",
     "sample",
+    "score_rows",
 ]
 
 
@@ -250,3 +251,25 @@ def draw_rows(
 
     # a batch of greedy rows only (the common case) skips the filters and the draws
     return jax.lax.cond(jnp.any(temperature > 0), sampled, greedy, logits)
+
+
+def score_rows(
+    logits: Float[Array, "B vocab"], chosen: Int[Array, " B"], wanted: Array, top: int
+) -> tuple[Float[Array, " B"], Int[Array, "B {top}"], Float[Array, "B {top}"]]:
+    """Each row's log-probabilities under the model (`log_softmax` of the raw `logits`, before
+    any sampling rule, in float32): that of its `chosen` token, and its `top` most likely tokens
+    with theirs, most likely first (ties: the lower id first). Computed only when a row is
+    `wanted` (zeros otherwise: no pass over the vocabulary for nothing)."""
+    rows = logits.shape[0]
+
+    def scored(logits: Array) -> tuple[Array, Array, Array]:
+        logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        own = jnp.take_along_axis(logprobs, chosen[:, None], axis=-1, mode="clip")[:, 0]
+        values, ids = jax.lax.top_k(logprobs, top)
+        return own, ids.astype(jnp.int32), values
+
+    def nothing(logits: Array) -> tuple[Array, Array, Array]:
+        zeros = jnp.zeros((rows, top), jnp.float32)
+        return jnp.zeros((rows,), jnp.float32), zeros.astype(jnp.int32), zeros
+
+    return jax.lax.cond(jnp.any(wanted), scored, nothing, logits)

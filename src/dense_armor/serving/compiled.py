@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..nn.models.language_model import TransformerLM
-from ..nn.sampling import draw_rows
+from ..nn.sampling import draw_rows, score_rows
 from ..nn.state.counter import Counter
 from ..nn.state.paged import PagedKVCache, pool_mask, stream_axes, with_tables
 from ..nn.state.streams import reset
@@ -62,11 +62,17 @@ def fresh_rows(model: TransformerLM, count: int, capacity: int, kv_dtype: Any) -
 
 
 @eqx.filter_jit
-def first_tokens(model: TransformerLM, hidden: Any, *arrays: Any) -> jax.Array:
+def first_tokens(
+    model: TransformerLM, hidden: Any, top: int, *arrays: Any
+) -> tuple[jax.Array, Any]:
     """The token each row of `hidden (R, d_model)` (a prompt's last output) chooses: the
-    head's logits, then `draw_rows` with each row's key, position and rules (`arrays`)."""
+    head's logits, then `draw_rows` with each row's key, position and rules (`arrays`, the
+    last of them which rows want their scores), and its scores (`score_rows`, `top`
+    alternatives)."""
+    *rules, wanted = arrays
     logits = jax.vmap(lambda h: model._logits(h[None])[0])(hidden)
-    return draw_rows(logits, *arrays)
+    chosen = draw_rows(logits, *rules)
+    return chosen, score_rows(logits, chosen, wanted, top)
 
 
 @eqx.filter_jit
@@ -127,41 +133,49 @@ def admit_rows(new: tuple[Any, Any, Any], caches: Any) -> Any:
 
 
 def _ticks(
-    step: Any, caches: Any, steps: int, tokens: Any, positions: Any, *rules: Any
-) -> tuple[jax.Array, Any]:
-    """`steps` rounds of `step (tokens, caches) -> (logits, caches)` over every slot, the token
-    each slot's logits choose with its own rules and key (`draw_rows`: slot `b` at position `p`
-    draws with `fold_in(keys[b], p)`) fed to the next round: the tokens `(steps, B)`. One
-    dispatch for `steps` tokens of every slot; the host ends each request at its stop."""
-    keys, temperature, top_k, top_p, min_p = rules
+    step: Any, caches: Any, shape: tuple[int, int], tokens: Any, positions: Any, *rules: Any
+) -> tuple[tuple[jax.Array, Any], Any]:
+    """`steps` rounds of `step (tokens, caches) -> (logits, caches)` over every slot (`shape`:
+    `(steps, top)`), the token each slot's logits choose with its own rules and key
+    (`draw_rows`: slot `b` at position `p` draws with `fold_in(keys[b], p)`) fed to the next
+    round: the tokens `(steps, B)` and their scores (`score_rows`, for the slots `wanted`,
+    the last of `rules`). One dispatch for `steps` tokens of every slot; the host ends each
+    request at its stop."""
+    steps, top = shape
+    keys, temperature, top_k, top_p, min_p, wanted = rules
 
-    def one(carry: tuple[Any, Any], j: Any) -> tuple[tuple[Any, Any], jax.Array]:
+    def one(carry: tuple[Any, Any], j: Any) -> tuple[tuple[Any, Any], Any]:
         caches, tokens = carry
         logits, caches = step(tokens, caches)
         chosen = draw_rows(logits, keys, positions + j, temperature, top_k, top_p, min_p)
-        return (caches, chosen), chosen
+        return (caches, chosen), (chosen, score_rows(logits, chosen, wanted, top))
 
-    (caches, _), chosen = lax.scan(one, (caches, tokens), jnp.arange(steps, dtype=jnp.int32))
-    return chosen, caches
+    (caches, _), (chosen, scores) = lax.scan(
+        one, (caches, tokens), jnp.arange(steps, dtype=jnp.int32)
+    )
+    return (chosen, scores), caches
 
 
 @eqx.filter_jit(donate="all-except-first")  # the caches are updated in place
-def tick(model: TransformerLM, caches: Any, steps: int, *arrays: Any) -> tuple[jax.Array, Any]:
-    """`steps` decoding steps of every slot from the tick's arrays (each slot's token, the
-    position its logits choose, its key and rules): the tokens `(steps, slots)`."""
-    return _ticks(jax.vmap(model.step), caches, steps, *arrays)
+def tick(
+    model: TransformerLM, caches: Any, shape: tuple[int, int], *arrays: Any
+) -> tuple[tuple[jax.Array, Any], Any]:
+    """`steps` decoding steps of every slot (`shape`: `(steps, top)`) from the tick's arrays
+    (each slot's token, the position its logits choose, its key and rules, whether it wants its
+    scores): the tokens `(steps, slots)` and their scores."""
+    return _ticks(jax.vmap(model.step), caches, shape, *arrays)
 
 
 @eqx.filter_jit(donate="all-except-first")  # the caches are updated in place
 def tick_rows(
-    model: TransformerLM, caches: Any, steps: int, rows: Any, *arrays: Any
-) -> tuple[jax.Array, Any]:
+    model: TransformerLM, caches: Any, shape: tuple[int, int], rows: Any, *arrays: Any
+) -> tuple[tuple[jax.Array, Any], Any]:
     """`tick` of the slots `rows (R,)` only (distinct; the busy ones, padded with idle ones to
     a power of two), with the tick's arrays of those slots: the tokens they choose `(steps,
-    R)`; the other slots' caches come back as they came."""
+    R)` and their scores; the other slots' caches come back as they came."""
     rows = jnp.clip(rows, 0, jax.tree.leaves(caches)[0].shape[0] - 1)
     chosen_caches = jax.tree.map(lambda a: a[rows], caches)
-    chosen, stepped = _ticks(jax.vmap(model.step), chosen_caches, steps, *arrays)
+    chosen, stepped = _ticks(jax.vmap(model.step), chosen_caches, shape, *arrays)
     caches = jax.tree.map(
         lambda a, new: a.at[rows].set(new, mode="promise_in_bounds"), caches, stepped
     )
@@ -173,22 +187,22 @@ def paged_tick(
     model: TransformerLM,
     pools: Any,
     own: Any,
-    steps: int,
+    shape: tuple[int, int],
     rows: Any,
     tables: Any,
     *arrays: Any,
-) -> tuple[jax.Array, Any, Any]:
+) -> tuple[tuple[jax.Array, Any], Any, Any]:
     """`tick` over the paged slots `rows (R,)` (distinct): `pools` (shared) and `own` (every
     slot's counters and states, `eqx.partition`ed by `pool_mask`), slot `rows[r]` reading the
     pages `tables[r]` lists, with the tick's arrays of those slots; the tokens they choose
-    `(steps, R)`. The other slots' states, and every slot's own table (the host owns the
-    tables), come back as they came."""
+    `(steps, R)` and their scores (`shape`: `(steps, top)`). The other slots' states, and
+    every slot's own table (the host owns the tables), come back as they came."""
     rows = jnp.clip(rows, 0, jax.tree.leaves(own)[0].shape[0] - 1)
     chosen_own = jax.tree.map(lambda a: a[rows], own)
     caches = eqx.combine(pools, with_tables(chosen_own, tables))
     axes = stream_axes(caches)
     step = jax.vmap(model.step, in_axes=(0, axes), out_axes=(0, axes))
-    chosen, caches = _ticks(step, caches, steps, *arrays)
+    chosen, caches = _ticks(step, caches, shape, *arrays)
     pools, stepped = _parted(caches, chosen_own)
     own = jax.tree.map(lambda a, new: a.at[rows].set(new, mode="promise_in_bounds"), own, stepped)
     return chosen, pools, own

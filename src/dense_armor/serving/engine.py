@@ -37,7 +37,7 @@ from ..nn.models.generation import _prompts, check_kv_dtype, check_stop_tokens
 from ..nn.models.language_model import TransformerLM
 from .records import Completion, Event, QueueFull, Sampling, _Request, _Slot
 from .settings import capacity_of, decode_steps_of, key_data, paging, request_key
-from .storage import FixedSlots, PagedSlots, bucket, prefill_pieces
+from .storage import FixedSlots, PagedSlots, Scores, Ticked, bucket, prefill_pieces
 
 __all__ = ["Completion", "Event", "QueueFull", "Sampling", "Server", "prefill_pieces"]
 
@@ -63,7 +63,8 @@ class Server:
     `serving.storage` and `serving.pages`), `decode_steps` (decoding steps of every busy slot
     per dispatch, the sampled token fed back on the device: the host's round trip paid once
     for that many tokens; a request's tokens come back that many at a time, the steps past its
-    end dropped; default 1).
+    end dropped; default 1), `max_logprobs` (the most alternatives a request may ask with its
+    tokens' scores, default 20: computed in the tick only when a request asks).
 
     `warm_up()` compiles every function serving runs before the first request; `submit(prompt,
     max_new_tokens)` queues a request (its own `sampling`, `key` and
@@ -91,6 +92,7 @@ class Server:
         page_size: int = 16,
         share_prefixes: bool | None = None,
         decode_steps: int | None = None,
+        max_logprobs: int = 20,
     ) -> None:
         if not isinstance(model, TransformerLM):
             raise TypeError(
@@ -108,6 +110,8 @@ class Server:
             require_key(key)
         self.kv_dtype, self.max_queue = kv_dtype, max_queue
         self.decode_steps = decode_steps_of(decode_steps)
+        require_int(0, caller="Server", max_logprobs=max_logprobs)
+        self.max_logprobs = int(max_logprobs)
         self.stop_tokens = check_stop_tokens("Server", model, stop_tokens)
         self.key = key_data(jax.random.PRNGKey(0) if key is None else key)
         self._queue: collections.deque[_Request] = collections.deque()
@@ -128,10 +132,13 @@ class Server:
         sampling: Sampling | None = None,
         key: jax.Array | None = None,
         stop_tokens: Sequence[int] | None = None,
+        logprobs: int | None = None,
     ) -> Any:
         """Queue a request; its `id` (default: its number in the order of submission). Its own
         `sampling` rules, `key` (its tokens those of `generate([prompt], key=key)`) and
-        `stop_tokens` replace the server's if given."""
+        `stop_tokens` replace the server's if given; `logprobs` (0 to `max_logprobs`): each new
+        token's log-probability under the model and that many alternatives' (`Event.logprob`,
+        `Completion.logprobs`)."""
         (padded,), lengths = _prompts(self.model, [prompt], caller="Server.submit")
         require_int(1, caller="Server.submit", max_new_tokens=max_new_tokens)
         needed = int(lengths[0]) + int(max_new_tokens)
@@ -156,6 +163,13 @@ class Server:
         )  # fmt: skip
         if key is not None:
             require_key(key)
+        if logprobs is not None:
+            require_int(0, caller="Server.submit", logprobs=logprobs)
+            if logprobs > self.max_logprobs:
+                raise ValueError(
+                    f"Server.submit: `logprobs={logprobs}` passes the server's "
+                    f"max_logprobs={self.max_logprobs}."
+                )
         with self._lock:
             if self.max_queue is not None and len(self._queue) >= self.max_queue:
                 raise QueueFull(
@@ -168,7 +182,7 @@ class Server:
             request = _Request(
                 number if id is None else id, number, padded, int(max_new_tokens),
                 time.perf_counter(), rules, np.asarray(request_key(base, index)),
-                frozenset(stops),
+                frozenset(stops), logprobs,
             )  # fmt: skip
             self._queue.append(request)
         return request.id
@@ -245,7 +259,7 @@ class Server:
         self._submitted = submitted
         store = self._slots()
         if isinstance(store, PagedSlots):  # and every table width a longer request reaches
-            store.warm(self._inputs(), self.decode_steps)
+            store.warm(self._inputs(), self._shape)
 
     def run(self) -> Iterator[Completion]:
         """Serve the queue until it is empty and every slot idle, yielding each `Completion` as
@@ -271,15 +285,21 @@ class Server:
         self._drop_cancelled()
         self._admit(store)
         now = time.perf_counter()
-        first = [self._take(i, token, now) for i, token in store.settle().items()]
+        settled = store.settle(self.max_logprobs).items()
+        first = [self._take(i, token, now, scores) for i, (token, scores) in settled]
         if self.busy == 0 or (first and not self._put_off):
             self._put_off = bool(first)
             return first
         self._put_off = False
         self._grow(store)
         busy = [i for i, slot in enumerate(self._active) if slot is not None]
-        chosen = store.tick(self._inputs(), busy, self.decode_steps)
-        return first + self._advance(chosen, time.perf_counter())
+        ticked = store.tick(self._inputs(), busy, self._shape)
+        return first + self._advance(ticked, time.perf_counter())
+
+    @property
+    def _shape(self) -> tuple[int, int]:
+        """The tick's static shape: decoding steps, and the alternatives scored."""
+        return self.decode_steps, self.max_logprobs
 
     def _admit(self, store: FixedSlots | PagedSlots) -> None:
         """Queued requests into the free slots, the oldest first; it waits for pages if it
@@ -297,7 +317,8 @@ class Server:
                     return
                 self._queue.popleft()
                 self._preempted.pop(request.number, None)
-            start = store.admit(i, context, (request.key, request.rules))
+            draw = (request.key, request.rules, request.logprobs is not None)
+            start = store.admit(i, context, draw)
             if slot is None:
                 slot = _Slot(request, 0, time.perf_counter(), cached=start)
             slot.fed = min(len(context) - 1, len(request.prompt))
@@ -369,6 +390,7 @@ class Server:
         keys = np.zeros((slots, 2), np.uint32)
         rules = np.zeros((slots, 4), np.float64)
         rules[:, 2] = 1.0
+        wanted = np.zeros(slots, bool)
         for i, slot in enumerate(self._active):
             if slot is None:
                 continue
@@ -376,19 +398,19 @@ class Server:
             feeding = slot.fed < len(r.prompt)  # still feeding its prompt
             tokens[i] = r.prompt[slot.fed] if feeding else slot.tokens[-1]
             positions[i] = slot.position() + 1
-            keys[i], rules[i] = r.key, r.rules
+            keys[i], rules[i], wanted[i] = r.key, r.rules, r.logprobs is not None
         return (  # NumPy arrays: a jitted function takes them with no conversion of its own
             tokens, positions, keys, rules[:, 0].astype(np.float32),
             rules[:, 1].astype(np.int32), rules[:, 2].astype(np.float32),
-            rules[:, 3].astype(np.float32),
+            rules[:, 3].astype(np.float32), wanted,
         )  # fmt: skip
 
-    def _advance(self, chosen: np.ndarray, now: float) -> list[Event]:
+    def _advance(self, ticked: Ticked, now: float) -> list[Event]:
         """The tick's tokens `(decode_steps, slots)`: a new token for each slot past its prompt
         at each step, until its request ends (the steps after it are dropped). Only a tick's
         first step feeds a prompt token (the last: the prefill wrote the others)."""
         events = []
-        for row in chosen.tolist():
+        for step, row in enumerate(ticked.tokens.tolist()):
             for i, slot in enumerate(self._active):
                 if slot is None:
                     continue
@@ -396,12 +418,13 @@ class Server:
                     slot.fed += 1
                     if slot.fed < len(slot.request.prompt):
                         continue  # the logits of a prompt token that another one follows
-                events.append(self._take(i, row[i], now))
+                events.append(self._take(i, row[i], now, ticked.scores(step, i)))
         return events
 
-    def _take(self, i: int, token: int, now: float) -> Event:
+    def _take(self, i: int, token: int, now: float, scores: Scores) -> Event:
         """Slot `i`'s request's new `token` (drawn by a tick, or by its prefill at admission:
-        then its whole prompt is in the cache); the slot freed if the token ends it."""
+        then its whole prompt is in the cache) with its `scores`; the slot freed if the token
+        ends it."""
         slot = self._active[i]
         assert slot is not None
         r = slot.request
@@ -409,16 +432,30 @@ class Server:
         if not slot.tokens:
             slot.first_token = now
         slot.tokens.append(token)
+        logprob = top = None
+        if r.logprobs is not None:
+            slot.scores.append(scores)
+            logprob = scores.logprob
+            k = r.logprobs
+            top = list(zip(scores.ids[:k].tolist(), scores.values[:k].tolist(), strict=True))
         stopped = token in r.stop_tokens
         done = None
         if stopped or len(slot.tokens) == r.max_new_tokens:
             self._free(i)
             done = self._completion(slot, "stop" if stopped else "length", now)
-        return Event(r.id, token, done, slot.cached)
+        return Event(r.id, token, done, slot.cached, logprob, top)
 
     def _completion(self, slot: _Slot, reason: str, now: float) -> Completion:
         r = slot.request
+        scored: dict[str, Any] = {}
+        if r.logprobs is not None:
+            k, scores = r.logprobs, slot.scores
+            scored = dict(
+                logprobs=np.array([s.logprob for s in scores], np.float32),
+                top_ids=np.array([s.ids[:k] for s in scores], np.int32).reshape(-1, k),
+                top_logprobs=np.array([s.values[:k] for s in scores], np.float32).reshape(-1, k),
+            )  # fmt: skip
         return Completion(
             r.id, r.number, r.prompt, np.array(slot.tokens, np.int32), reason, r.submitted,
-            slot.admitted, slot.first_token, now, slot.cached, slot.preempted,
+            slot.admitted, slot.first_token, now, slot.cached, slot.preempted, **scored,
         )  # fmt: skip

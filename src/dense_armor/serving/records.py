@@ -45,7 +45,9 @@ class Completion:
     the last of `tokens`; "length": `max_new_tokens` of them), its timings in
     `time.perf_counter()` seconds, `cached_tokens` (its prompt's tokens found in shared pages,
     not computed again) and `preempted` (how many times it gave its pages back and was
-    recomputed; a paged server's only)."""
+    recomputed; a paged server's only). A request that asked for its scores (`logprobs`) has
+    each new token's log-probability under the model `logprobs (n,)`, and its `k` most likely
+    alternatives at each step, `top_ids` and `top_logprobs (n, k)` (most likely first)."""
 
     id: Any
     number: int
@@ -58,6 +60,9 @@ class Completion:
     finished: float
     cached_tokens: int = 0
     preempted: int = 0
+    logprobs: np.ndarray | None = None
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
 
     @property
     def time_to_first_token(self) -> float:
@@ -80,6 +85,7 @@ class _Request:
     rules: tuple[float, int, float, float]
     key: np.ndarray  # (2,) uint32: the request's key data, `fold_in`ed with each position
     stop_tokens: frozenset[int]
+    logprobs: int | None = None  # alternatives wanted with each token's score (None: no score)
 
 
 @dataclasses.dataclass
@@ -96,6 +102,7 @@ class _Slot:
     first_token: float = 0.0
     cached: int = 0
     preempted: int = 0
+    scores: list[Any] = dataclasses.field(default_factory=list)  # each token's, if wanted
 
     def context(self) -> np.ndarray:
         """Its prompt and the tokens it generated: what a slot must hold for it to go on."""
@@ -109,9 +116,13 @@ class _Slot:
 @dataclasses.dataclass(frozen=True)
 class Event:
     """What one `step` produced for a request: its new `token`, and its `completion` when the
-    token ended it (else None); `cached_tokens`: its prompt's tokens found in shared pages."""
+    token ended it (else None); `cached_tokens`: its prompt's tokens found in shared pages;
+    `logprob` and `top` (its alternatives' `(id, logprob)`, most likely first) if its request
+    asked for its scores."""
 
     id: Any
     token: int
     completion: Completion | None
     cached_tokens: int = 0
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None

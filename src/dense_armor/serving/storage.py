@@ -17,7 +17,7 @@ once per piece size and power of two of requests), the tick once per power of tw
 """
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -45,11 +45,11 @@ from .compiled import (
 )
 from .pages import PageBook
 
-__all__ = ["Draw", "FixedSlots", "PagedSlots", "bucket", "prefill_pieces"]
+__all__ = ["Draw", "FixedSlots", "PagedSlots", "Scores", "Ticked", "bucket", "prefill_pieces"]
 
-# A request's key data (2,) uint32 and its row of sampling rules (`Sampling.row`): what draws
-# its tokens.
-Draw = tuple[np.ndarray, tuple[float, int, float, float]]
+# A request's key data (2,) uint32, its row of sampling rules (`Sampling.row`) and whether it
+# wants its tokens' scores: what draws its tokens.
+Draw = tuple[np.ndarray, tuple[float, int, float, float], bool]
 
 
 def prefill_pieces(n: int, chunk: int) -> list[int]:
@@ -78,6 +78,42 @@ def bucket(count: int, most: int) -> int:
     return min(1 << max(count - 1, 0).bit_length(), most)
 
 
+class Scores(NamedTuple):
+    """A token's log-probability under the model and its `top` alternatives' (ids and
+    log-probabilities, most likely first)."""
+
+    logprob: float
+    ids: np.ndarray
+    values: np.ndarray
+
+
+class Ticked(NamedTuple):
+    """A tick's tokens `(steps, slots)` and their scores: log-probabilities `(steps, slots)`,
+    the alternatives' ids and log-probabilities `(steps, slots, top)`."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    ids: np.ndarray
+    values: np.ndarray
+
+    def scores(self, step: int, slot: int) -> Scores:
+        return Scores(
+            float(self.logprobs[step, slot]), self.ids[step, slot], self.values[step, slot]
+        )
+
+
+def _spread(ticked: Any, rows: np.ndarray, slots: int) -> Ticked:
+    """A tick's results for the slots `rows` as a `Ticked` of every slot (the others zeros)."""
+    tokens, (own, ids, values) = ticked
+    parts = []
+    for a in (tokens, own, ids, values):
+        a = np.asarray(a)
+        whole = np.zeros((a.shape[0], slots, *a.shape[2:]), a.dtype)
+        whole[:, rows] = a
+        parts.append(whole)
+    return Ticked(*parts)
+
+
 class FixedSlots:
     """A fixed cache of `capacity` positions per slot (`init_streams`). The requests admitted in
     a round are prefilled together at `settle`, each whole prompt, and the first new token of
@@ -101,9 +137,10 @@ class FixedSlots:
         self._waiting.append((i, context, rules))
         return 0
 
-    def settle(self) -> dict[int, int]:
+    def settle(self, top: int) -> dict[int, tuple[int, Scores]]:
         """The round's requests prefilled into their slots; the first new token of each, by
-        slot, drawn as a tick would draw it after the prompt's last token."""
+        slot, drawn as a tick would draw it after the prompt's last token, with its scores
+        (`top` alternatives)."""
         waiting, self._waiting = self._waiting, []
         if not waiting:
             return {}
@@ -113,15 +150,20 @@ class FixedSlots:
         count = len(hidden)  # padded rows draw greedily; their tokens are dropped
         keys, positions = np.zeros((count, 2), np.uint32), np.zeros(count, np.int32)
         table = np.tile(np.array([0.0, 0.0, 1.0, 0.0]), (count, 1))
-        for row, (_, context, (key, rules)) in enumerate(waiting):
-            keys[row], table[row], positions[row] = key, rules, len(context)
-        tokens = first_tokens(
-            self.model, hidden, keys, positions, table[:, 0].astype(np.float32),
+        wanted = np.zeros(count, bool)
+        for row, (_, context, (key, rules, wants)) in enumerate(waiting):
+            keys[row], table[row], positions[row], wanted[row] = key, rules, len(context), wants
+        tokens, scores = first_tokens(
+            self.model, hidden, top, keys, positions, table[:, 0].astype(np.float32),
             table[:, 1].astype(np.int32), table[:, 2].astype(np.float32),
-            table[:, 3].astype(np.float32),
+            table[:, 3].astype(np.float32), wanted,
         )  # fmt: skip
         chosen = np.asarray(tokens)[: len(waiting)].tolist()
-        return dict(zip(slots[: len(waiting)].tolist(), chosen, strict=True))
+        own, ids, values = (np.asarray(a) for a in scores)
+        return {
+            int(slot): (token, Scores(float(own[r]), ids[r], values[r]))
+            for r, (slot, token) in enumerate(zip(slots[: len(waiting)], chosen, strict=True))
+        }
 
     def _prefill_together(self, contexts: list[np.ndarray]) -> tuple[Any, np.ndarray]:
         """The streams of `contexts` as a batch (padded with copies of the first to a power of
@@ -154,25 +196,23 @@ class FixedSlots:
     def grow(self, i: int, rows: int) -> bool:
         return True
 
-    def tick(self, arrays: tuple[np.ndarray, ...], busy: list[int], steps: int) -> np.ndarray:
-        """`steps` steps of the busy slots (padded with idle ones to a power of two: one busy
-        slot of 8 costs a batch of 1, not 8), their caches taken out and put back; every slot's
-        steps in place when most are busy, or when moving the busy slots' caches would move
-        more bytes than a step reads of the weights (a long capacity). The tokens `(steps,
-        slots)`."""
+    def tick(self, arrays: tuple[np.ndarray, ...], busy: list[int], shape: tuple[int, int]) -> Any:
+        """`steps` steps of the busy slots (`shape`: `(steps, top)`; padded with idle ones to a
+        power of two: one busy slot of 8 costs a batch of 1, not 8), their caches taken out and
+        put back; every slot's steps in place when most are busy, or when moving the busy
+        slots' caches would move more bytes than a step reads of the weights (a long capacity).
+        The tokens `(steps, slots)` and their scores (`Ticked`)."""
         count = bucket(len(busy), self.slots)
         with ids_checked():  # prompts were checked by `submit`; the rest are sampled ids
             if count == self.slots or 2 * count * self._slot_bytes > self._weight_bytes:
-                every, self.caches = tick(self.model, self.caches, steps, *arrays)
-                return np.asarray(every)
+                every, self.caches = tick(self.model, self.caches, shape, *arrays)
+                return _spread(every, np.arange(self.slots), self.slots)
             idle = [i for i in range(self.slots) if i not in busy]
             rows = np.array((busy + idle)[:count], np.int32)
             some, self.caches = tick_rows(
-                self.model, self.caches, steps, rows, *(a[rows] for a in arrays)
+                self.model, self.caches, shape, rows, *(a[rows] for a in arrays)
             )
-        chosen = np.zeros((steps, self.slots), np.int32)
-        chosen[:, rows] = np.asarray(some)
-        return chosen
+        return _spread(some, rows, self.slots)
 
     def release(self, i: int, written: np.ndarray | None = None) -> None:
         pass
@@ -218,7 +258,7 @@ class PagedSlots:
         included) can be taken now."""
         return self.book.fits(context, len(context), self.share)
 
-    def settle(self) -> dict[int, int]:
+    def settle(self, top: int) -> dict[int, tuple[int, Scores]]:
         """Nothing left: each request was prefilled into its pages as it was admitted (a later
         one of the round may share the pages an earlier one wrote), all but its last token,
         which the tick feeds (the whole prompt may be in shared pages): no token drawn yet."""
@@ -250,24 +290,22 @@ class PagedSlots:
         self.tables[i, before : len(self.held[i])] = self.held[i][before:]
         return True
 
-    def tick(self, arrays: tuple[np.ndarray, ...], busy: list[int], steps: int) -> np.ndarray:
-        """`steps` steps of the busy slots (padded with idle ones to a power of two: a batch of
-        4 busy slots of 32 costs a batch of 4), over the pages of the longest request's width;
-        the tokens `(steps, slots)`. A slot's steps past its pages (past its request's end)
-        write into the null page."""
+    def tick(self, arrays: tuple[np.ndarray, ...], busy: list[int], shape: tuple[int, int]) -> Any:
+        """`steps` steps of the busy slots (`shape`: `(steps, top)`; padded with idle ones to a
+        power of two: a batch of 4 busy slots of 32 costs a batch of 4), over the pages of the
+        longest request's width; the tokens `(steps, slots)` and their scores (`Ticked`). A
+        slot's steps past its pages (past its request's end) write into the null page."""
         idle = [i for i in range(self.slots) if i not in busy]
         rows = np.array((busy + idle)[: bucket(len(busy), self.slots)], np.int32)
         width = bucket(max(len(self.held[i]) for i in busy), self.width)
         with ids_checked():  # prompts were checked by `submit`; the rest are sampled ids
             chosen, self.pools, self.own = paged_tick(
-                self.model, self.pools, self.own, steps, rows, self.tables[rows, :width],
+                self.model, self.pools, self.own, shape, rows, self.tables[rows, :width],
                 *(a[rows] for a in arrays),
             )  # fmt: skip
-        every = np.zeros((steps, self.slots), np.int32)
-        every[:, rows] = np.asarray(chosen)
-        return every
+        return _spread(chosen, rows, self.slots)
 
-    def warm(self, arrays: tuple[np.ndarray, ...], steps: int) -> None:
+    def warm(self, arrays: tuple[np.ndarray, ...], shape: tuple[int, int]) -> None:
         """Compile now, at every table width a request can reach (the powers of two up to the
         whole table), each prefill piece and the tick of every batch size, and the copy of a
         page: whatever its length, sharing or preemption, no later request waits for a
@@ -290,7 +328,7 @@ class PagedSlots:
                 rows = np.arange(count, dtype=np.int32)
                 with ids_checked():
                     _, self.pools, self.own = paged_tick(
-                        self.model, self.pools, self.own, steps, rows,
+                        self.model, self.pools, self.own, shape, rows,
                         np.zeros((count, width), np.int32), *(a[rows] for a in arrays),
                     )  # fmt: skip
         self.pools = copy_page(self.pools, np.int32(0), np.int32(0))
