@@ -20,6 +20,7 @@ TOP = GOLDEN["top"]
 def _check_top(ids, values, want_ids, want_values):
     """The alternatives: the reference's log-probabilities, and its ids wherever its values are
     not within float32 round-off of each other (a near tie may order either way)."""
+    want_values = np.reshape(want_values, np.shape(values))  # (0, k) for a prompt of one
     np.testing.assert_allclose(values, want_values, atol=3e-5)
     gaps = np.abs(np.diff(np.asarray(want_values), axis=-1)) > 1e-4
     for row, (got, want, apart) in enumerate(zip(ids, want_ids, gaps, strict=True)):
@@ -74,7 +75,46 @@ def test_a_sampled_token_s_logprob_is_the_model_s_not_the_filtered_one():
 def test_asking_more_alternatives_than_the_server_scores_is_refused():
     model, _ = import_hf(DATA / "gpt2")
     server = Server(model, 2, 32, max_logprobs=4)
+    with pytest.raises(ValueError, match="max_logprobs=None"):
+        Server(model, 2, 32).submit([1, 2], 2, logprobs=0)
     with pytest.raises(ValueError, match="max_logprobs=4"):
         server.submit([1, 2], 2, logprobs=5)
     with pytest.raises(ValueError, match="logprobs"):
         server.submit([1, 2], 2, logprobs=-1)
+
+
+@pytest.mark.parametrize("options", [{}, {"pages": 24, "page_size": 4, "share_prefixes": True}])
+def test_a_prompt_s_logprobs_are_transformers_and_nothing_compiles_after_warm_up(options):
+    """`prompt_logprobs=True` (OpenAI's `echo` with `logprobs`): each prompt token's score after
+    those before it (the first has none), computed by the prefill; a prompt whose pages another
+    request shares is computed whole for it, its scores all there. One new token (as an
+    evaluation harness asks) ends the request at its prefill, its scores kept."""
+    from test_serving import Traces
+
+    model, _ = import_hf(DATA / "llama_gqa")
+    server = Server(model, 2, 32, chunk=4, max_logprobs=TOP, **options)
+    server.warm_up()
+    cases = GOLDEN["llama_gqa"]
+    with Traces() as traces:
+        server.serve([(cases[2]["prompt"], 2)])  # its pages keyed, where pages are shared
+        for i, case in enumerate(cases):
+            server.submit(case["prompt"], 1, id=i, logprobs=TOP, prompt_logprobs=True)
+        done = {c.id: c for c in server.run()}
+    assert traces.count == 0
+    for i, case in enumerate(cases):
+        got, n = done[i], len(case["prompt"])
+        assert got.cached_tokens == 0 and got.tokens.tolist() == case["tokens"][:1]
+        assert np.isnan(got.prompt_logprobs[0]) and (got.prompt_top_ids[0] == -1).all()
+        np.testing.assert_allclose(got.prompt_logprobs[1:], case["prompt_logprobs"][1:], atol=3e-5)
+        _check_top(got.prompt_top_ids[1:], got.prompt_top_logprobs[1:], case["top_ids"][: n - 1],
+                   case["top_logprobs"][: n - 1])  # fmt: skip
+        np.testing.assert_allclose(got.logprobs, case["logprobs"][:1], atol=3e-5)
+
+
+def test_prompt_logprobs_need_logprobs():
+    model, _ = import_hf(DATA / "gpt2")
+    server = Server(model, 2, 32, max_logprobs=2)
+    with pytest.raises(ValueError, match="needs `logprobs`"):
+        server.submit([1, 2], 2, prompt_logprobs=True)
+    with pytest.raises(TypeError, match="prompt_logprobs"):
+        server.submit([1, 2], 2, logprobs=1, prompt_logprobs=1)

@@ -22,8 +22,10 @@ __all__ = [
     "first_tokens",
     "fresh_rows",
     "paged_prefill",
+    "paged_prefill_scored",
     "paged_tick",
     "prefill",
+    "prefill_scored",
     "prefill_rows",
     "put_row",
     "row_of",
@@ -45,6 +47,23 @@ def prefill(inputs: tuple[TransformerLM, Any], cache: Any) -> tuple[jax.Array, A
     `ids`)."""
     model, ids = inputs
     return _prefill(model, ids, cache)
+
+
+def _scored(model: TransformerLM, h: Any, following: Any, top: int) -> Any:
+    """The scores (`score_rows`) of `following (K,)`, the token after each of `K` positions
+    whose last block's outputs are `h (K, d_model)`."""
+    logits = model._logits(h)
+    return score_rows(logits, following, jnp.ones(following.shape, bool), top)
+
+
+@eqx.filter_jit(donate="all-except-first")  # the stream's cache in place
+def prefill_scored(inputs: tuple[Any, ...], cache: Any) -> tuple[jax.Array, Any, Any]:
+    """`prefill` that scores a prompt's tokens too (`inputs`: the model, `ids (K,)`, the token
+    after each of them `following (K,)`, and `top`): the last output, the cache, and each next
+    token's score at each position (the head at every position: a request that asks)."""
+    model, ids, following, top = inputs
+    h, cache = model._prefill_hidden(ids, cache)
+    return h[-1], cache, _scored(model, h, following, top)
 
 
 @eqx.filter_jit(donate="all-except-first")  # the streams' caches in place
@@ -97,6 +116,16 @@ def paged_prefill(
     cache = eqx.combine(pools, with_tables(own, table))
     cache = model.prefill(ids, cache)[1]
     return _parted(cache, own)
+
+
+@eqx.filter_jit(donate="all-except-first")  # the pools and the stream's state in place
+def paged_prefill_scored(
+    model: TransformerLM, ids: Any, pools: Any, own: Any, table: Any, following: Any, top: int
+) -> tuple[Any, Any, Any]:
+    """`paged_prefill` that scores the token after each of `ids` too (`prefill_scored`)."""
+    cache = eqx.combine(pools, with_tables(own, table))
+    h, cache = model._prefill_hidden(ids, cache)
+    return (*_parted(cache, own), _scored(model, h, following, top))
 
 
 def _parted(cache: Any, own: Any) -> tuple[Any, Any]:

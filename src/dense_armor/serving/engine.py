@@ -36,8 +36,9 @@ from ..nn.core import require_int, require_key
 from ..nn.models.generation import _prompts, check_kv_dtype, check_stop_tokens
 from ..nn.models.language_model import TransformerLM
 from .records import Completion, Event, QueueFull, Sampling, _Request, _Slot
+from .scoring import Scores, Ticked
 from .settings import capacity_of, decode_steps_of, key_data, paging, request_key
-from .storage import FixedSlots, PagedSlots, Scores, Ticked, bucket, prefill_pieces
+from .storage import Draw, FixedSlots, PagedSlots, bucket, prefill_pieces
 
 __all__ = ["Completion", "Event", "QueueFull", "Sampling", "Server", "prefill_pieces"]
 
@@ -63,8 +64,9 @@ class Server:
     `serving.storage` and `serving.pages`), `decode_steps` (decoding steps of every busy slot
     per dispatch, the sampled token fed back on the device: the host's round trip paid once
     for that many tokens; a request's tokens come back that many at a time, the steps past its
-    end dropped; default 1), `max_logprobs` (the most alternatives a request may ask with its
-    tokens' scores, default 20: computed in the tick only when a request asks).
+    end dropped; default 1), `max_logprobs` (requests may ask for their tokens' scores, with up
+    to that many alternatives each: computed in the tick only when a request asks, and a
+    prompt's by its prefill; default None: no scores).
 
     `warm_up()` compiles every function serving runs before the first request; `submit(prompt,
     max_new_tokens)` queues a request (its own `sampling`, `key` and
@@ -92,7 +94,7 @@ class Server:
         page_size: int = 16,
         share_prefixes: bool | None = None,
         decode_steps: int | None = None,
-        max_logprobs: int = 20,
+        max_logprobs: int | None = None,
     ) -> None:
         if not isinstance(model, TransformerLM):
             raise TypeError(
@@ -110,8 +112,9 @@ class Server:
             require_key(key)
         self.kv_dtype, self.max_queue = kv_dtype, max_queue
         self.decode_steps = decode_steps_of(decode_steps)
-        require_int(0, caller="Server", max_logprobs=max_logprobs)
-        self.max_logprobs = int(max_logprobs)
+        if max_logprobs is not None:
+            require_int(0, caller="Server", max_logprobs=max_logprobs)
+        self.max_logprobs = max_logprobs
         self.stop_tokens = check_stop_tokens("Server", model, stop_tokens)
         self.key = key_data(jax.random.PRNGKey(0) if key is None else key)
         self._queue: collections.deque[_Request] = collections.deque()
@@ -133,12 +136,15 @@ class Server:
         key: jax.Array | None = None,
         stop_tokens: Sequence[int] | None = None,
         logprobs: int | None = None,
+        prompt_logprobs: bool = False,
     ) -> Any:
         """Queue a request; its `id` (default: its number in the order of submission). Its own
         `sampling` rules, `key` (its tokens those of `generate([prompt], key=key)`) and
         `stop_tokens` replace the server's if given; `logprobs` (0 to `max_logprobs`): each new
         token's log-probability under the model and that many alternatives' (`Event.logprob`,
-        `Completion.logprobs`)."""
+        `Completion.logprobs`) on a server made with `max_logprobs`; `prompt_logprobs` too: each
+        prompt token's after those before it (`Completion.prompt_logprobs`; the prompt is then
+        computed whole, not taken from shared pages)."""
         (padded,), lengths = _prompts(self.model, [prompt], caller="Server.submit")
         require_int(1, caller="Server.submit", max_new_tokens=max_new_tokens)
         needed = int(lengths[0]) + int(max_new_tokens)
@@ -163,13 +169,7 @@ class Server:
         )  # fmt: skip
         if key is not None:
             require_key(key)
-        if logprobs is not None:
-            require_int(0, caller="Server.submit", logprobs=logprobs)
-            if logprobs > self.max_logprobs:
-                raise ValueError(
-                    f"Server.submit: `logprobs={logprobs}` passes the server's "
-                    f"max_logprobs={self.max_logprobs}."
-                )
+        self._check_scores(logprobs, prompt_logprobs)
         with self._lock:
             if self.max_queue is not None and len(self._queue) >= self.max_queue:
                 raise QueueFull(
@@ -182,7 +182,7 @@ class Server:
             request = _Request(
                 number if id is None else id, number, padded, int(max_new_tokens),
                 time.perf_counter(), rules, np.asarray(request_key(base, index)),
-                frozenset(stops), logprobs,
+                frozenset(stops), logprobs, bool(prompt_logprobs),
             )  # fmt: skip
             self._queue.append(request)
         return request.id
@@ -233,6 +233,23 @@ class Server:
         """True when no request waits and no slot is busy."""
         return not self._queue and self.busy == 0
 
+    def _check_scores(self, logprobs: Any, prompt_logprobs: Any) -> None:
+        if not isinstance(prompt_logprobs, bool):
+            raise TypeError(
+                f"Server.submit: `prompt_logprobs` must be True or False; received "
+                f"{prompt_logprobs!r}."
+            )
+        if logprobs is None:
+            if prompt_logprobs:
+                raise ValueError("Server.submit: `prompt_logprobs=True` needs `logprobs` too.")
+            return
+        require_int(0, caller="Server.submit", logprobs=logprobs)
+        if self.max_logprobs is None or logprobs > self.max_logprobs:
+            raise ValueError(
+                f"Server.submit: `logprobs={logprobs}` passes the server's "
+                f"max_logprobs={self.max_logprobs} (make the Server with max_logprobs=k)."
+            )
+
     def serve(self, requests: Iterable[tuple[Sequence[int], int]]) -> list[Completion]:
         """Submit `(prompt, max_new_tokens)` pairs, serve them all: their completions in the
         order of submission."""
@@ -256,6 +273,10 @@ class Server:
         for count in sorted({bucket(k, self.slots) for k in range(1, self.slots + 1)}):
             # two new tokens each: the first drawn from the prefill, the second by a tick
             self.serve([([0] * n, 2)] + [([0] * (2 * n), 2)] * (count - 1))
+        if self.max_logprobs is not None:  # prompts scored, in pieces of every size
+            for length in (n, n + 1):  # (a paged prefill stops before the last token)
+                self.submit([0] * length, 2, logprobs=0, prompt_logprobs=True)
+            list(self.run())
         self._submitted = submitted
         store = self._slots()
         if isinstance(store, PagedSlots):  # and every table width a longer request reaches
@@ -285,7 +306,10 @@ class Server:
         self._drop_cancelled()
         self._admit(store)
         now = time.perf_counter()
-        settled = store.settle(self.max_logprobs).items()
+        settled = store.settle().items()
+        for i, scores in store.prompt_scores.items():  # before a first token may end it
+            self._active[i].prompt_scores = scores  # type: ignore[union-attr]
+        store.prompt_scores.clear()
         first = [self._take(i, token, now, scores) for i, (token, scores) in settled]
         if self.busy == 0 or (first and not self._put_off):
             self._put_off = bool(first)
@@ -299,7 +323,7 @@ class Server:
     @property
     def _shape(self) -> tuple[int, int]:
         """The tick's static shape: decoding steps, and the alternatives scored."""
-        return self.decode_steps, self.max_logprobs
+        return self.decode_steps, self.max_logprobs or 0
 
     def _admit(self, store: FixedSlots | PagedSlots) -> None:
         """Queued requests into the free slots, the oldest first; it waits for pages if it
@@ -317,8 +341,9 @@ class Server:
                     return
                 self._queue.popleft()
                 self._preempted.pop(request.number, None)
-            draw = (request.key, request.rules, request.logprobs is not None)
-            start = store.admit(i, context, draw)
+            scored = request.logprobs is not None
+            prompt = request.prompt_logprobs and (slot is None or slot.prompt_scores is None)
+            start = store.admit(i, context, Draw(request.key, request.rules, scored, prompt))
             if slot is None:
                 slot = _Slot(request, 0, time.perf_counter(), cached=start)
             slot.fed = min(len(context) - 1, len(request.prompt))
@@ -358,9 +383,11 @@ class Server:
                 self.model, self.slots, self.capacity, self.kv_dtype, self.chunk
             )  # fmt: skip
             if self._paging is None:
-                self._store = FixedSlots(model, slots, capacity, kv, chunk)
+                self._store = FixedSlots(model, slots, capacity, kv, chunk, self.max_logprobs)
             else:
-                self._store = PagedSlots(model, slots, capacity, kv, chunk, *self._paging)
+                self._store = PagedSlots(
+                    model, slots, capacity, kv, chunk, self.max_logprobs, *self._paging
+                )
         return self._store
 
     def _drop_cancelled(self) -> None:
@@ -452,9 +479,17 @@ class Server:
             k, scores = r.logprobs, slot.scores
             scored = dict(
                 logprobs=np.array([s.logprob for s in scores], np.float32),
-                top_ids=np.array([s.ids[:k] for s in scores], np.int32).reshape(-1, k),
-                top_logprobs=np.array([s.values[:k] for s in scores], np.float32).reshape(-1, k),
+                top_ids=np.array([s.ids[:k] for s in scores], np.int32).reshape(len(scores), k),
+                top_logprobs=np.array([s.values[:k] for s in scores], np.float32).reshape(
+                    len(scores), k
+                ),
             )  # fmt: skip
+        if slot.prompt_scores is not None:
+            own, ids, values = slot.prompt_scores
+            k = r.logprobs or 0
+            scored.update(
+                prompt_logprobs=own, prompt_top_ids=ids[:, :k], prompt_top_logprobs=values[:, :k]
+            )
         return Completion(
             r.id, r.number, r.prompt, np.array(slot.tokens, np.int32), reason, r.submitted,
             slot.admitted, slot.first_token, now, slot.cached, slot.preempted, **scored,

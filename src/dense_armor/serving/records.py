@@ -47,7 +47,10 @@ class Completion:
     not computed again) and `preempted` (how many times it gave its pages back and was
     recomputed; a paged server's only). A request that asked for its scores (`logprobs`) has
     each new token's log-probability under the model `logprobs (n,)`, and its `k` most likely
-    alternatives at each step, `top_ids` and `top_logprobs (n, k)` (most likely first)."""
+    alternatives at each step, `top_ids` and `top_logprobs (n, k)` (most likely first); one that
+    asked for its prompt's too, `prompt_logprobs (m,)`, `prompt_top_ids` and
+    `prompt_top_logprobs (m, k)`, each prompt token's after those before it (the first's NaN,
+    its ids -1)."""
 
     id: Any
     number: int
@@ -63,6 +66,9 @@ class Completion:
     logprobs: np.ndarray | None = None
     top_ids: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
+    prompt_logprobs: np.ndarray | None = None
+    prompt_top_ids: np.ndarray | None = None
+    prompt_top_logprobs: np.ndarray | None = None
 
     @property
     def time_to_first_token(self) -> float:
@@ -86,6 +92,7 @@ class _Request:
     key: np.ndarray  # (2,) uint32: the request's key data, `fold_in`ed with each position
     stop_tokens: frozenset[int]
     logprobs: int | None = None  # alternatives wanted with each token's score (None: no score)
+    prompt_logprobs: bool = False  # the prompt's scores too
 
 
 @dataclasses.dataclass
@@ -103,6 +110,7 @@ class _Slot:
     cached: int = 0
     preempted: int = 0
     scores: list[Any] = dataclasses.field(default_factory=list)  # each token's, if wanted
+    prompt_scores: Any = None  # the prompt's (`scoring.PromptScores`), if wanted
 
     def context(self) -> np.ndarray:
         """Its prompt and the tokens it generated: what a slot must hold for it to go on."""

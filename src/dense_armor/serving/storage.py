@@ -34,9 +34,11 @@ from .compiled import (
     first_tokens,
     fresh_rows,
     paged_prefill,
+    paged_prefill_scored,
     paged_tick,
     prefill,
     prefill_rows,
+    prefill_scored,
     put_row,
     row_of,
     start_stream,
@@ -44,12 +46,19 @@ from .compiled import (
     tick_rows,
 )
 from .pages import PageBook
+from .scoring import PromptScores, Scores, scored_prefill, spread
 
-__all__ = ["Draw", "FixedSlots", "PagedSlots", "Scores", "Ticked", "bucket", "prefill_pieces"]
+__all__ = ["Draw", "FixedSlots", "PagedSlots", "bucket", "prefill_pieces"]
 
-# A request's key data (2,) uint32, its row of sampling rules (`Sampling.row`) and whether it
-# wants its tokens' scores: what draws its tokens.
-Draw = tuple[np.ndarray, tuple[float, int, float, float], bool]
+
+class Draw(NamedTuple):
+    """What draws a request's tokens: its key data (2,) uint32, its row of sampling rules
+    (`Sampling.row`), whether it wants its new tokens' scores, and its prompt's."""
+
+    key: np.ndarray
+    rules: tuple[float, int, float, float]
+    scored: bool
+    prompt_scored: bool
 
 
 def prefill_pieces(n: int, chunk: int) -> list[int]:
@@ -78,51 +87,21 @@ def bucket(count: int, most: int) -> int:
     return min(1 << max(count - 1, 0).bit_length(), most)
 
 
-class Scores(NamedTuple):
-    """A token's log-probability under the model and its `top` alternatives' (ids and
-    log-probabilities, most likely first)."""
-
-    logprob: float
-    ids: np.ndarray
-    values: np.ndarray
-
-
-class Ticked(NamedTuple):
-    """A tick's tokens `(steps, slots)` and their scores: log-probabilities `(steps, slots)`,
-    the alternatives' ids and log-probabilities `(steps, slots, top)`."""
-
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    ids: np.ndarray
-    values: np.ndarray
-
-    def scores(self, step: int, slot: int) -> Scores:
-        return Scores(
-            float(self.logprobs[step, slot]), self.ids[step, slot], self.values[step, slot]
-        )
-
-
-def _spread(ticked: Any, rows: np.ndarray, slots: int) -> Ticked:
-    """A tick's results for the slots `rows` as a `Ticked` of every slot (the others zeros)."""
-    tokens, (own, ids, values) = ticked
-    parts = []
-    for a in (tokens, own, ids, values):
-        a = np.asarray(a)
-        whole = np.zeros((a.shape[0], slots, *a.shape[2:]), a.dtype)
-        whole[:, rows] = a
-        parts.append(whole)
-    return Ticked(*parts)
-
-
 class FixedSlots:
     """A fixed cache of `capacity` positions per slot (`init_streams`). The requests admitted in
     a round are prefilled together at `settle`, each whole prompt, and the first new token of
     each drawn from the prefill's logits: a request's first token costs its prefill, not a tick
     more."""
 
-    def __init__(self, model: TransformerLM, slots: int, capacity: int, kv_dtype: Any, chunk: int):
+    def __init__(
+        self, model: TransformerLM, slots: int, capacity: int, kv_dtype: Any, chunk: int,
+        top: int | None,
+    ) -> None:  # fmt: skip
+        """(`top`: the alternatives scored; None: no request asks for scores.)"""
         self.model, self.slots, self.chunk = model, slots, chunk
+        self.top, self.scoring = top or 0, top is not None
         self.capacity, self.kv_dtype = capacity, kv_dtype
+        self.prompt_scores: dict[int, PromptScores] = {}  # by slot, until the engine takes them
         self.caches = model.init_streams(slots, capacity, on_overflow="nan", kv_dtype=kv_dtype)
         self._slot_bytes = sum(a.nbytes for a in jax.tree.leaves(self.caches)) // slots
         self._weight_bytes = sum(a.nbytes for a in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
@@ -137,33 +116,64 @@ class FixedSlots:
         self._waiting.append((i, context, rules))
         return 0
 
-    def settle(self, top: int) -> dict[int, tuple[int, Scores]]:
-        """The round's requests prefilled into their slots; the first new token of each, by
-        slot, drawn as a tick would draw it after the prompt's last token, with its scores
-        (`top` alternatives)."""
+    def settle(self) -> dict[int, tuple[int, Scores]]:
+        """The round's requests prefilled into their slots (together; one that wants its
+        prompt's scores alone, `prompt_scores`); the first new token of each, by slot, drawn as
+        a tick would draw it after the prompt's last token, with its scores."""
         waiting, self._waiting = self._waiting, []
         if not waiting:
             return {}
-        rows, hidden = self._prefill_together([context for _, context, _ in waiting])
-        slots = np.array([i for i, _, _ in waiting] + [0] * (len(hidden) - len(waiting)), np.int32)
-        self.caches = admit_rows((slots, np.int32(len(waiting)), rows), self.caches)
-        count = len(hidden)  # padded rows draw greedily; their tokens are dropped
+        hidden = {}
+        plain = [(i, context) for i, context, draw in waiting if not draw.prompt_scored]
+        if plain:
+            rows, last = self._prefill_together([context for _, context in plain])
+            slots = np.array([i for i, _ in plain] + [0] * (len(last) - len(plain)), np.int32)
+            self.caches = admit_rows((slots, np.int32(len(plain)), rows), self.caches)
+            hidden.update({i: last[r] for r, (i, _) in enumerate(plain)})
+        for i, context, draw in waiting:
+            if draw.prompt_scored:
+                cache, hidden[i], self.prompt_scores[i] = self._prefill_scored(context)
+                one = jax.tree.map(lambda a: a[None], cache)
+                self.caches = admit_rows((np.array([i], np.int32), np.int32(1), one), self.caches)
+        return self._first_tokens(waiting, hidden)
+
+    def _first_tokens(
+        self, waiting: list[tuple[int, np.ndarray, Draw]], hidden: dict[int, Any]
+    ) -> dict[int, tuple[int, Scores]]:
+        """Each waiting request's first token and its scores, drawn from its prompt's last
+        output (`hidden`, by slot) in one call (padded to a power of two of rows)."""
+        count = bucket(len(waiting), self.slots)  # padded rows draw greedily; dropped
         keys, positions = np.zeros((count, 2), np.uint32), np.zeros(count, np.int32)
         table = np.tile(np.array([0.0, 0.0, 1.0, 0.0]), (count, 1))
         wanted = np.zeros(count, bool)
-        for row, (_, context, (key, rules, wants)) in enumerate(waiting):
-            keys[row], table[row], positions[row], wanted[row] = key, rules, len(context), wants
+        for row, (_, context, draw) in enumerate(waiting):
+            keys[row], table[row], positions[row] = draw.key, draw.rules, len(context)
+            wanted[row] = draw.scored
+        last = np.stack([np.asarray(hidden[i]) for i, _, _ in waiting])
+        last = np.concatenate([last, np.repeat(last[:1], count - len(waiting), 0)])
         tokens, scores = first_tokens(
-            self.model, hidden, top, keys, positions, table[:, 0].astype(np.float32),
+            self.model, last, self.top, keys, positions, table[:, 0].astype(np.float32),
             table[:, 1].astype(np.int32), table[:, 2].astype(np.float32),
             table[:, 3].astype(np.float32), wanted,
         )  # fmt: skip
-        chosen = np.asarray(tokens)[: len(waiting)].tolist()
+        chosen = np.asarray(tokens).tolist()
         own, ids, values = (np.asarray(a) for a in scores)
         return {
-            int(slot): (token, Scores(float(own[r]), ids[r], values[r]))
-            for r, (slot, token) in enumerate(zip(slots[: len(waiting)], chosen, strict=True))
+            i: (chosen[r], Scores(float(own[r]), ids[r], values[r]))
+            for r, (i, _, _) in enumerate(waiting)
         }
+
+    def _prefill_scored(self, context: np.ndarray) -> tuple[Any, Any, PromptScores]:
+        """One stream's prefill of `context` that scores its tokens (`prefill_scored`)."""
+        cache = row_of(fresh_rows(self.model, 1, self.capacity, self.kv_dtype), np.int32(0))
+
+        def run(piece: np.ndarray, following: np.ndarray, cache: Any) -> Any:
+            with ids_checked():  # checked by `submit`
+                return prefill_scored((self.model, piece, following, self.top), cache)
+
+        pieces = prefill_pieces(len(context), self.chunk)
+        last, cache, scores = scored_prefill(run, context, pieces, cache, self.top)
+        return cache, last, scores
 
     def _prefill_together(self, contexts: list[np.ndarray]) -> tuple[Any, np.ndarray]:
         """The streams of `contexts` as a batch (padded with copies of the first to a power of
@@ -206,13 +216,13 @@ class FixedSlots:
         with ids_checked():  # prompts were checked by `submit`; the rest are sampled ids
             if count == self.slots or 2 * count * self._slot_bytes > self._weight_bytes:
                 every, self.caches = tick(self.model, self.caches, shape, *arrays)
-                return _spread(every, np.arange(self.slots), self.slots)
+                return spread(every, np.arange(self.slots), self.slots)
             idle = [i for i in range(self.slots) if i not in busy]
             rows = np.array((busy + idle)[:count], np.int32)
             some, self.caches = tick_rows(
                 self.model, self.caches, shape, rows, *(a[rows] for a in arrays)
             )
-        return _spread(some, rows, self.slots)
+        return spread(some, rows, self.slots)
 
     def release(self, i: int, written: np.ndarray | None = None) -> None:
         pass
@@ -233,9 +243,11 @@ class PagedSlots:
 
     def __init__(
         self, model: TransformerLM, slots: int, capacity: int, kv_dtype: Any, chunk: int,
-        pages: int, page_size: int, share: bool | None,
+        top: int | None, pages: int, page_size: int, share: bool | None,
     ) -> None:  # fmt: skip
         self.model, self.slots, self.chunk = model, slots, chunk
+        self.top, self.scoring = top or 0, top is not None
+        self.prompt_scores: dict[int, PromptScores] = {}  # by slot, until the engine takes them
         self.width = -(-capacity // page_size)
         one = model.init_cache(capacity, on_overflow="nan", kv_dtype=kv_dtype)
         one = paged_cache(one, pages, page_size, self.width)
@@ -258,14 +270,17 @@ class PagedSlots:
         included) can be taken now."""
         return self.book.fits(context, len(context), self.share)
 
-    def settle(self, top: int) -> dict[int, tuple[int, Scores]]:
+    def settle(self) -> dict[int, tuple[int, Scores]]:
         """Nothing left: each request was prefilled into its pages as it was admitted (a later
         one of the round may share the pages an earlier one wrote), all but its last token,
         which the tick feeds (the whole prompt may be in shared pages): no token drawn yet."""
         return {}
 
-    def admit(self, i: int, context: np.ndarray, rules: Draw) -> int:
-        plan = self.book.take(context, len(context), self.share)
+    def admit(self, i: int, context: np.ndarray, draw: Draw) -> int:
+        """Slot `i`'s request prefilled into its pages now, past those its prompt's prefix
+        shares (none for one that wants its prompt's scores: `prompt_scores`, all computed)."""
+        share = self.share and not draw.prompt_scored
+        plan = self.book.take(context, len(context), share)
         if plan.copy is not None:
             self.pools = copy_page(self.pools, *map(np.int32, plan.copy))
             self.book.release([plan.copy[0]])
@@ -274,13 +289,30 @@ class PagedSlots:
         self.tables[i, : len(plan.pages)] = plan.pages
         own = start_stream(self.fresh, self.tables[i], np.int32(plan.start))
         table = self.tables[i, : bucket(len(plan.pages), self.width)]
-        for piece in _pieces(context, plan.start, self.chunk):
+        if draw.prompt_scored:
+            own = self._prefill_scored(i, context, own, table)
+        for piece in [] if draw.prompt_scored else _pieces(context, plan.start, self.chunk):
             with ids_checked():  # checked by `submit`
                 self.pools, own = paged_prefill(self.model, piece, self.pools, own, table)
         self.own = admit((jnp.arange(self.slots) == i, own), self.own)
         if self.share:
             self.book.register(context, plan.pages, len(context) - 1)
         return plan.start
+
+    def _prefill_scored(self, i: int, context: np.ndarray, own: Any, table: np.ndarray) -> Any:
+        """Slot `i`'s prefill of all but the last of `context` that scores its tokens (the
+        last one's is the tick's first token)."""
+
+        def run(piece: np.ndarray, following: np.ndarray, own: Any) -> Any:
+            with ids_checked():  # checked by `submit`
+                self.pools, own, scores = paged_prefill_scored(
+                    self.model, piece, self.pools, own, table, following, self.top
+                )
+            return None, own, scores
+
+        pieces = prefill_pieces(len(context) - 1, self.chunk)
+        _, own, self.prompt_scores[i] = scored_prefill(run, context, pieces, own, self.top)
+        return own
 
     def grow(self, i: int, rows: int) -> bool:
         """Slot `i`'s pages for `rows` positions, a page more when its tokens pass the last."""
@@ -303,7 +335,7 @@ class PagedSlots:
                 self.model, self.pools, self.own, shape, rows, self.tables[rows, :width],
                 *(a[rows] for a in arrays),
             )  # fmt: skip
-        return _spread(chosen, rows, self.slots)
+        return spread(chosen, rows, self.slots)
 
     def warm(self, arrays: tuple[np.ndarray, ...], shape: tuple[int, int]) -> None:
         """Compile now, at every table width a request can reach (the powers of two up to the
@@ -324,6 +356,10 @@ class PagedSlots:
                     self.pools, own = paged_prefill(
                         self.model, piece, self.pools, own, null[:width]
                     )
+                    if self.scoring:
+                        self.pools, own, _ = paged_prefill_scored(
+                            self.model, piece, self.pools, own, null[:width], piece, self.top
+                        )
             for count in counts:
                 rows = np.arange(count, dtype=np.int32)
                 with ids_checked():
