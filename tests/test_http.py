@@ -273,7 +273,7 @@ BAD = [  # (request body, status, the field named)
     ({"model": NAME, "prompt": ""}, 400, "prompt"),
     ({"model": NAME, "prompt": [1, 300]}, 400, "prompt"),
     ({"model": NAME, "prompt": "x", "n": 2}, 400, "n"),
-    ({"model": NAME, "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ({"model": NAME, "prompt": "x", "logprobs": -1}, 400, "logprobs"),
     ({"model": NAME, "prompt": "x", "stop": 5}, 400, "stop"),
     ({"model": NAME, "prompt": "x", "stream": "yes"}, 400, "stream"),
     ({"model": NAME, "prompt": "x", "min_p": float("nan")}, 400, "min_p"),
@@ -718,3 +718,110 @@ def test_a_failure_of_the_server_itself_is_openais_error_object():
             error = answer.json()["error"]
             assert error["type"] == "server_error" and "went away" in error["message"]
         assert client.get("/v1/models").status_code == 200
+
+
+def _logprobs(model, ids):
+    """Float64 log-softmax of the model's logits after each of `ids` (row t scores token t+1)."""
+    logits = np.asarray(model(np.asarray(ids, np.int32)), np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def test_completions_logprobs_and_echo_score_the_prompt_and_the_new_tokens(served, reference):
+    """lm-evaluation-harness's request: token ids, `echo`, `logprobs`, one greedy token. The
+    text is the prompt's then the new token's; every token's log-probability is the model's
+    (the first prompt token's null), with its alternatives, most likely first."""
+    url, _ = served
+    model, tokenizer = reference
+    client = _client(url)
+    ids = list(PROMPTS[1].encode())
+    answer = client.completions.create(
+        model=NAME, prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=3
+    )
+    choice = answer.choices[0]
+    (new,) = generate(model, [ids], 1).tokens[0].tolist()
+    assert choice.text == PROMPTS[1] + tokenizer.decode([new])
+    scores, everything = choice.logprobs, [*ids, new]
+    want = _logprobs(model, everything)
+    assert scores.tokens == [tokenizer.decode([t]) for t in everything]
+    assert scores.token_logprobs[0] is None and scores.top_logprobs[0] is None
+    np.testing.assert_allclose(
+        scores.token_logprobs[1:], want[np.arange(len(ids)), everything[1:]], atol=3e-5
+    )
+    for t, top in enumerate(scores.top_logprobs[1:]):
+        best = np.argsort(-want[t], kind="stable")[:3]
+        assert list(top) == [tokenizer.decode([int(b)]) for b in best]
+        np.testing.assert_allclose(list(top.values()), want[t, best], atol=3e-5)
+    assert scores.text_offset == [sum(map(len, scores.tokens[:i])) for i in range(len(everything))]
+    # streamed: the prompt's text first, then each token's chunk with its scores
+    chunks = list(
+        client.completions.create(
+            model=NAME, prompt=ids, max_tokens=3, temperature=0, echo=True, logprobs=1,
+            stream=True,
+        )
+    )  # fmt: skip
+    text = "".join(c.choices[0].text for c in chunks)
+    streamed = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.tokens]
+    whole = client.completions.create(
+        model=NAME, prompt=ids, max_tokens=3, temperature=0, echo=True, logprobs=1
+    )
+    assert text == whole.choices[0].text and streamed == whole.choices[0].logprobs.tokens
+
+
+def test_chat_logprobs_carry_each_token_s_bytes_and_alternatives(served):
+    url, _ = served
+    client = _client(url)
+    messages = [{"role": "user", "content": "def f("}]
+    answer = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
+    choice = answer.choices[0]
+    content = choice.logprobs.content
+    assert len(content) == answer.usage.completion_tokens == 6
+    assert b"".join(bytes(e.bytes) for e in content).decode() == choice.message.content
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.logprob for e in content)
+    assert all(e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob for e in content)
+    plain = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=6, temperature=0
+    )
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == (
+        choice.message.content
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=NAME, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+            top_logprobs=2, stream=True,
+        )
+    )  # fmt: skip
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]  # fmt: skip
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+
+
+LOGPROB_BAD = [
+    ("/v1/completions", {"model": NAME, "prompt": "x", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "logprobs": True}, "logprobs"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "echo": 1}, "echo"),
+    (
+        "/v1/chat/completions",
+        {"model": NAME, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        "top_logprobs",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": NAME,
+            "messages": [{"role": "user", "content": "x"}],
+            "logprobs": True,
+            "top_logprobs": 30,
+        },
+        "top_logprobs",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), LOGPROB_BAD)
+def test_bad_logprobs_requests_are_refused_naming_the_field(served, path, body, param):
+    url, _ = served
+    status, answer = _post(url, path, json.dumps(body).encode())
+    assert status == 400 and answer["error"]["param"] == param, answer

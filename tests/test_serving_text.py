@@ -101,7 +101,8 @@ def test_templates_see_special_tokens_and_stay_in_the_sandbox(tmp_path):
         ({"model": "m", "prompt": "x", "stop": [""]}, "stop"),
         ({"model": "m", "prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
         ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
-        ({"model": "m", "prompt": "x", "echo": True}, "echo"),
+        ({"model": "m", "prompt": "x", "echo": "yes"}, "echo"),
+        ({"model": "m", "prompt": "x", "logprobs": 1}, "logprobs"),  # a server scoring none
         ({"model": "m", "prompt": "x", "best_of": 3}, "best_of"),
         ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
         ({"model": "m", "prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),

@@ -17,7 +17,7 @@ dense-armor generate CHECKPOINT_DIR (--prompt TEXT | --ids 1,2,3) [--tokenizer t
                      [--min-p P] [--stop 2,...] [--seed 0] [--kv-dtype int8]
 dense-armor serve CHECKPOINT_DIR [--input FILE] [--slots 8] [--capacity N] [--chunk 16]
                   [--pages N] [--page-size 16] [--share-prefixes | --no-share-prefixes]
-                  [--decode-steps K]
+                  [--decode-steps K] [--max-logprobs 20]
                   [--tokenizer tokenizer.json] [--max-new-tokens 32] [--temperature 0]
                   [--top-k K] [--top-p P] [--min-p P] [--stop 2,...] [--seed 0]
                   [--kv-dtype int8]

@@ -128,6 +128,10 @@ def _add_serve(commands: Any) -> None:
         "--decode-steps", type=int, help="decoding steps of every slot per dispatch (a "
         "request's tokens come back that many at a time; default 1)",
     )  # fmt: skip
+    se.add_argument(
+        "--max-logprobs", type=int, default=20, help="the most alternatives a request may ask "
+        "with its tokens' log-probabilities (logprobs, top_logprobs; -1: no scores)",
+    )  # fmt: skip
     http = se.add_argument_group("HTTP (OpenAI's API; pip install 'dense-armor[serve]')")
     http.add_argument("--http", action="store_true", help="serve HTTP instead of standard input")
     http.add_argument("--host", default="127.0.0.1", help="the address to listen on")
@@ -386,4 +390,5 @@ def _paging(args: Any) -> dict[str, Any]:
     return dict(
         pages=args.pages, page_size=args.page_size, share_prefixes=args.share_prefixes,
         decode_steps=args.decode_steps,
+        max_logprobs=None if args.max_logprobs == -1 else args.max_logprobs,
     )  # fmt: skip

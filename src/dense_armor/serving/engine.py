@@ -470,7 +470,8 @@ class Server:
         if stopped or len(slot.tokens) == r.max_new_tokens:
             self._free(i)
             done = self._completion(slot, "stop" if stopped else "length", now)
-        return Event(r.id, token, done, slot.cached, logprob, top)
+        prompt = slot.prompt_scores if len(slot.tokens) == 1 else None
+        return Event(r.id, token, done, slot.cached, logprob, top, prompt)
 
     def _completion(self, slot: _Slot, reason: str, now: float) -> Completion:
         r = slot.request

@@ -22,6 +22,7 @@ import jax
 
 from .chat import ChatError, ChatTemplate
 from .engine import QueueFull, Sampling, Server
+from .logprobs import ScoreLog, TokenText
 from .metrics import Metrics
 from .protocol import (
     ApiError,
@@ -65,6 +66,7 @@ def create_app(
     vocab = server.model.vocab
     ends = list(eos or [])
     defaults = Defaults() if defaults is None else defaults
+    texts = TokenText(tokenizer)
 
     def failure(error: ApiError) -> JSONResponse:
         metrics.refused(error.status)
@@ -72,17 +74,24 @@ def create_app(
 
     async def complete(request: Request, chat: bool) -> Any:
         try:
-            ask = _parse(await _body(request), chat, vocab, name)
+            ask = _parse(await _body(request), chat, vocab, name, server.max_logprobs)
             prompt = _prompt_ids(ask, tokenizer, chat_template)
             sampling, key, max_new = _rules(ask, len(prompt), _limit(server), defaults)
+            scored = ask.logprobs is not None
             queue = engine.submit(
-                ask.id, prompt, max_new, sampling, key, sorted(set(ends + ask.stop_token_ids))
-            )
+                ask.id, prompt, max_new, sampling, key, sorted(set(ends + ask.stop_token_ids)),
+                logprobs=ask.logprobs, prompt_logprobs=scored and ask.echo,
+            )  # fmt: skip
         except ApiError as error:
             return failure(error)
         except QueueFull as error:
             return failure(ApiError(str(error), None, 503, "server_overloaded", "queue_full"))
+        scores = None
+        if ask.logprobs is not None:
+            scores = ScoreLog(texts, chat, ask.logprobs, ask.echo, prompt)
+        echo = _echo(ask, prompt, tokenizer)
         run = _Run(ask, prompt, queue, TextStream(tokenizer, ask.stop), engine, metrics)
+        run.scores, run.echo = scores, echo
         if ask.stream:
             return StreamingResponse(run.events(), media_type="text/event-stream")
         answer = await run.whole(request)
@@ -184,12 +193,12 @@ async def _body(request: Any) -> bytes:
     return b"".join(parts)
 
 
-def _parse(raw: bytes, chat: bool, vocab: int, name: str) -> Ask:
+def _parse(raw: bytes, chat: bool, vocab: int, name: str, most: int | None) -> Ask:
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ApiError(f"the request body is not JSON: {error}.") from None
-    ask = (parse_chat if chat else parse_completion)(body, vocab)
+    ask = (parse_chat if chat else parse_completion)(body, vocab, most)
     if ask.model != name:
         raise ApiError(
             f"the model `{ask.model}` does not exist; this server serves `{name}`.",
@@ -213,6 +222,13 @@ def _prompt_ids(ask: Ask, tokenizer: Any, template: ChatTemplate | None) -> list
     if isinstance(ask.prompt, list):
         return list(ask.prompt)
     return list(tokenizer.encode(ask.prompt).ids)
+
+
+def _echo(ask: Ask, prompt: list[int], tokenizer: Any) -> str:
+    """A completion's echoed prompt (`echo`): its text as given, or a token prompt's decoding."""
+    if not ask.echo:
+        return ""
+    return ask.prompt if isinstance(ask.prompt, str) else tokenizer.decode(prompt)
 
 
 def _limit(server: Server) -> tuple[int, str]:
@@ -268,9 +284,12 @@ class _Run:
         self.engine, self.metrics = engine, metrics
         self.generated, self.cached, self.started = 0, 0, time.perf_counter()
         self.first: float | None = None
+        self.scores: ScoreLog | None = None  # the tokens' scores, if asked
+        self.echo = ""  # the prompt's text, with a completion's `echo`
 
-    async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
-        """`(new text, finish reason or None)` as tokens arrive; ends after the reason."""
+    async def pieces(self) -> AsyncIterator[tuple[str, str | None, Any]]:
+        """`(new text, finish reason or None, the new token's logprobs object or None)` as
+        tokens arrive; ends after the reason."""
         while True:
             item = await self.queue.get()
             if isinstance(item, Failed):
@@ -280,15 +299,16 @@ class _Run:
             if self.first is None:
                 self.first = time.perf_counter()
                 self.metrics.first_token(self.first - self.started)
+            scored = None if self.scores is None else self.scores.add(item)
             piece = self.text.push(item.token)
             if self.text.stopped:  # a stop string: the request ends here
                 self.engine.cancel(self.ask.id)
-                yield piece, "stop"
+                yield piece, "stop", scored
                 return
             if item.completion is not None:
-                yield piece + self.text.finish(), item.completion.reason
+                yield piece + self.text.finish(), item.completion.reason, scored
                 return
-            yield piece, None
+            yield piece, None, scored
 
     def _counts(self) -> tuple[int, int, int]:
         """The usage's prompt, completion and cached tokens."""
@@ -301,8 +321,8 @@ class _Run:
         """The whole answer; None if the client disconnected first."""
 
         async def collect() -> tuple[str, str]:
-            parts, reason = [], "length"
-            async for piece, end in self.pieces():
+            parts, reason = [self.echo], "length"
+            async for piece, end, _ in self.pieces():
                 parts.append(piece)
                 reason = end or reason
             return "".join(parts), reason
@@ -315,7 +335,8 @@ class _Run:
             return ApiError(f"generation failed: {done}", None, 500, "server_error")
         self._finished()
         text, reason = done
-        return response(self.ask, text, reason, self._counts())
+        logprobs = None if self.scores is None else self.scores.whole()
+        return response(self.ask, text, reason, self._counts(), logprobs)
 
     async def events(self) -> AsyncIterator[str]:
         """Server-sent events: the role first (a chat), text chunks, the end, the usage if
@@ -324,10 +345,12 @@ class _Run:
         try:
             if ask.chat:
                 yield _sse(chunk(ask, None, role=True))
+            if self.echo:
+                yield _sse(chunk(ask, self.echo))
             try:
-                async for piece, reason in self.pieces():
-                    if piece:
-                        yield _sse(chunk(ask, piece))
+                async for piece, reason, scored in self.pieces():
+                    if piece or scored is not None:
+                        yield _sse(chunk(ask, piece, logprobs=scored))
                     if reason is not None:
                         yield _sse(chunk(ask, None, reason))
             except RuntimeError as error:

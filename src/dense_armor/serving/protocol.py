@@ -3,8 +3,8 @@ response, chunk and error objects.
 
 Every field a request may hold is checked by type and range, and a bad one is an `ApiError`
 naming it (`param`), which the HTTP application answers with OpenAI's error object and a 400.
-What is not built is refused the same way, never ignored: `n` above 1, `logprobs`, `echo`,
-`best_of` above 1, penalties, `logit_bias`, `suffix`, tools and non-text response formats. A
+What is not built is refused the same way, never ignored: `n` above 1, `best_of` above 1,
+penalties, `logit_bias`, `suffix`, tools and non-text response formats. A
 field that changes nothing an answer holds (`INERT`: `user`, `metadata`, `store`, ...) is
 accepted and ignored, as OpenAI's server does; any other field a request sets is refused by
 name (a peer's extension such as `repetition_penalty` would otherwise be silently without
@@ -90,6 +90,8 @@ class Ask:
     stop_token_ids: list[int]
     stream: bool
     include_usage: bool
+    logprobs: int | None = None  # alternatives with each token's score; None: no scores
+    echo: bool = False  # a completion's text and scores begin with its prompt's
     id: str = dataclasses.field(default_factory=lambda: secrets.token_hex(12))
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -140,12 +142,12 @@ def _seed(body: Mapping[str, Any]) -> int | None:
 READ = frozenset({
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
     "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "stream", "stream_options",
+    "logprobs", "top_logprobs", "echo",
 })  # fmt: skip
 # ... those whose features are refused unless at their default (`_refused`) ...
 NOT_BUILT = frozenset({
-    "n", "best_of", "echo", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
-    "logit_bias", "suffix", "tools", "tool_choice", "response_format", "functions",
-    "function_call", "modalities",
+    "n", "best_of", "presence_penalty", "frequency_penalty", "logit_bias", "suffix", "tools",
+    "tool_choice", "response_format", "functions", "function_call", "modalities",
 })  # fmt: skip
 # ... and those that change nothing an answer holds (bookkeeping, caching hints, a choice that
 # only matters with tools), accepted and ignored as OpenAI's server does.
@@ -167,9 +169,6 @@ def _refused(body: Mapping[str, Any]) -> None:
     neutral: dict[str, tuple[Any, ...]] = {
         "n": (None, 1),
         "best_of": (None, 1),
-        "echo": (None, False),
-        "logprobs": (None, False),
-        "top_logprobs": (None, 0),
         "presence_penalty": (None, 0, 0.0),
         "frequency_penalty": (None, 0, 0.0),
         "logit_bias": (None, {}),
@@ -244,9 +243,34 @@ def _common(body: Any, chat: bool, vocab: int) -> dict[str, Any]:
     )
 
 
-def parse_completion(body: Any, vocab: int) -> Ask:
-    """A `POST /v1/completions` body as an `Ask` (`ApiError` for a bad field)."""
+def _scores(body: Mapping[str, Any], chat: bool, most: int | None) -> dict[str, Any]:
+    """The scores asked for: a completion's `logprobs` (alternatives, 0 to `most`) and `echo`;
+    a chat's `logprobs` (true or false) and `top_logprobs` (0 to `most`). `most` None: the
+    server computes none."""
+    if chat:
+        wanted = body.get("logprobs") or False
+        if not isinstance(wanted, bool):
+            raise ApiError(f"`logprobs` must be true or false; received {wanted!r}.", "logprobs")
+        top = _integer(body, "top_logprobs", 0)
+        if top is not None and not wanted:
+            raise ApiError("`top_logprobs` needs `logprobs: true`.", "top_logprobs")
+        count, name, echo = (top or 0) if wanted else None, "top_logprobs", False
+    else:
+        count, name = _integer(body, "logprobs", 0), "logprobs"
+        echo = body.get("echo") or False
+        if not isinstance(echo, bool):
+            raise ApiError(f"`echo` must be true or false; received {echo!r}.", "echo")
+    if count is not None and (most is None or count > most):
+        limit = "computes none" if most is None else f"gives at most {most}"
+        raise ApiError(f"`{name}={count}`: this server {limit} (serve --max-logprobs).", name)
+    return {"logprobs": count, "echo": echo}
+
+
+def parse_completion(body: Any, vocab: int, most: int | None = None) -> Ask:
+    """A `POST /v1/completions` body as an `Ask` (`ApiError` for a bad field); `most`: the
+    alternatives a request may ask with its scores (None: no scores)."""
     fields = _common(body, False, vocab)
+    fields.update(_scores(body, False, most))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
@@ -262,9 +286,10 @@ def parse_completion(body: Any, vocab: int) -> Ask:
     return Ask(prompt=prompt, messages=None, **fields)
 
 
-def parse_chat(body: Any, vocab: int) -> Ask:
+def parse_chat(body: Any, vocab: int, most: int | None = None) -> Ask:
     """A `POST /v1/chat/completions` body as an `Ask` (`ApiError` for a bad field)."""
     fields = _common(body, True, vocab)
+    fields.update(_scores(body, True, most))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError("`messages` must be a non-empty list of messages.", "messages")
@@ -298,9 +323,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
-def response(ask: Ask, text: str, reason: str, counts: Sequence[int]) -> dict[str, Any]:
+def response(
+    ask: Ask, text: str, reason: str, counts: Sequence[int], logprobs: Any = None
+) -> dict[str, Any]:
     """The whole answer to `ask`: `text`, why it ended, `counts` (prompt, completion and cached
-    tokens)."""
+    tokens), its `logprobs` object if it asked (`serving.logprobs`)."""
     if ask.chat:
         choice: dict[str, Any] = {"message": {"role": "assistant", "content": text}}
         head = {"id": f"chatcmpl-{ask.id}", "object": "chat.completion"}
@@ -311,7 +338,7 @@ def response(ask: Ask, text: str, reason: str, counts: Sequence[int]) -> dict[st
         **head,
         "created": ask.created,
         "model": ask.model,
-        "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": reason}],
+        "choices": [{"index": 0, **choice, "logprobs": logprobs, "finish_reason": reason}],
         "usage": usage(*counts),
     }
 
@@ -322,9 +349,10 @@ def chunk(
     reason: str | None = None,
     role: bool = False,
     counts: Sequence[int] | None = None,
+    logprobs: Any = None,
 ) -> dict[str, Any]:
-    """One streamed chunk: new `text`, or the role (a chat's first), or the end (`reason`), or
-    the usage alone (`counts`, no choices)."""
+    """One streamed chunk: new `text` (and its tokens' `logprobs` object if asked), or the role
+    (a chat's first), or the end (`reason`), or the usage alone (`counts`, no choices)."""
     if ask.chat:
         head = {"id": f"chatcmpl-{ask.id}", "object": "chat.completion.chunk"}
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
@@ -337,7 +365,7 @@ def chunk(
     body: dict[str, Any] = {**head, "created": ask.created, "model": ask.model}
     if counts is not None:
         return {**body, "choices": [], "usage": usage(*counts)}
-    body["choices"] = [{"index": 0, **choice, "logprobs": None, "finish_reason": reason}]
+    body["choices"] = [{"index": 0, **choice, "logprobs": logprobs, "finish_reason": reason}]
     if ask.include_usage:
         body["usage"] = None
     return body

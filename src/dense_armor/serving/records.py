@@ -134,3 +134,4 @@ class Event:
     cached_tokens: int = 0
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None
+    prompt: Any = None  # the first event's: its prompt's scores (`scoring.PromptScores`) if asked

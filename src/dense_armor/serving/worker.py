@@ -40,15 +40,18 @@ class Engine:
         sampling: Sampling,
         key: Any,
         stops: list[int],
+        **scores: Any,
     ) -> "asyncio.Queue[Any]":
-        """Queue a request; the queue its events arrive on. `QueueFull` past the bound."""
+        """Queue a request (`scores`: its `logprobs` and `prompt_logprobs`, as
+        `Server.submit`'s); the queue its events arrive on. `QueueFull` past the bound."""
         queue: asyncio.Queue[Any] = asyncio.Queue()
         with self._lock:
             self._queues[request_id] = (asyncio.get_running_loop(), queue)
         try:
             self.server.submit(
-                prompt, max_new, request_id, sampling=sampling, key=key, stop_tokens=stops
-            )
+                prompt, max_new, request_id, sampling=sampling, key=key, stop_tokens=stops,
+                **scores,
+            )  # fmt: skip
         except BaseException:
             with self._lock:
                 self._queues.pop(request_id, None)
