@@ -272,7 +272,8 @@ BAD = [  # (request body, status, the field named)
     ({"model": NAME, "prompt": "x" * CONTEXT}, 400, "prompt"),
     ({"model": NAME, "prompt": ""}, 400, "prompt"),
     ({"model": NAME, "prompt": [1, 300]}, 400, "prompt"),
-    ({"model": NAME, "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": NAME, "prompt": "x", "n": 17}, 400, "n"),
+    ({"model": NAME, "prompt": ["x"] * 9, "n": 8}, 400, "n"),  # 72 choices
     ({"model": NAME, "prompt": "x", "logprobs": -1}, 400, "logprobs"),
     ({"model": NAME, "prompt": "x", "stop": 5}, 400, "stop"),
     ({"model": NAME, "prompt": "x", "stream": "yes"}, 400, "stream"),
@@ -825,3 +826,49 @@ def test_bad_logprobs_requests_are_refused_naming_the_field(served, path, body, 
     url, _ = served
     status, answer = _post(url, path, json.dumps(body).encode())
     assert status == 400 and answer["error"]["param"] == param, answer
+
+
+def test_several_prompts_and_n_choices_each_in_one_request(served, reference):
+    """A list of prompts (text or token ids), `n` choices of each: choice `p * n + j` is prompt
+    `p`'s; greedy, each its solo text; the usage counts each prompt once and every choice's
+    tokens; streamed, each chunk names its choice."""
+    url, _ = served
+    client = _client(url)
+    want = _solo(reference, PROMPTS[:2], 5)
+    for prompt in (
+        [PROMPTS[0], PROMPTS[1]],
+        [list(PROMPTS[0].encode()), list(PROMPTS[1].encode())],
+    ):
+        answer = client.completions.create(
+            model=NAME, prompt=prompt, n=2, max_tokens=5, temperature=0
+        )
+        assert [c.index for c in answer.choices] == [0, 1, 2, 3]
+        assert [c.text for c in answer.choices] == [want[0], want[0], want[1], want[1]]
+        assert answer.usage.prompt_tokens == len(PROMPTS[0]) + len(PROMPTS[1])
+        assert answer.usage.completion_tokens == 4 * 5
+    chunks = list(
+        client.completions.create(
+            model=NAME, prompt=PROMPTS[:2], n=2, max_tokens=5, temperature=0, stream=True
+        )
+    )
+    texts = [
+        "".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(4)
+    ]
+    assert texts == [want[0], want[0], want[1], want[1]]
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+    assert reasons == ["length"] * 4
+
+
+def test_n_sampled_choices_differ_and_the_first_is_the_seed_s(served):
+    url, _ = served
+    client = _client(url)
+    asked = dict(model=NAME, prompt=PROMPTS[4], max_tokens=12, temperature=1.0, seed=7)
+    several = client.completions.create(n=3, **asked)
+    alone = client.completions.create(**asked)
+    texts = [c.text for c in several.choices]
+    assert texts[0] == alone.choices[0].text and len(set(texts)) > 1
+    chat = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=8, n=2,
+        temperature=1.0, seed=3,
+    )  # fmt: skip
+    assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == 16

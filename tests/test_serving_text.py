@@ -100,7 +100,9 @@ def test_templates_see_special_tokens_and_stay_in_the_sandbox(tmp_path):
         ({"model": "m", "prompt": "x", "stop": ["a"] * 17}, "stop"),
         ({"model": "m", "prompt": "x", "stop": [""]}, "stop"),
         ({"model": "m", "prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
-        ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+        ({"model": "m", "prompt": ["a", 3]}, "prompt"),
+        ({"model": "m", "prompt": [[1, 2], []]}, "prompt"),
+        ({"model": "m", "prompt": "x", "n": 0}, "n"),
         ({"model": "m", "prompt": "x", "echo": "yes"}, "echo"),
         ({"model": "m", "prompt": "x", "logprobs": 1}, "logprobs"),  # a server scoring none
         ({"model": "m", "prompt": "x", "best_of": 3}, "best_of"),
@@ -122,8 +124,8 @@ def test_the_protocol_refuses_each_bad_field_by_name(body, param):
 def test_the_protocol_reads_openais_defaults_and_chat_fields():
     ask = parse_completion({"model": "m", "prompt": [[1, 2, 3]], "top_k": -1}, 256)
     # fields left out stay unset: the server's `Defaults` fill them, OpenAI's unless it says
-    assert (ask.prompt, ask.temperature, ask.top_k, ask.top_p, ask.max_tokens) == (
-        [1, 2, 3],
+    assert (ask.prompts, ask.temperature, ask.top_k, ask.top_p, ask.max_tokens) == (
+        [[1, 2, 3]],
         None,
         None,
         None,

@@ -10,16 +10,15 @@ request cancelled: its slot is free before the next tick. `serve_http(...)` runs
 with uvicorn.
 """
 
-import asyncio
 import contextlib
 import dataclasses
 import json
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import jax
 
+from .answers import Answer, Choice
 from .chat import ChatError, ChatTemplate
 from .engine import QueueFull, Sampling, Server
 from .logprobs import ScoreLog, TokenText
@@ -28,14 +27,12 @@ from .protocol import (
     ApiError,
     Ask,
     Defaults,
-    chunk,
     error_body,
     parse_chat,
     parse_completion,
-    response,
 )  # fmt: skip
 from .text import TextStream
-from .worker import Engine, Failed
+from .worker import Engine
 
 __all__ = ["create_app", "serve_http"]
 
@@ -75,31 +72,23 @@ def create_app(
     async def complete(request: Request, chat: bool) -> Any:
         try:
             ask = _parse(await _body(request), chat, vocab, name, server.max_logprobs)
-            prompt = _prompt_ids(ask, tokenizer, chat_template)
-            sampling, key, max_new = _rules(ask, len(prompt), _limit(server), defaults)
-            scored = ask.logprobs is not None
-            queue = engine.submit(
-                ask.id, prompt, max_new, sampling, key, sorted(set(ends + ask.stop_token_ids)),
-                logprobs=ask.logprobs, prompt_logprobs=scored and ask.echo,
-            )  # fmt: skip
+            prompts = _prompt_ids(ask, tokenizer, chat_template)
+            rules = [_rules(ask, len(p), _limit(server), defaults) for p in prompts]
+            stops = sorted(set(ends + ask.stop_token_ids))
+            choices = _submitted(ask, prompts, rules, stops, engine, tokenizer, texts)
         except ApiError as error:
             return failure(error)
         except QueueFull as error:
             return failure(ApiError(str(error), None, 503, "server_overloaded", "queue_full"))
-        scores = None
-        if ask.logprobs is not None:
-            scores = ScoreLog(texts, chat, ask.logprobs, ask.echo, prompt)
-        echo = _echo(ask, prompt, tokenizer)
-        run = _Run(ask, prompt, queue, TextStream(tokenizer, ask.stop), engine, metrics)
-        run.scores, run.echo = scores, echo
+        answer = Answer(ask, choices, engine, metrics)
         if ask.stream:
-            return StreamingResponse(run.events(), media_type="text/event-stream")
-        answer = await run.whole(request)
-        if answer is None:  # the client left
+            return StreamingResponse(answer.events(), media_type="text/event-stream")
+        whole = await answer.whole(request)
+        if whole is None:  # the client left
             return PlainTextResponse("", status_code=499)
-        if isinstance(answer, ApiError):
-            return failure(answer)
-        return JSONResponse(answer)
+        if isinstance(whole, ApiError):
+            return failure(whole)
+        return JSONResponse(whole)
 
     async def completions(request: Request) -> Any:
         return await complete(request, chat=False)
@@ -210,7 +199,8 @@ def _parse(raw: bytes, chat: bool, vocab: int, name: str, most: int | None) -> A
     return ask
 
 
-def _prompt_ids(ask: Ask, tokenizer: Any, template: ChatTemplate | None) -> list[int]:
+def _prompt_ids(ask: Ask, tokenizer: Any, template: ChatTemplate | None) -> list[list[int]]:
+    """The token ids of each of the request's prompts (a chat's rendered messages)."""
     if ask.chat:
         if template is None:
             raise ApiError("this model has no chat template: use /v1/completions.", "messages")
@@ -218,17 +208,50 @@ def _prompt_ids(ask: Ask, tokenizer: Any, template: ChatTemplate | None) -> list
             text = template.render(ask.messages or [], add_generation_prompt=True)
         except ChatError as error:
             raise ApiError(str(error), "messages") from None
-        return list(tokenizer.encode(text, add_special_tokens=False).ids)
-    if isinstance(ask.prompt, list):
-        return list(ask.prompt)
-    return list(tokenizer.encode(ask.prompt).ids)
+        return [list(tokenizer.encode(text, add_special_tokens=False).ids)]
+    return [
+        list(p) if isinstance(p, list) else list(tokenizer.encode(p).ids) for p in ask.prompts or []
+    ]
 
 
-def _echo(ask: Ask, prompt: list[int], tokenizer: Any) -> str:
-    """A completion's echoed prompt (`echo`): its text as given, or a token prompt's decoding."""
+def _submitted(
+    ask: Ask, prompts: list[list[int]], rules: list[Any], stops: list[int], engine: Engine,
+    tokenizer: Any, texts: TokenText,
+) -> list[Choice]:  # fmt: skip
+    """Each prompt's `n` choices queued as requests of their own (a choice `j > 0` of a request
+    with a seed draws with `fold_in(key, j)`); on a refusal the ones queued are cancelled."""
+    choices: list[Choice] = []
+    single = len(prompts) * ask.n == 1
+    try:
+        for p, (prompt, (sampling, key, max_new)) in enumerate(zip(prompts, rules, strict=True)):
+            echo = _echo(ask, p, prompt, tokenizer)
+            for j in range(ask.n):
+                index = p * ask.n + j
+                request_id = ask.id if single else f"{ask.id}-{index}"
+                own = key if key is None or j == 0 else jax.random.fold_in(key, j)
+                queue = engine.submit(
+                    request_id, prompt, max_new, sampling, own, stops, logprobs=ask.logprobs,
+                    prompt_logprobs=ask.logprobs is not None and ask.echo,
+                )  # fmt: skip
+                scores = None
+                if ask.logprobs is not None:
+                    scores = ScoreLog(texts, ask.chat, ask.logprobs, ask.echo, prompt)
+                text = TextStream(tokenizer, ask.stop)
+                choices.append(Choice(index, request_id, prompt, queue, text, scores, echo))
+    except BaseException:
+        for c in choices:
+            engine.cancel(c.request_id)
+        raise
+    return choices
+
+
+def _echo(ask: Ask, p: int, prompt: list[int], tokenizer: Any) -> str:
+    """A completion's echoed prompt `p` (`echo`): its text as given, or a token prompt's
+    decoding."""
     if not ask.echo:
         return ""
-    return ask.prompt if isinstance(ask.prompt, str) else tokenizer.decode(prompt)
+    given = (ask.prompts or [])[p]
+    return given if isinstance(given, str) else tokenizer.decode(prompt)
 
 
 def _limit(server: Server) -> tuple[int, str]:
@@ -266,127 +289,6 @@ def _rules(
     sampling = Sampling(float(ask.temperature or 0.0), ask.top_k, ask.top_p, ask.min_p)
     key = None if ask.seed is None else jax.random.PRNGKey(ask.seed)
     return sampling, key, max_new
-
-
-class _Run:
-    """One request's answer as it is generated: whole, or as server-sent events."""
-
-    def __init__(
-        self,
-        ask: Ask,
-        prompt: list[int],
-        queue: "asyncio.Queue[Any]",
-        text: TextStream,
-        engine: Engine,
-        metrics: Metrics,
-    ) -> None:
-        self.ask, self.prompt, self.queue, self.text = ask, prompt, queue, text
-        self.engine, self.metrics = engine, metrics
-        self.generated, self.cached, self.started = 0, 0, time.perf_counter()
-        self.first: float | None = None
-        self.scores: ScoreLog | None = None  # the tokens' scores, if asked
-        self.echo = ""  # the prompt's text, with a completion's `echo`
-
-    async def pieces(self) -> AsyncIterator[tuple[str, str | None, Any]]:
-        """`(new text, finish reason or None, the new token's logprobs object or None)` as
-        tokens arrive; ends after the reason."""
-        while True:
-            item = await self.queue.get()
-            if isinstance(item, Failed):
-                raise RuntimeError(item.message)
-            self.generated, self.cached = self.generated + 1, item.cached_tokens
-            self.metrics.token()
-            if self.first is None:
-                self.first = time.perf_counter()
-                self.metrics.first_token(self.first - self.started)
-            scored = None if self.scores is None else self.scores.add(item)
-            piece = self.text.push(item.token)
-            if self.text.stopped:  # a stop string: the request ends here
-                self.engine.cancel(self.ask.id)
-                yield piece, "stop", scored
-                return
-            if item.completion is not None:
-                yield piece + self.text.finish(), item.completion.reason, scored
-                return
-            yield piece, None, scored
-
-    def _counts(self) -> tuple[int, int, int]:
-        """The usage's prompt, completion and cached tokens."""
-        return len(self.prompt), self.generated, self.cached
-
-    def _finished(self) -> None:
-        self.metrics.finished(time.perf_counter() - self.started)
-
-    async def whole(self, request: Any) -> dict[str, Any] | ApiError | None:
-        """The whole answer; None if the client disconnected first."""
-
-        async def collect() -> tuple[str, str]:
-            parts, reason = [self.echo], "length"
-            async for piece, end, _ in self.pieces():
-                parts.append(piece)
-                reason = end or reason
-            return "".join(parts), reason
-
-        done = await _unless_disconnected(request, collect())
-        if done is None:
-            self.engine.cancel(self.ask.id)
-            return None
-        if isinstance(done, BaseException):
-            return ApiError(f"generation failed: {done}", None, 500, "server_error")
-        self._finished()
-        text, reason = done
-        logprobs = None if self.scores is None else self.scores.whole()
-        return response(self.ask, text, reason, self._counts(), logprobs)
-
-    async def events(self) -> AsyncIterator[str]:
-        """Server-sent events: the role first (a chat), text chunks, the end, the usage if
-        asked, `[DONE]`; an error event then `[DONE]` if generation fails."""
-        ask = self.ask
-        try:
-            if ask.chat:
-                yield _sse(chunk(ask, None, role=True))
-            if self.echo:
-                yield _sse(chunk(ask, self.echo))
-            try:
-                async for piece, reason, scored in self.pieces():
-                    if piece or scored is not None:
-                        yield _sse(chunk(ask, piece, logprobs=scored))
-                    if reason is not None:
-                        yield _sse(chunk(ask, None, reason))
-            except RuntimeError as error:
-                yield _sse(
-                    error_body(ApiError(f"generation failed: {error}", None, 500, "server_error"))
-                )
-                yield "data: [DONE]\n\n"
-                return
-            self._finished()
-            if ask.include_usage:
-                yield _sse(chunk(ask, None, counts=self._counts()))
-            yield "data: [DONE]\n\n"
-        finally:  # a client that left mid-stream (the generator closed): free its slot
-            self.engine.cancel(ask.id)
-
-
-def _sse(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-
-async def _unless_disconnected(request: Any, work: Any) -> Any:
-    """`work`'s result, or None if the client disconnects first (an exception is returned)."""
-    task = asyncio.ensure_future(work)
-
-    async def gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watch = asyncio.ensure_future(gone())
-    done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    if task not in done:
-        task.cancel()
-        return None
-    watch.cancel()
-    error = task.exception()
-    return error if error is not None else task.result()
 
 
 def serve_http(app: Any, host: str, port: int, announce: Callable[[str], None]) -> None:

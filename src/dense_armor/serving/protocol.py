@@ -19,11 +19,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = [
-    "ApiError", "Ask", "Defaults", "chunk", "error_body", "parse_chat", "parse_completion",
-    "response",
+    "ApiError", "Ask", "Defaults", "choice", "chunk", "error_body", "parse_chat",
+    "parse_completion", "response",
 ]  # fmt: skip
 
 MAX_STOPS = 16  # stop strings per request (OpenAI allows 4; vLLM more)
+MAX_N, MAX_CHOICES = 16, 64  # choices per prompt (`n`), and in all (prompts times `n`)
 
 
 class ApiError(Exception):
@@ -74,11 +75,12 @@ class Defaults:
 
 @dataclasses.dataclass
 class Ask:
-    """A checked request: `prompt` (text, or token ids), or `messages` for a chat."""
+    """A checked request: its `prompts` (each text, or token ids), or `messages` for a chat;
+    `n` choices of each."""
 
     chat: bool
     model: str
-    prompt: str | list[int] | None
+    prompts: list[str | list[int]] | None
     messages: list[dict[str, Any]] | None
     max_tokens: int | None  # None: unset in the request (see `Defaults`), as the three below
     temperature: float | None
@@ -90,6 +92,7 @@ class Ask:
     stop_token_ids: list[int]
     stream: bool
     include_usage: bool
+    n: int = 1
     logprobs: int | None = None  # alternatives with each token's score; None: no scores
     echo: bool = False  # a completion's text and scores begin with its prompt's
     id: str = dataclasses.field(default_factory=lambda: secrets.token_hex(12))
@@ -142,11 +145,11 @@ def _seed(body: Mapping[str, Any]) -> int | None:
 READ = frozenset({
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
     "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "stream", "stream_options",
-    "logprobs", "top_logprobs", "echo",
+    "logprobs", "top_logprobs", "echo", "n",
 })  # fmt: skip
 # ... those whose features are refused unless at their default (`_refused`) ...
 NOT_BUILT = frozenset({
-    "n", "best_of", "presence_penalty", "frequency_penalty", "logit_bias", "suffix", "tools",
+    "best_of", "presence_penalty", "frequency_penalty", "logit_bias", "suffix", "tools",
     "tool_choice", "response_format", "functions", "function_call", "modalities",
 })  # fmt: skip
 # ... and those that change nothing an answer holds (bookkeeping, caching hints, a choice that
@@ -167,7 +170,6 @@ def _unknown(body: Mapping[str, Any]) -> None:
 def _refused(body: Mapping[str, Any]) -> None:
     """The fields whose features are not built, refused unless at their neutral value."""
     neutral: dict[str, tuple[Any, ...]] = {
-        "n": (None, 1),
         "best_of": (None, 1),
         "presence_penalty": (None, 0, 0.0),
         "frequency_penalty": (None, 0, 0.0),
@@ -226,6 +228,9 @@ def _common(body: Any, chat: bool, vocab: int) -> dict[str, Any]:
             "`stream_options` must be an object with a boolean `include_usage`.", "stream_options"
         )
     stop, stop_ids = _stops(body, vocab)
+    n = _integer(body, "n", 1, 1)
+    if n > MAX_N:
+        raise ApiError(f"`n` must be at most {MAX_N}; received {n}.", "n")
     name = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
     return dict(
         chat=chat,
@@ -240,6 +245,7 @@ def _common(body: Any, chat: bool, vocab: int) -> dict[str, Any]:
         stop_token_ids=stop_ids,
         stream=stream,
         include_usage=usage,
+        n=n,
     )
 
 
@@ -271,19 +277,34 @@ def parse_completion(body: Any, vocab: int, most: int | None = None) -> Ask:
     alternatives a request may ask with its scores (None: no scores)."""
     fields = _common(body, False, vocab)
     fields.update(_scores(body, False, most))
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, list):
-        if not prompt or not all(_is_int(i) and 0 <= i < vocab for i in prompt):
+    prompts = _prompts(body.get("prompt"), vocab)
+    if len(prompts) * fields["n"] > MAX_CHOICES:
+        raise ApiError(
+            f"{len(prompts)} prompts of `n={fields['n']}` choices each pass the {MAX_CHOICES} "
+            "choices a request may ask.",
+            "n",
+        )
+    return Ask(prompts=prompts, messages=None, **fields)
+
+
+def _prompts(prompt: Any, vocab: int) -> list[str | list[int]]:
+    """A completion's `prompt`: a string, a list of token ids, or a list of either."""
+    several = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
+    prompts = prompt if several else [prompt]
+    for one in prompts:
+        if isinstance(one, list):
+            if not one or not all(_is_int(i) and 0 <= i < vocab for i in one):
+                raise ApiError(
+                    f"`prompt` must be a string, a non-empty list of token ids in [0, {vocab}), "
+                    "or a list of either.",
+                    "prompt",
+                )
+        elif not isinstance(one, str) or not one:
             raise ApiError(
-                f"`prompt` must be a string or a non-empty list of token ids in [0, {vocab}) "
-                "(one prompt per request).",
+                "`prompt` must be a non-empty string, a list of token ids, or a list of either.",
                 "prompt",
             )
-    elif not isinstance(prompt, str) or not prompt:
-        raise ApiError("`prompt` must be a non-empty string or a list of token ids.", "prompt")
-    return Ask(prompt=prompt, messages=None, **fields)
+    return prompts
 
 
 def parse_chat(body: Any, vocab: int, most: int | None = None) -> Ask:
@@ -293,7 +314,7 @@ def parse_chat(body: Any, vocab: int, most: int | None = None) -> Ask:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError("`messages` must be a non-empty list of messages.", "messages")
-    return Ask(prompt=None, messages=[_message(m, i) for i, m in enumerate(messages)], **fields)
+    return Ask(prompts=None, messages=[_message(m, i) for i, m in enumerate(messages)], **fields)
 
 
 def _message(message: Any, i: int) -> dict[str, Any]:
@@ -323,22 +344,24 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
-def response(
-    ask: Ask, text: str, reason: str, counts: Sequence[int], logprobs: Any = None
-) -> dict[str, Any]:
-    """The whole answer to `ask`: `text`, why it ended, `counts` (prompt, completion and cached
-    tokens), its `logprobs` object if it asked (`serving.logprobs`)."""
+def choice(ask: Ask, index: int, text: str, reason: str, logprobs: Any = None) -> dict[str, Any]:
+    """One choice of a whole answer: its `text`, why it ended, its `logprobs` object if asked."""
+    body = {"message": {"role": "assistant", "content": text}} if ask.chat else {"text": text}
+    return {"index": index, **body, "logprobs": logprobs, "finish_reason": reason}
+
+
+def response(ask: Ask, choices: list[dict[str, Any]], counts: Sequence[int]) -> dict[str, Any]:
+    """The whole answer to `ask`: its `choices` (`choice`), `counts` (prompt, completion and
+    cached tokens)."""
     if ask.chat:
-        choice: dict[str, Any] = {"message": {"role": "assistant", "content": text}}
         head = {"id": f"chatcmpl-{ask.id}", "object": "chat.completion"}
     else:
-        choice = {"text": text}
         head = {"id": f"cmpl-{ask.id}", "object": "text_completion"}
     return {
         **head,
         "created": ask.created,
         "model": ask.model,
-        "choices": [{"index": 0, **choice, "logprobs": logprobs, "finish_reason": reason}],
+        "choices": choices,
         "usage": usage(*counts),
     }
 
@@ -350,22 +373,24 @@ def chunk(
     role: bool = False,
     counts: Sequence[int] | None = None,
     logprobs: Any = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One streamed chunk: new `text` (and its tokens' `logprobs` object if asked), or the role
-    (a chat's first), or the end (`reason`), or the usage alone (`counts`, no choices)."""
+    """One streamed chunk of choice `index`: new `text` (and its tokens' `logprobs` object if
+    asked), or the role (a chat's first), or the end (`reason`), or the usage alone (`counts`,
+    no choices)."""
     if ask.chat:
         head = {"id": f"chatcmpl-{ask.id}", "object": "chat.completion.chunk"}
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
         if text:
             delta["content"] = text
-        choice: dict[str, Any] = {"delta": delta}
+        part: dict[str, Any] = {"delta": delta}
     else:
         head = {"id": f"cmpl-{ask.id}", "object": "text_completion"}
-        choice = {"text": text or ""}
+        part = {"text": text or ""}
     body: dict[str, Any] = {**head, "created": ask.created, "model": ask.model}
     if counts is not None:
         return {**body, "choices": [], "usage": usage(*counts)}
-    body["choices"] = [{"index": 0, **choice, "logprobs": logprobs, "finish_reason": reason}]
+    body["choices"] = [{"index": index, **part, "logprobs": logprobs, "finish_reason": reason}]
     if ask.include_usage:
         body["usage"] = None
     return body
