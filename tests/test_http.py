@@ -872,3 +872,31 @@ def test_n_sampled_choices_differ_and_the_first_is_the_seed_s(served):
         temperature=1.0, seed=3,
     )  # fmt: skip
     assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == 16
+
+
+def test_tokenize_and_detokenize(served, reference):
+    """vLLM's `/tokenize` (a prompt, or a chat's messages through its template) and
+    `/detokenize`, as an evaluation harness probes them."""
+    url, _ = served
+    _, tokenizer = reference
+    text = "def main(x):\n    return x"
+    status, answer = _post(url, "/tokenize", json.dumps({"model": NAME, "prompt": text}).encode())
+    assert status == 200 and answer["tokens"] == tokenizer.encode(text).ids
+    assert answer["count"] == len(answer["tokens"]) and answer["max_model_len"] == CONTEXT
+    status, back = _post(url, "/detokenize", json.dumps({"tokens": answer["tokens"]}).encode())
+    assert status == 200 and back == {"prompt": text}
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    status, rendered = _post(url, "/tokenize", json.dumps(chat).encode())
+    plain = _client(url).chat.completions.create(
+        model=NAME, messages=chat["messages"], max_tokens=1, temperature=0
+    )
+    assert status == 200
+    assert rendered["count"] == len(rendered["tokens"]) == plain.usage.prompt_tokens
+    for path, body, param, code in (
+        ("/tokenize", {"prompt": 3}, "prompt", 400),
+        ("/tokenize", {"prompt": "x", "model": "other"}, "model", 404),
+        ("/detokenize", {"tokens": [1, -1]}, "tokens", 400),
+        ("/detokenize", {"tokens": "1 2"}, "tokens", 400),
+    ):
+        status, error = _post(url, path, json.dumps(body).encode())
+        assert status == code and error["error"]["param"] == param, error

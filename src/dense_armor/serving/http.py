@@ -110,7 +110,29 @@ def create_app(
     async def scrape(request: Request) -> Any:
         return PlainTextResponse(metrics.text(), media_type=metrics.content_type)
 
+    async def tokenize(request: Request) -> Any:
+        try:
+            body = _tokens_body(await _body(request), name)
+            ids = _tokenized(body, tokenizer, chat_template)
+        except ApiError as error:
+            return failure(error)
+        return JSONResponse({"count": len(ids), "max_model_len": server.capacity, "tokens": ids})
+
+    async def detokenize(request: Request) -> Any:
+        try:
+            body = _tokens_body(await _body(request), name)
+            ids = body.get("tokens")
+            if not isinstance(ids, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids
+            ):
+                raise ApiError(f"`tokens` must be a list of token ids in [0, {vocab}).", "tokens")
+        except ApiError as error:
+            return failure(error)
+        return JSONResponse({"prompt": tokenizer.decode(ids)})
+
     routes = [
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
@@ -135,7 +157,8 @@ STATUS_KINDS = {
     415: ("invalid_request_error", "unsupported_media_type"),
     422: ("invalid_request_error", "unprocessable_entity"), 500: ("server_error", "internal_error"),
 }  # fmt: skip
-PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
+         "/health", "/metrics")  # fmt: skip
 MAX_BODY = 8 * 2**20  # the bytes of a request's body (413 past them)
 
 
@@ -212,6 +235,47 @@ def _prompt_ids(ask: Ask, tokenizer: Any, template: ChatTemplate | None) -> list
     return [
         list(p) if isinstance(p, list) else list(tokenizer.encode(p).ids) for p in ask.prompts or []
     ]
+
+
+def _tokens_body(raw: bytes, name: str) -> dict[str, Any]:
+    """A `/tokenize` or `/detokenize` body: a JSON object; its `model`, if given, this one."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ApiError(f"the request body is not JSON: {error}.") from None
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object.")
+    if body.get("model") not in (None, name):
+        raise ApiError(
+            f"the model `{body['model']}` does not exist; this server serves `{name}`.",
+            "model", 404, "not_found_error", "model_not_found",
+        )  # fmt: skip
+    return body
+
+
+def _tokenized(body: dict[str, Any], tokenizer: Any, template: ChatTemplate | None) -> list[int]:
+    """`/tokenize`: a `prompt`'s token ids (`add_special_tokens`, default true), or a chat's
+    `messages` rendered by the template (`add_generation_prompt`, default true)."""
+    if "messages" in body:
+        ask = parse_chat({"model": "m", "messages": body["messages"]}, 1)
+        if template is None:
+            raise ApiError("this model has no chat template.", "messages")
+        generation = body.get("add_generation_prompt", True)
+        if not isinstance(generation, bool):
+            raise ApiError(
+                "`add_generation_prompt` must be true or false.", "add_generation_prompt"
+            )
+        try:
+            text = template.render(ask.messages or [], add_generation_prompt=generation)
+        except ChatError as error:
+            raise ApiError(str(error), "messages") from None
+        return list(tokenizer.encode(text, add_special_tokens=False).ids)
+    prompt, special = body.get("prompt"), body.get("add_special_tokens", True)
+    if not isinstance(prompt, str):
+        raise ApiError("`prompt` must be a string (or give `messages`).", "prompt")
+    if not isinstance(special, bool):
+        raise ApiError("`add_special_tokens` must be true or false.", "add_special_tokens")
+    return list(tokenizer.encode(prompt, add_special_tokens=special).ids)
 
 
 def _submitted(
