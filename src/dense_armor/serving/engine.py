@@ -35,9 +35,26 @@ import numpy as np
 from ..nn.core import require_int, require_key
 from ..nn.models.generation import _prompts, check_kv_dtype, check_stop_tokens
 from ..nn.models.language_model import TransformerLM
-from .records import Completion, Event, QueueFull, Sampling, _Request, _Slot
+from .records import (
+    Completion,
+    Event,
+    QueueFull,
+    Sampling,
+    _Request,
+    _Slot,
+    completion,
+    tick_arrays,
+)
 from .scoring import Scores, Ticked
-from .settings import capacity_of, decode_steps_of, key_data, paging, request_key
+from .settings import (
+    capacity_of,
+    check_room,
+    check_scores,
+    decode_steps_of,
+    key_data,
+    paging,
+    request_key,
+)
 from .storage import Draw, FixedSlots, PagedSlots, bucket, prefill_pieces
 
 __all__ = ["Completion", "Event", "QueueFull", "Sampling", "Server", "prefill_pieces"]
@@ -147,29 +164,14 @@ class Server:
         computed whole, not taken from shared pages)."""
         (padded,), lengths = _prompts(self.model, [prompt], caller="Server.submit")
         require_int(1, caller="Server.submit", max_new_tokens=max_new_tokens)
-        needed = int(lengths[0]) + int(max_new_tokens)
-        if needed > self.capacity:
-            raise ValueError(
-                f"Server.submit: the prompt ({int(lengths[0])} tokens) and `max_new_tokens="
-                f"{max_new_tokens}` need {needed} cache slots; each slot holds "
-                f"capacity={self.capacity}."
-            )
-        if self._paging is not None:
-            pages, size, _ = self._paging
-            rows = needed - 1  # the last new token is not written
-            if -(-rows // size) > pages - 1:
-                raise ValueError(
-                    f"Server.submit: the prompt and `max_new_tokens={max_new_tokens}` write "
-                    f"{rows} positions, {-(-rows // size)} pages of {size}; the pool has "
-                    f"{pages - 1} (`pages={pages}`, less the null page)."
-                )
+        check_room(int(lengths[0]), max_new_tokens, self.capacity, self._paging)
         rules = (self.sampling if sampling is None else sampling).row()
         stops = self.stop_tokens if stop_tokens is None else check_stop_tokens(
             "Server.submit", self.model, stop_tokens
         )  # fmt: skip
         if key is not None:
             require_key(key)
-        self._check_scores(logprobs, prompt_logprobs)
+        check_scores(logprobs, prompt_logprobs, self.max_logprobs)
         with self._lock:
             if self.max_queue is not None and len(self._queue) >= self.max_queue:
                 raise QueueFull(
@@ -233,23 +235,6 @@ class Server:
         """True when no request waits and no slot is busy."""
         return not self._queue and self.busy == 0
 
-    def _check_scores(self, logprobs: Any, prompt_logprobs: Any) -> None:
-        if not isinstance(prompt_logprobs, bool):
-            raise TypeError(
-                f"Server.submit: `prompt_logprobs` must be True or False; received "
-                f"{prompt_logprobs!r}."
-            )
-        if logprobs is None:
-            if prompt_logprobs:
-                raise ValueError("Server.submit: `prompt_logprobs=True` needs `logprobs` too.")
-            return
-        require_int(0, caller="Server.submit", logprobs=logprobs)
-        if self.max_logprobs is None or logprobs > self.max_logprobs:
-            raise ValueError(
-                f"Server.submit: `logprobs={logprobs}` passes the server's "
-                f"max_logprobs={self.max_logprobs} (make the Server with max_logprobs=k)."
-            )
-
     def serve(self, requests: Iterable[tuple[Sequence[int], int]]) -> list[Completion]:
         """Submit `(prompt, max_new_tokens)` pairs, serve them all: their completions in the
         order of submission."""
@@ -280,7 +265,7 @@ class Server:
         self._submitted = submitted
         store = self._slots()
         if isinstance(store, PagedSlots):  # and every table width a longer request reaches
-            store.warm(self._inputs(), self._shape)
+            store.warm(tick_arrays(self._active), self._shape)
 
     def run(self) -> Iterator[Completion]:
         """Serve the queue until it is empty and every slot idle, yielding each `Completion` as
@@ -317,7 +302,7 @@ class Server:
         self._put_off = False
         self._grow(store)
         busy = [i for i, slot in enumerate(self._active) if slot is not None]
-        ticked = store.tick(self._inputs(), busy, self._shape)
+        ticked = store.tick(tick_arrays(self._active), busy, self._shape)
         return first + self._advance(ticked, time.perf_counter())
 
     @property
@@ -409,29 +394,6 @@ class Server:
         if self._store is not None and slot is not None:
             self._store.release(i, slot.context()[: slot.position()])
 
-    def _inputs(self) -> tuple[np.ndarray, ...]:
-        """The tick's arrays: each slot's token, the position of the token its logits choose,
-        its key and its rules (an idle slot steps on token 0, greedy; its output is unused)."""
-        slots = self.slots
-        tokens, positions = np.zeros(slots, np.int32), np.zeros(slots, np.int32)
-        keys = np.zeros((slots, 2), np.uint32)
-        rules = np.zeros((slots, 4), np.float64)
-        rules[:, 2] = 1.0
-        wanted = np.zeros(slots, bool)
-        for i, slot in enumerate(self._active):
-            if slot is None:
-                continue
-            r = slot.request
-            feeding = slot.fed < len(r.prompt)  # still feeding its prompt
-            tokens[i] = r.prompt[slot.fed] if feeding else slot.tokens[-1]
-            positions[i] = slot.position() + 1
-            keys[i], rules[i], wanted[i] = r.key, r.rules, r.logprobs is not None
-        return (  # NumPy arrays: a jitted function takes them with no conversion of its own
-            tokens, positions, keys, rules[:, 0].astype(np.float32),
-            rules[:, 1].astype(np.int32), rules[:, 2].astype(np.float32),
-            rules[:, 3].astype(np.float32), wanted,
-        )  # fmt: skip
-
     def _advance(self, ticked: Ticked, now: float) -> list[Event]:
         """The tick's tokens `(decode_steps, slots)`: a new token for each slot past its prompt
         at each step, until its request ends (the steps after it are dropped). Only a tick's
@@ -469,29 +431,6 @@ class Server:
         done = None
         if stopped or len(slot.tokens) == r.max_new_tokens:
             self._free(i)
-            done = self._completion(slot, "stop" if stopped else "length", now)
+            done = completion(slot, "stop" if stopped else "length", now)
         prompt = slot.prompt_scores if len(slot.tokens) == 1 else None
         return Event(r.id, token, done, slot.cached, logprob, top, prompt)
-
-    def _completion(self, slot: _Slot, reason: str, now: float) -> Completion:
-        r = slot.request
-        scored: dict[str, Any] = {}
-        if r.logprobs is not None:
-            k, scores = r.logprobs, slot.scores
-            scored = dict(
-                logprobs=np.array([s.logprob for s in scores], np.float32),
-                top_ids=np.array([s.ids[:k] for s in scores], np.int32).reshape(len(scores), k),
-                top_logprobs=np.array([s.values[:k] for s in scores], np.float32).reshape(
-                    len(scores), k
-                ),
-            )  # fmt: skip
-        if slot.prompt_scores is not None:
-            own, ids, values = slot.prompt_scores
-            k = r.logprobs or 0
-            scored.update(
-                prompt_logprobs=own, prompt_top_ids=ids[:, :k], prompt_top_logprobs=values[:, :k]
-            )
-        return Completion(
-            r.id, r.number, r.prompt, np.array(slot.tokens, np.int32), reason, r.submitted,
-            slot.admitted, slot.first_token, now, slot.cached, slot.preempted, **scored,
-        )  # fmt: skip

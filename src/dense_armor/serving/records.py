@@ -135,3 +135,52 @@ class Event:
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None
     prompt: Any = None  # the first event's: its prompt's scores (`scoring.PromptScores`) if asked
+
+
+def tick_arrays(active: list["_Slot | None"]) -> tuple[np.ndarray, ...]:
+    """The tick's arrays: each slot's token, the position of the token its logits choose,
+    its key and its rules (an idle slot steps on token 0, greedy; its output is unused)."""
+    slots = len(active)
+    tokens, positions = np.zeros(slots, np.int32), np.zeros(slots, np.int32)
+    keys = np.zeros((slots, 2), np.uint32)
+    rules = np.zeros((slots, 4), np.float64)
+    rules[:, 2] = 1.0
+    wanted = np.zeros(slots, bool)
+    for i, slot in enumerate(active):
+        if slot is None:
+            continue
+        r = slot.request
+        feeding = slot.fed < len(r.prompt)  # still feeding its prompt
+        tokens[i] = r.prompt[slot.fed] if feeding else slot.tokens[-1]
+        positions[i] = slot.position() + 1
+        keys[i], rules[i], wanted[i] = r.key, r.rules, r.logprobs is not None
+    return (  # NumPy arrays: a jitted function takes them with no conversion of its own
+        tokens, positions, keys, rules[:, 0].astype(np.float32),
+        rules[:, 1].astype(np.int32), rules[:, 2].astype(np.float32),
+        rules[:, 3].astype(np.float32), wanted,
+    )  # fmt: skip
+
+
+def completion(slot: _Slot, reason: str, now: float) -> Completion:
+    """A finished request's `Completion` from its slot's record."""
+    r = slot.request
+    scored: dict[str, Any] = {}
+    if r.logprobs is not None:
+        k, scores = r.logprobs, slot.scores
+        scored = dict(
+            logprobs=np.array([s.logprob for s in scores], np.float32),
+            top_ids=np.array([s.ids[:k] for s in scores], np.int32).reshape(len(scores), k),
+            top_logprobs=np.array([s.values[:k] for s in scores], np.float32).reshape(
+                len(scores), k
+            ),
+        )  # fmt: skip
+    if slot.prompt_scores is not None:
+        own, ids, values = slot.prompt_scores
+        k = r.logprobs or 0
+        scored.update(
+            prompt_logprobs=own, prompt_top_ids=ids[:, :k], prompt_top_logprobs=values[:, :k]
+        )
+    return Completion(
+        r.id, r.number, r.prompt, np.array(slot.tokens, np.int32), reason, r.submitted,
+        slot.admitted, slot.first_token, now, slot.cached, slot.preempted, **scored,
+    )  # fmt: skip

@@ -143,3 +143,44 @@ def enable_compile_cache(given: str | None) -> None:
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def check_scores(logprobs: Any, prompt_logprobs: Any, most: int | None) -> None:
+    """`Server.submit`'s `logprobs` and `prompt_logprobs`, on a server of `max_logprobs=most`."""
+    if not isinstance(prompt_logprobs, bool):
+        raise TypeError(
+            f"Server.submit: `prompt_logprobs` must be True or False; received {prompt_logprobs!r}."
+        )
+    if logprobs is None:
+        if prompt_logprobs:
+            raise ValueError("Server.submit: `prompt_logprobs=True` needs `logprobs` too.")
+        return
+    require_int(0, caller="Server.submit", logprobs=logprobs)
+    if most is None or logprobs > most:
+        raise ValueError(
+            f"Server.submit: `logprobs={logprobs}` passes the server's "
+            f"max_logprobs={most} (make the Server with max_logprobs=k)."
+        )
+
+
+def check_room(
+    prompt: int, max_new_tokens: int, capacity: int, paging: tuple[int, int, Any] | None
+) -> None:
+    """A request of `prompt` tokens and `max_new_tokens` fits a slot of `capacity` positions,
+    and a paged server's pool (`paging`: its pages and page size), or a `ValueError`."""
+    needed = prompt + int(max_new_tokens)
+    if needed > capacity:
+        raise ValueError(
+            f"Server.submit: the prompt ({prompt} tokens) and `max_new_tokens="
+            f"{max_new_tokens}` need {needed} cache slots; each slot holds "
+            f"capacity={capacity}."
+        )
+    if paging is not None:
+        pages, size, _ = paging
+        rows = needed - 1  # the last new token is not written
+        if -(-rows // size) > pages - 1:
+            raise ValueError(
+                f"Server.submit: the prompt and `max_new_tokens={max_new_tokens}` write "
+                f"{rows} positions, {-(-rows // size)} pages of {size}; the pool has "
+                f"{pages - 1} (`pages={pages}`, less the null page)."
+            )
