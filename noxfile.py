@@ -46,6 +46,16 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def quick(session: nox.Session) -> None:
+    """The quick tier for the inner loop (at most 3 minutes warm on a 2-core machine): the suite
+    less the files that make artifacts through IREE or C, start other processes or run the
+    docs' listings (`--quick`, tests/conftest.py's NOT_QUICK); every module still imported. The
+    README's command stays the whole gate."""
+    session.install("-e", ".[test,examples,iree,scale,pjrt]")
+    session.run(*PYTEST, "--quick", *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def coverage(session: nox.Session) -> None:
     """The test suite with line and branch coverage of src/ (at least COVERAGE_FLOOR percent)."""
     session.install("-e", ".[test,examples,iree,scale,pjrt]")

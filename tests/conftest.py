@@ -61,9 +61,67 @@ LONGEST_FIRST = [  # worker-seconds of each file with empty caches (2026-12-06, 
 ]
 
 
+# What the quick tier (`pytest --quick`, `nox -s quick`) leaves out: the files that make artifacts
+# through IREE or C, start other processes (distributed runs, the HTTP server, the pages' and
+# examples' interpreters, sharded checkpoints' writers) or run every docs listing; every module
+# is still imported and exercised by the unit tests left (tests/test_modules.py imports each).
+NOT_QUICK = {
+    "test_architecture_artifacts.py", "test_docs.py", "test_examples.py", "test_iree.py",
+    "test_distributed.py", "test_runner.py", "test_index_safety.py", "test_device_lane.py",
+    "test_http.py", "test_benchmark_table.py", "test_sharded_checkpoint.py",
+}  # fmt: skip
+# ... and these tests of other files: artifacts through IREE or C, killed processes.
+NOT_QUICK_TESTS = {
+    "test_a_quantized_artifact_decodes_the_models_tokens_in_jax_iree_and_c",
+    "test_no_sequence_of_kills_loses_the_last_complete_checkpoint",
+    "test_a_replacement_killed_between_its_renames_leaves_the_old_artifact_loadable",
+    "test_golden_data_and_the_standalone_runner_without_dense_armor",
+    "test_cli_and_api_export_the_same_bytes_and_no_paths",  # two more exports each
+    "test_the_seed_draws_the_golden_inputs_and_any_seed_is_checked_alike",
+    "test_cli_export_and_inspect",  # the export's whole command line, more artifacts
+    "test_an_artifact_samples_in_the_graph_as_generate_does",
+    "test_cudnn_needs_a_gpu_but_exports_as_xla",
+    "test_decoder_with_cross_attention_exports_forward_init_and_step",
+}
+
+
+# In the quick tier a parametrized test runs its first case only, except these, which run every
+# case: one small check of each family against transformers.
+QUICK_EVERY_CASE = {"test_the_logits_are_transformers_within_1e_5", "test_each_module_imports"}
+
+
+def _quick(items):
+    """The quick tier's items: `NOT_QUICK`'s files left out, and of each other parametrized
+    test its first case (every case of `QUICK_EVERY_CASE`'s)."""
+    kept, seen = [], set()
+    for item in items:
+        function = getattr(item, "originalname", item.name)
+        if item.path.name in NOT_QUICK or function in NOT_QUICK_TESTS:
+            continue
+        if function in QUICK_EVERY_CASE or getattr(item, "callspec", None) is None:
+            kept.append(item)
+        elif (item.path, function) not in seen:
+            seen.add((item.path, function))
+            kept.append(item)
+    return kept
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--quick", action="store_true",
+        help="the quick tier: NOT_QUICK's files left out, a parametrized test's first case only "
+        "(tests/conftest.py)",
+    )  # fmt: skip
+
+
 def pytest_collection_modifyitems(session, config, items):
     """The longest files first; the others after them, as collected; each file's own order
-    kept (the sort is stable)."""
+    kept (the sort is stable). With `--quick`, the files of `NOT_QUICK` deselected."""
+    if config.getoption("quick"):
+        kept = _quick(items)
+        ids = {id(item) for item in kept}
+        config.hook.pytest_deselected(items=[item for item in items if id(item) not in ids])
+        items[:] = kept
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
