@@ -8,9 +8,7 @@ import pytest
 
 import dense_armor
 
-MODULES = sorted(
-    m.name for m in pkgutil.walk_packages(dense_armor.__path__, prefix="dense_armor.")
-)
+MODULES = sorted(m.name for m in pkgutil.walk_packages(dense_armor.__path__, prefix="dense_armor."))
 
 
 def test_the_package_has_its_wings():
