@@ -16,6 +16,7 @@ at a time), the CPU's artifacts exported with JAX pinned to the CPU:
     python tests/device_lane.py jax DIR... --rows R   each artifact's golden check and its step's
                                                   latency through JAX, one process
     python tests/device_lane.py c DIR... --rows R --plugin P   each artifact's C runner
+    python tests/device_lane.py serve --rows R      the serving rows (tests/device_serving.py)
     python tests/device_lane.py report R --out docs/devices    the JSON and Markdown report
 
 The suite runs the same code on the CPU with the CPU plugin (tests/test_device_lane.py), so the
@@ -423,6 +424,8 @@ def run_all(args: argparse.Namespace) -> None:
         dirs.append(str(work / "here"))
     _phase("jax", *dirs, "--rows", str(rows), "--write-machine", str(work / "machine.json"))
     _phase("c", *dirs, "--rows", str(rows), *(["--plugin", args.plugin] if args.plugin else []))
+    if args.platforms != ["cpu"]:  # an accelerator: the serving rows too
+        _phase("serve", "--rows", str(rows))
     info = json.loads((work / "machine.json").read_text())
     report(rows, args.out, args.name or slug(f"{info['platform']} {info['device']}"), info)
 
