@@ -9,13 +9,15 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from .logprobs import ScoreLog
+import jax
+
+from .logprobs import ScoreLog, TokenText
 from .metrics import Metrics
 from .protocol import ApiError, Ask, choice, chunk, error_body, response
 from .text import TextStream
 from .worker import Engine, Failed
 
-__all__ = ["Answer", "Choice"]
+__all__ = ["Answer", "Choice", "submit_choices"]
 
 
 class Choice:
@@ -144,6 +146,46 @@ class Answer:
             for task in tasks:
                 task.cancel()
             self.cancel()
+
+
+def submit_choices(
+    ask: Ask, prompts: list[list[int]], rules: list[Any], stops: list[int], engine: Engine,
+    tokenizer: Any, texts: TokenText,
+) -> list[Choice]:  # fmt: skip
+    """Each prompt's `n` choices queued as requests of their own (a choice `j > 0` of a request
+    with a seed draws with `fold_in(key, j)`); on a refusal the ones queued are cancelled."""
+    choices: list[Choice] = []
+    single = len(prompts) * ask.n == 1
+    try:
+        for p, (prompt, (sampling, key, max_new)) in enumerate(zip(prompts, rules, strict=True)):
+            echo = _echo(ask, p, prompt, tokenizer)
+            for j in range(ask.n):
+                index = p * ask.n + j
+                request_id = ask.id if single else f"{ask.id}-{index}"
+                own = key if key is None or j == 0 else jax.random.fold_in(key, j)
+                queue = engine.submit(
+                    request_id, prompt, max_new, sampling, own, stops, logprobs=ask.logprobs,
+                    prompt_logprobs=ask.logprobs is not None and ask.echo,
+                )  # fmt: skip
+                scores = None
+                if ask.logprobs is not None:
+                    scores = ScoreLog(texts, ask.chat, ask.logprobs, ask.echo, prompt)
+                text = TextStream(tokenizer, ask.stop)
+                choices.append(Choice(index, request_id, prompt, queue, text, scores, echo))
+    except BaseException:
+        for c in choices:
+            engine.cancel(c.request_id)
+        raise
+    return choices
+
+
+def _echo(ask: Ask, p: int, prompt: list[int], tokenizer: Any) -> str:
+    """A completion's echoed prompt `p` (`echo`): its text as given, or a token prompt's
+    decoding."""
+    if not ask.echo:
+        return ""
+    given = (ask.prompts or [])[p]
+    return given if isinstance(given, str) else tokenizer.decode(prompt)
 
 
 def _sse(body: dict[str, Any]) -> str:

@@ -18,10 +18,10 @@ from typing import Any
 
 import jax
 
-from .answers import Answer, Choice
+from .answers import Answer, Choice, submit_choices
 from .chat import ChatError, ChatTemplate
 from .engine import QueueFull, Sampling, Server
-from .logprobs import ScoreLog, TokenText
+from .logprobs import TokenText
 from .metrics import Metrics
 from .protocol import (
     ApiError,
@@ -31,7 +31,6 @@ from .protocol import (
     parse_chat,
     parse_completion,
 )  # fmt: skip
-from .text import TextStream
 from .worker import Engine
 
 __all__ = ["create_app", "serve_http"]
@@ -54,100 +53,125 @@ def create_app(
     `defaults` what a request that leaves out `temperature`, `top_k`, `top_p`, `min_p` or
     `max_tokens` gets (OpenAI's defaults unless given)."""
     from starlette.applications import Starlette
-    from starlette.requests import Request
-    from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.routing import Route
 
-    engine = Engine(server)
-    metrics = Metrics(server, engine)
-    vocab = server.model.vocab
-    ends = list(eos or [])
-    defaults = Defaults() if defaults is None else defaults
-    texts = TokenText(tokenizer)
+    routes = _Routes(server, tokenizer, name, chat_template, eos, defaults)
+    table = [
+        Route("/tokenize", routes.tokenize, methods=["POST"]),
+        Route("/detokenize", routes.detokenize, methods=["POST"]),
+        Route("/v1/completions", routes.completions, methods=["POST"]),
+        Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+        Route("/v1/models", routes.models, methods=["GET"]),
+        Route("/health", routes.health, methods=["GET"]),
+        Route("/metrics", routes.scrape, methods=["GET"]),
+    ]
 
-    def failure(error: ApiError) -> JSONResponse:
-        metrics.refused(error.status)
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        yield
+        routes.engine.close()
+
+    app = Starlette(routes=table, lifespan=lifespan, exception_handlers=_handlers(routes.failure))
+    app.state.engine, app.state.metrics = routes.engine, routes.metrics
+    return app
+
+
+class _Routes:
+    """The application's routes over one engine (`create_app`'s arguments)."""
+
+    def __init__(
+        self, server: Server, tokenizer: Any, name: str, template: ChatTemplate | None,
+        eos: list[int] | None, defaults: Defaults | None,
+    ) -> None:  # fmt: skip
+        self.server, self.tokenizer, self.name, self.template = server, tokenizer, name, template
+        self.engine = Engine(server)
+        self.metrics = Metrics(server, self.engine)
+        self.vocab, self.ends = server.model.vocab, list(eos or [])
+        self.defaults = Defaults() if defaults is None else defaults
+        self.texts = TokenText(tokenizer)
+
+    def failure(self, error: ApiError) -> Any:
+        from starlette.responses import JSONResponse
+
+        self.metrics.refused(error.status)
         return JSONResponse(error_body(error), status_code=error.status)
 
-    async def complete(request: Request, chat: bool) -> Any:
+    def _choices(self, raw: bytes, chat: bool) -> tuple[Ask, list[Choice]]:
+        """A request checked, and its choices queued (`ApiError`, `QueueFull`)."""
+        server = self.server
+        ask = _parse(raw, chat, self.vocab, self.name, server.max_logprobs)
+        prompts = _prompt_ids(ask, self.tokenizer, self.template)
+        rules = [_rules(ask, len(p), _limit(server), self.defaults) for p in prompts]
+        stops = sorted(set(self.ends + ask.stop_token_ids))
+        texts, tokenizer = self.texts, self.tokenizer
+        return ask, submit_choices(ask, prompts, rules, stops, self.engine, tokenizer, texts)
+
+    async def complete(self, request: Any, chat: bool) -> Any:
+        from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
         try:
-            ask = _parse(await _body(request), chat, vocab, name, server.max_logprobs)
-            prompts = _prompt_ids(ask, tokenizer, chat_template)
-            rules = [_rules(ask, len(p), _limit(server), defaults) for p in prompts]
-            stops = sorted(set(ends + ask.stop_token_ids))
-            choices = _submitted(ask, prompts, rules, stops, engine, tokenizer, texts)
+            ask, choices = self._choices(await _body(request), chat)
         except ApiError as error:
-            return failure(error)
+            return self.failure(error)
         except QueueFull as error:
-            return failure(ApiError(str(error), None, 503, "server_overloaded", "queue_full"))
-        answer = Answer(ask, choices, engine, metrics)
+            return self.failure(ApiError(str(error), None, 503, "server_overloaded", "queue_full"))
+        answer = Answer(ask, choices, self.engine, self.metrics)
         if ask.stream:
             return StreamingResponse(answer.events(), media_type="text/event-stream")
         whole = await answer.whole(request)
         if whole is None:  # the client left
             return PlainTextResponse("", status_code=499)
         if isinstance(whole, ApiError):
-            return failure(whole)
+            return self.failure(whole)
         return JSONResponse(whole)
 
-    async def completions(request: Request) -> Any:
-        return await complete(request, chat=False)
+    async def completions(self, request: Any) -> Any:
+        return await self.complete(request, chat=False)
 
-    async def chat_completions(request: Request) -> Any:
-        return await complete(request, chat=True)
+    async def chat_completions(self, request: Any) -> Any:
+        return await self.complete(request, chat=True)
 
-    async def models(request: Request) -> Any:
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [{"id": name, "object": "model", "created": 0, "owned_by": "dense_armor"}],
-            }
-        )
+    async def models(self, request: Any) -> Any:
+        from starlette.responses import JSONResponse
 
-    async def health(request: Request) -> Any:
+        model = {"id": self.name, "object": "model", "created": 0, "owned_by": "dense_armor"}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def health(self, request: Any) -> Any:
+        from starlette.responses import JSONResponse
+
+        server = self.server
         return JSONResponse({"status": "ok", "queued": server.pending, "busy": server.busy})
 
-    async def scrape(request: Request) -> Any:
-        return PlainTextResponse(metrics.text(), media_type=metrics.content_type)
+    async def scrape(self, request: Any) -> Any:
+        from starlette.responses import PlainTextResponse
 
-    async def tokenize(request: Request) -> Any:
+        return PlainTextResponse(self.metrics.text(), media_type=self.metrics.content_type)
+
+    async def tokenize(self, request: Any) -> Any:
+        from starlette.responses import JSONResponse
+
         try:
-            body = _tokens_body(await _body(request), name)
-            ids = _tokenized(body, tokenizer, chat_template)
+            body = _tokens_body(await _body(request), self.name)
+            ids = _tokenized(body, self.tokenizer, self.template)
         except ApiError as error:
-            return failure(error)
-        return JSONResponse({"count": len(ids), "max_model_len": server.capacity, "tokens": ids})
+            return self.failure(error)
+        count, most = len(ids), self.server.capacity
+        return JSONResponse({"count": count, "max_model_len": most, "tokens": ids})
 
-    async def detokenize(request: Request) -> Any:
+    async def detokenize(self, request: Any) -> Any:
+        from starlette.responses import JSONResponse
+
+        vocab = self.vocab
         try:
-            body = _tokens_body(await _body(request), name)
-            ids = body.get("tokens")
+            ids = _tokens_body(await _body(request), self.name).get("tokens")
             if not isinstance(ids, list) or not all(
                 isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids
             ):
                 raise ApiError(f"`tokens` must be a list of token ids in [0, {vocab}).", "tokens")
         except ApiError as error:
-            return failure(error)
-        return JSONResponse({"prompt": tokenizer.decode(ids)})
-
-    routes = [
-        Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/detokenize", detokenize, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", scrape, methods=["GET"]),
-    ]
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Any) -> AsyncIterator[None]:
-        yield
-        engine.close()
-
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=_handlers(failure))
-    app.state.engine, app.state.metrics = engine, metrics
-    return app
+            return self.failure(error)
+        return JSONResponse({"prompt": self.tokenizer.decode(ids)})
 
 
 # OpenAI's error type and code of the answers no route gives itself
@@ -276,46 +300,6 @@ def _tokenized(body: dict[str, Any], tokenizer: Any, template: ChatTemplate | No
     if not isinstance(special, bool):
         raise ApiError("`add_special_tokens` must be true or false.", "add_special_tokens")
     return list(tokenizer.encode(prompt, add_special_tokens=special).ids)
-
-
-def _submitted(
-    ask: Ask, prompts: list[list[int]], rules: list[Any], stops: list[int], engine: Engine,
-    tokenizer: Any, texts: TokenText,
-) -> list[Choice]:  # fmt: skip
-    """Each prompt's `n` choices queued as requests of their own (a choice `j > 0` of a request
-    with a seed draws with `fold_in(key, j)`); on a refusal the ones queued are cancelled."""
-    choices: list[Choice] = []
-    single = len(prompts) * ask.n == 1
-    try:
-        for p, (prompt, (sampling, key, max_new)) in enumerate(zip(prompts, rules, strict=True)):
-            echo = _echo(ask, p, prompt, tokenizer)
-            for j in range(ask.n):
-                index = p * ask.n + j
-                request_id = ask.id if single else f"{ask.id}-{index}"
-                own = key if key is None or j == 0 else jax.random.fold_in(key, j)
-                queue = engine.submit(
-                    request_id, prompt, max_new, sampling, own, stops, logprobs=ask.logprobs,
-                    prompt_logprobs=ask.logprobs is not None and ask.echo,
-                )  # fmt: skip
-                scores = None
-                if ask.logprobs is not None:
-                    scores = ScoreLog(texts, ask.chat, ask.logprobs, ask.echo, prompt)
-                text = TextStream(tokenizer, ask.stop)
-                choices.append(Choice(index, request_id, prompt, queue, text, scores, echo))
-    except BaseException:
-        for c in choices:
-            engine.cancel(c.request_id)
-        raise
-    return choices
-
-
-def _echo(ask: Ask, p: int, prompt: list[int], tokenizer: Any) -> str:
-    """A completion's echoed prompt `p` (`echo`): its text as given, or a token prompt's
-    decoding."""
-    if not ask.echo:
-        return ""
-    given = (ask.prompts or [])[p]
-    return given if isinstance(given, str) else tokenizer.decode(prompt)
 
 
 def _limit(server: Server) -> tuple[int, str]:
