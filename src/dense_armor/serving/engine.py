@@ -1,9 +1,9 @@
 """The serving engine: continuous batching of generation requests over a batch of cache slots.
 
 A `Server` holds `slots` streams of a `TransformerLM` (`init_streams(slots, capacity)`) and a
-queue of requests. Each `tick` is one compiled batched `step` of every slot with the sampling in
-the graph, each slot with its own rules and key (arrays: one compilation whatever the mix of
-requests); a slot whose request finished is `reset` to the next request's prompt, prefilled in
+queue of requests. Each `tick` is one compiled call of `decode_steps` batched `step`s of every
+busy slot with the sampling in the graph, each slot with its own rules and key (arrays: one
+compilation whatever the mix of requests), and each token's scores when a request asks; a slot whose request finished is `reset` to the next request's prompt, prefilled in
 chunks of `chunk` tokens and pieces of halving sizes into a fresh cache, while the other slots
 keep decoding. The requests admitted in one round are prefilled together (one batch per piece),
 and with fixed slots each one's first token is drawn from its prefill and returned before the
