@@ -35,10 +35,11 @@ class ChatError(ValueError):
     `raise_exception`."""
 
 
-def _environment() -> Any:
+def _classes() -> tuple[Any, Any]:
+    """The template's `{% generation %}` extension (its body, as transformers renders it) and a
+    `namespace` that refuses underscore names (jinja2 imported here: the serve extra)."""
     import jinja2
     import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Generation(jinja2.ext.Extension):  # `{% generation %}...{% endgeneration %}`: its body
         tags = {"generation"}  # noqa: RUF012 (jinja2 declares it a set)
@@ -72,27 +73,34 @@ def _environment() -> Any:
                     f"a chat template may not store underscore names on a namespace: {name!r}."
                 )
 
+    return Generation, Namespace
+
+
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+    sort_keys: bool = False,
+) -> str:  # fmt: skip
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _environment() -> Any:
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(
-        x: Any,
-        ensure_ascii: bool = False,
-        indent: Any = None,
-        separators: Any = None,
-        sort_keys: bool = False,
-    ) -> str:
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
-
+    generation, namespace = _classes()
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[generation, jinja2.ext.loopcontrols]
     )
-    env.filters["tojson"] = tojson
+    env.filters["tojson"] = _tojson
     env.globals.update(
         raise_exception=raise_exception,
-        namespace=Namespace,
+        namespace=namespace,
         dict=dict,
         strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt),
     )
