@@ -897,6 +897,11 @@ def test_tokenize_and_detokenize(served, reference):
         ("/tokenize", {"prompt": "x", "model": "other"}, "model", 404),
         ("/detokenize", {"tokens": [1, -1]}, "tokens", 400),
         ("/detokenize", {"tokens": "1 2"}, "tokens", 400),
+        ("/detokenize", {"tokens": [True]}, "tokens", 400),
+        ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens", 400),
+        ("/tokenize", b"{not json", None, 400),
+        ("/tokenize", [], None, 400),
     ):
-        status, error = _post(url, path, json.dumps(body).encode())
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        status, error = _post(url, path, raw)
         assert status == code and error["error"]["param"] == param, error

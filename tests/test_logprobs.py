@@ -81,6 +81,12 @@ def test_asking_more_alternatives_than_the_server_scores_is_refused():
         server.submit([1, 2], 2, logprobs=5)
     with pytest.raises(ValueError, match="logprobs"):
         server.submit([1, 2], 2, logprobs=-1)
+    for bad in (True, "2", 1.5, float("nan")):  # no bool, string or float stands for a count
+        with pytest.raises(TypeError, match="logprobs"):
+            server.submit([1, 2], 2, logprobs=bad)
+    for bad, error in ((-1, ValueError), ("20", TypeError), (True, TypeError)):
+        with pytest.raises(error, match="max_logprobs"):
+            Server(model, 2, 32, max_logprobs=bad)
 
 
 @pytest.mark.parametrize("options", [{}, {"pages": 24, "page_size": 4, "share_prefixes": True}])

@@ -1,15 +1,15 @@
 """The serving engine: continuous batching of generation requests over a batch of cache slots.
 
-A `Server` holds `slots` streams of a `TransformerLM` (`init_streams(slots, capacity)`) and a
-queue of requests. Each `tick` is one compiled call of `decode_steps` batched `step`s of every
-busy slot with the sampling in the graph, each slot with its own rules and key (arrays: one
-compilation whatever the mix of requests), and each token's scores when a request asks; a slot whose request finished is `reset` to the next request's prompt, prefilled in
-chunks of `chunk` tokens and pieces of halving sizes into a fresh cache, while the other slots
-keep decoding. The requests admitted in one round are prefilled together (one batch per piece),
-and with fixed slots each one's first token is drawn from its prefill and returned before the
-next tick; a tick steps the busy slots only (padded to a power of two). Every function compiles
-once per piece size and power of two of requests (`warm_up` compiles them all), whatever the
-prompts' lengths and the order of arrival.
+A `Server` holds `slots` streams of a `TransformerLM` (`init_streams(slots, capacity)`) and a queue
+of requests. Each `tick` is one compiled call of `decode_steps` batched `step`s of every busy slot
+with the sampling in the graph, each slot with its own rules and key (arrays: one compilation
+whatever the mix of requests), and each token's scores when a request asks; a slot whose request
+finished is `reset` to the next request's prompt, prefilled in chunks of `chunk` tokens and pieces
+of halving sizes into a fresh cache, while the other slots keep decoding. The requests admitted in
+one round are prefilled together (one batch per piece), and with fixed slots each one's first token
+is drawn from its prefill and returned before the next tick; a tick steps the busy slots only
+(padded to a power of two). Every function compiles once per piece size and power of two of
+requests (`warm_up` compiles them all), whatever the prompts' lengths and the order of arrival.
 
 `step()` runs one round (admissions, a tick) and returns what it produced: each request's new
 token, and its `Completion` when it finished (its new tokens, why it ended, its timings). `run()`

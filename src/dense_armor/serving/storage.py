@@ -98,8 +98,7 @@ class FixedSlots:
         top: int | None,
     ) -> None:  # fmt: skip
         """(`top`: the alternatives scored; None: no request asks for scores.)"""
-        self.model, self.slots, self.chunk = model, slots, chunk
-        self.top, self.scoring = top or 0, top is not None
+        self.model, self.slots, self.chunk, self.top = model, slots, chunk, top or 0
         self.capacity, self.kv_dtype = capacity, kv_dtype
         self.prompt_scores: dict[int, PromptScores] = {}  # by slot, until the engine takes them
         self.caches = model.init_streams(slots, capacity, on_overflow="nan", kv_dtype=kv_dtype)
@@ -291,9 +290,10 @@ class PagedSlots:
         table = self.tables[i, : bucket(len(plan.pages), self.width)]
         if draw.prompt_scored:
             own = self._prefill_scored(i, context, own, table)
-        for piece in [] if draw.prompt_scored else _pieces(context, plan.start, self.chunk):
-            with ids_checked():  # checked by `submit`
-                self.pools, own = paged_prefill(self.model, piece, self.pools, own, table)
+        else:
+            for piece in _pieces(context, plan.start, self.chunk):
+                with ids_checked():  # checked by `submit`
+                    self.pools, own = paged_prefill(self.model, piece, self.pools, own, table)
         self.own = admit((jnp.arange(self.slots) == i, own), self.own)
         if self.share:
             self.book.register(context, plan.pages, len(context) - 1)
