@@ -373,6 +373,10 @@ AUDITED = {
     ("gather", "Param.rows"): "ids clipped into [0, vocab) by Embedding.forward before the take",
     ("gather", "QuantizedParam.rows"): "ids clipped into [0, vocab) by Embedding.forward",
     ("gather", "LearnedPositions.rows"): "positions clipped into [0, max_len)",
+    # a stack's layer reading and writing its slice of the stacked caches: a dynamic slice by the
+    # layer's index (from `arange(depth)`), a gather and a scatter that clamp under `jax.vmap`
+    ("gather", "Stack.prefill.<locals>.body.<locals>.<lambda>"): "the layer's index, clamped",
+    ("scatter", "Stack.prefill.<locals>.body.<locals>.<lambda>"): "the layer's index, clamped",
 }
 INDEXING = ("gather", "scatter", "dynamic_slice", "dynamic_update_slice")
 QUANTIZED = {

@@ -27,6 +27,7 @@ from dense_armor.nn import precision, products
 from dense_armor.nn.core import QuantizedParam
 from dense_armor.nn.mixers.self_attention import MultiHeadSelfAttention
 from dense_armor.nn.models.generation import generate, stream_tokens
+from dense_armor.nn.state.cache import FixedKVCache, RingKVCache
 from dense_armor.serving import Server
 
 DATA = pathlib.Path(__file__).parent / "data"
@@ -164,6 +165,31 @@ def _cached(model, ids, cache):
     first, cache = model.prefill(ids[:half], cache)
     _, rest = jax.lax.scan(lambda c, t: model.step(t, c)[::-1], cache, ids[half:])
     return jnp.concatenate([first, rest])
+
+
+@pytest.mark.parametrize(
+    "name, dtype",
+    [(name, "bfloat16") for name in ("llama_gqa", "qwen3", "gemma2", "phi3", "gpt2", "qwen3_5")]
+    + [("llama_gqa", "float16")],
+)
+def test_a_narrow_model_s_cache_is_in_its_dtype_and_loses_nothing(name, dtype):
+    """A bfloat16 (float16) model's caches hold its keys and values in that dtype by default:
+    its logits, prefilled then stepped, equal those over a float32 cache bit for bit (what it
+    writes is a value of its dtype); windowed rings, query/key norms, partial rotations, learned
+    positions and a hybrid's recurrent states included."""
+    model = precision.cast(import_hf(DATA / "hf" / name)[0], dtype)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, model.vocab, 12), jnp.int32)
+    default, wide = model.init_cache(12), model.init_cache(12, kv_dtype="float32")
+
+    def keys(cache):  # the key/value caches' dtypes (the recurrent states stay float32)
+        kv = lambda n: isinstance(n, FixedKVCache | RingKVCache)  # noqa: E731
+        nodes = [n for n in jax.tree.leaves(cache, is_leaf=kv) if kv(n)]
+        return {str(a.dtype) for n in nodes for a in (n.keys, n.values)}
+
+    assert dtype in keys(default) and "float32" not in keys(default)
+    assert "float32" in keys(wide)
+    got, expected = _cached(model, ids, default), _cached(model, ids, wide)
+    assert got.dtype == expected.dtype and np.array_equal(np.asarray(got), np.asarray(expected))
 
 
 def _kl_and_top1(model, windows, margin=0.0):

@@ -31,7 +31,8 @@ def ids(text: str) -> list[int]:
 def add_kv_dtype(parser: Any) -> None:
     parser.add_argument(
         "--kv-dtype", choices=KV_DTYPES, help="the cache's keys and values (int8: a quarter of "
-        "float32's memory, a scale per head and position; default float32)",
+        "float32's memory, a scale per head and position; default: the model's own dtype, "
+        "bfloat16 for a bfloat16 model)",
     )  # fmt: skip
 
 

@@ -153,8 +153,9 @@ class LayerNorm(Pointwise):
         var = jnp.square(x32 - mean).mean(axis=-1, keepdims=True)
         # Equinox's and Flax's formula: a reciprocal square root, then a product.
         y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
-        gain = jnp.broadcast_to(self.gain.value, y.shape)
-        bias = jnp.broadcast_to(self.bias.value, y.shape)
+        # in float32 whatever the weights' dtype (a bfloat16 gain widened exactly)
+        gain = jnp.broadcast_to(self.gain.value.astype(jnp.float32), y.shape)
+        bias = jnp.broadcast_to(self.bias.value.astype(jnp.float32), y.shape)
         return (y * gain + bias).astype(x.dtype)
 
 

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
@@ -268,8 +269,10 @@ class TransformerLM(Layer):
         kv_dtype: str | None = None,
     ) -> Any:
         """`(positions' cache, the blocks' caches)`: a growing cache, or fixed with `capacity`;
-        `kv_dtype` stores the keys and values in another dtype (`precision.KV_DTYPES`: `"int8"`
-        with a scale per head and position, fixed caches only; default float32).
+        `kv_dtype` stores the keys and values in a dtype (`precision.KV_DTYPES`: `"int8"` with
+        a scale per head and position, fixed caches only); by default, the dtype of the keys and
+        values the model computes (`kv_dtype_written`: bfloat16 for a bfloat16 model, whose
+        cache in float32 would hold the same values in twice the bytes), else float32.
         Without a positional table the positions' cache is a plain step counter: the index of
         the next token, which a model whose layers all keep windows in rings would otherwise hold
         nowhere (what an exported `sample_step` reads to fold its key); its limit is
@@ -283,7 +286,17 @@ class TransformerLM(Layer):
             blocks = self.blocks.init_cache(capacity, on_overflow=on_overflow)
         else:
             blocks = tuple(b.init_cache(capacity, on_overflow=on_overflow) for b in self.blocks)
+        kv_dtype = self.kv_dtype_written() if kv_dtype is None else kv_dtype
         return (position_cache, precision.cache_in(blocks, kv_dtype))
+
+    def kv_dtype_written(self) -> str | None:
+        """The dtype of the keys and values the model writes into its caches, where narrower
+        than float32: its activations' (`param_dtype`'s, or `compute_dtype`), `"bfloat16"` or
+        `"float16"`; None for float32. Its caches' default: every key and value is a value of
+        that dtype, so a wider cache would only take more memory and a conversion per read."""
+        ids = jax.ShapeDtypeStruct((1,), jnp.int32)
+        name = jnp.dtype(jax.eval_shape(self._embedded, ids).dtype).name
+        return name if name in ("bfloat16", "float16") else None
 
     def init_streams(
         self,

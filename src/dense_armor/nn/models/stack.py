@@ -93,13 +93,24 @@ class Stack(Layer):
         return jax.tree.map(lambda *leaves: jnp.stack(leaves), *caches)
 
     def prefill(self, x: Array, cache: Any) -> tuple[Array, Any]:
-        """`K` steps through every layer, each with its slice of the stacked `cache`."""
+        """`K` steps through every layer, each with its slice of the stacked `cache`.
 
-        def body(h: Array, xs: tuple[Layer, Any]) -> tuple[Array, Any]:
-            layer, layer_cache = xs
-            return layer.prefill(h, layer_cache)
+        The cache is carried through the scan, not scanned over: layer `i` reads its slice
+        `cache[i]` and writes it back in place. Scanned over (`xs` in, `ys` out), a batch of
+        streams' caches (`jax.vmap`, the batch axis first) would be moved whole to put the depth
+        axis first, and back, at every step: on a TPU, 10 of a 23 ms serving tick."""
 
-        return self._scan(body, x, cache)
+        def body(carry: tuple[Array, Any], xs: tuple[Layer, Any]) -> tuple[Any, None]:
+            (h, cache), (layer, i) = carry, xs
+            # dynamic slices: clamped by definition, in range whatever runs them
+            own = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False), cache)
+            h, new = layer.prefill(h, own)
+            cache = jax.tree.map(
+                lambda a, n: jax.lax.dynamic_update_index_in_dim(a, n, i, 0), cache, new
+            )
+            return (h, cache), None
+
+        return self._scan(body, (x, cache), jnp.arange(self.depth))[0]
 
 
 def _is_stackable(layer: Any) -> bool:
