@@ -30,6 +30,7 @@ openai = pytest.importorskip("openai", reason="the test extra installs the opena
 from dense_armor.checkpoint import load_checkpoint  # noqa: E402
 from dense_armor.huggingface import load_tokenizer  # noqa: E402
 from dense_armor.nn.models.generation import generate  # noqa: E402
+from dense_armor.nn.sampling import Penalties  # noqa: E402
 
 DATA = pathlib.Path(__file__).parent / "data"
 BYTES, CHAT = DATA / "byte_lm", DATA / "chat"
@@ -241,6 +242,33 @@ def test_a_chat_is_rendered_as_transformers_renders_it(served, reference):
         assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_penalties_and_logit_bias_give_generates_text(served, reference):
+    """OpenAI's `presence_penalty`, `frequency_penalty` and `logit_bias` and vLLM's
+    `repetition_penalty` through the official client: `generate`'s text with the same
+    `Penalties`, greedy and seeded; a bias of 100 on one byte makes every token that byte."""
+    url, _ = served
+    client = _client(url)
+    bias = ((ord("x"), 3.0), (ord(" "), -100.0))
+    penalties = Penalties(presence=0.5, frequency=0.8, repetition=1.4, logit_bias=bias)
+    for seed, temperature in ((None, 0.0), (5, 0.9)):
+        key = None if seed is None else jax.random.PRNGKey(seed)
+        (want,) = _solo(
+            reference, [PROMPTS[1]], 16, key=key, temperature=temperature, penalties=penalties
+        )
+        answer = client.completions.create(
+            model=NAME, prompt=PROMPTS[1], max_tokens=16, temperature=temperature, seed=seed,
+            presence_penalty=0.5, frequency_penalty=0.8,
+            logit_bias={str(t): v for t, v in bias}, extra_body={"repetition_penalty": 1.4},
+        )  # fmt: skip
+        assert answer.choices[0].text == want
+        assert want != _solo(reference, [PROMPTS[1]], 16, key=key, temperature=temperature)[0]
+    chat = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0,
+        logit_bias={str(ord("z")): 100},
+    )  # fmt: skip
+    assert chat.choices[0].message.content == "z" * 6
+
+
 def test_a_seed_gives_generates_sampled_text_and_the_same_text_again(served, reference):
     url, _ = served
     client = _client(url)
@@ -281,7 +309,9 @@ BAD = [  # (request body, status, the field named)
     ({"model": NAME, "prompt": "x", "top_k": 2.5}, 400, "top_k"),
     ({"model": NAME, "prompt": "x", "seed": -1}, 400, "seed"),
     ({"model": NAME, "prompt": "x", "seed": 2**70}, 400, "seed"),
-    ({"model": NAME, "prompt": "x", "repetition_penalty": 1.3}, 400, "repetition_penalty"),
+    ({"model": NAME, "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"model": NAME, "prompt": "x", "logit_bias": {"300": 5}}, 400, "logit_bias"),
+    ({"model": NAME, "prompt": "x", "presence_penalty": -2.5}, 400, "presence_penalty"),
     ({"model": NAME, "prompt": "x", "max_token": 3}, 400, "max_token"),  # a misspelt field
     ({"model": NAME, "prompt": "x", "modalities": ["audio"]}, 400, "modalities"),
     ({"model": "gpt-9", "prompt": "x"}, 404, "model"),

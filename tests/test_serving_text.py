@@ -106,8 +106,15 @@ def test_templates_see_special_tokens_and_stay_in_the_sandbox(tmp_path):
         ({"model": "m", "prompt": "x", "echo": "yes"}, "echo"),
         ({"model": "m", "prompt": "x", "logprobs": 1}, "logprobs"),  # a server scoring none
         ({"model": "m", "prompt": "x", "best_of": 3}, "best_of"),
-        ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-        ({"model": "m", "prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
+        ({"model": "m", "prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+        ({"model": "m", "prompt": "x", "frequency_penalty": "1"}, "frequency_penalty"),
+        ({"model": "m", "prompt": "x", "repetition_penalty": -1}, "repetition_penalty"),
+        ({"model": "m", "prompt": "x", "logit_bias": {"256": 2}}, "logit_bias"),
+        ({"model": "m", "prompt": "x", "logit_bias": {"a": 2}}, "logit_bias"),
+        ({"model": "m", "prompt": "x", "logit_bias": {"-1": 2}}, "logit_bias"),
+        ({"model": "m", "prompt": "x", "logit_bias": {"1": 101}}, "logit_bias"),
+        ({"model": "m", "prompt": "x", "logit_bias": {"1": 2, "01": 3}}, "logit_bias"),
+        ({"model": "m", "prompt": "x", "logit_bias": [1, 2]}, "logit_bias"),
         (
             {"model": "m", "prompt": "x", "stream_options": {"include_usage": "yes"}},
             "stream_options",

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..nn.models.language_model import TransformerLM
-from ..nn.sampling import draw_rows, score_rows
+from ..nn.sampling import History, counted, draw_rows, penalised, score_rows
 from ..nn.state.counter import Counter
 from ..nn.state.paged import PagedKVCache, pool_mask, stream_axes, with_tables
 from ..nn.state.streams import reset
@@ -21,6 +21,7 @@ __all__ = [
     "admit_rows",
     "first_tokens",
     "fresh_rows",
+    "history_off",
     "paged_prefill",
     "paged_prefill_scored",
     "paged_tick",
@@ -29,6 +30,7 @@ __all__ = [
     "prefill_rows",
     "put_row",
     "row_of",
+    "set_history",
     "start_stream",
     "tick",
     "tick_rows",
@@ -80,18 +82,33 @@ def fresh_rows(model: TransformerLM, count: int, capacity: int, kv_dtype: Any) -
     return model.init_streams(count, capacity, on_overflow="nan", kv_dtype=kv_dtype)
 
 
-@eqx.filter_jit
+@eqx.filter_jit(donate="all-except-first")  # the history in place
 def first_tokens(
-    model: TransformerLM, hidden: Any, top: int, *arrays: Any
-) -> tuple[jax.Array, Any]:
-    """The token each row of `hidden (R, d_model)` (a prompt's last output) chooses: the
-    head's logits, then `draw_rows` with each row's key, position and rules (`arrays`, the
-    last of them which rows want their scores), and its scores (`score_rows`, `top`
-    alternatives)."""
+    model: TransformerLM, past: History, top: int, slots: Any, hidden: Any, *arrays: Any
+) -> tuple[tuple[jax.Array, Any], History]:
+    """The token each row of `hidden (R, d_model)` (a prompt's last output; row `r` slot
+    `slots[r]`'s, or padding where `slots[r] < 0`) chooses: the head's logits, its slot's
+    penalties (`past`), then `draw_rows` with each row's key, position and rules (`arrays`, the
+    last of them which rows want their scores); its scores (`score_rows`, `top` alternatives,
+    of the model's logits); the history with the tokens counted."""
     *rules, wanted = arrays
     logits = jax.vmap(lambda h: model._logits(h[None])[0])(hidden)
-    chosen = draw_rows(logits, *rules)
-    return chosen, score_rows(logits, chosen, wanted, top)
+    rows = jnp.clip(slots, 0, past.active.shape[0] - 1)
+    chosen = draw_rows(penalised(logits, past, rows), *rules)
+    past = counted(past, rows, chosen, slots >= 0)
+    return (chosen, score_rows(logits, chosen, wanted, top)), past
+
+
+@eqx.filter_jit(donate="all-except-first")
+def set_history(row: tuple[Any, ...], past: History, slot: Any) -> History:
+    """`past` with slot `slot`'s row replaced by `row` (`sampling.history_row`'s), in place."""
+    return History(*(a.at[slot].set(r) for a, r in zip(past, row, strict=True)))
+
+
+@eqx.filter_jit(donate="all-except-first")
+def history_off(_: Any, past: History, slot: Any) -> History:
+    """`past` with slot `slot`'s penalties off, in place."""
+    return past._replace(active=past.active.at[slot].set(False))
 
 
 @eqx.filter_jit
@@ -162,79 +179,90 @@ def admit_rows(new: tuple[Any, Any, Any], caches: Any) -> Any:
 
 
 def _ticks(
-    step: Any, caches: Any, shape: tuple[int, int], tokens: Any, positions: Any, *rules: Any
-) -> tuple[tuple[jax.Array, Any], Any]:
-    """`steps` rounds of `step (tokens, caches) -> (logits, caches)` over every slot (`shape`:
-    `(steps, top)`), the token each slot's logits choose with its own rules and key
+    step: Any, state: tuple[Any, History], shape: tuple[int, int], rows: Any, tokens: Any,
+    positions: Any, *rules: Any,
+) -> tuple[tuple[jax.Array, Any], tuple[Any, History]]:  # fmt: skip
+    """`steps` rounds of `step (tokens, caches) -> (logits, caches)` over the slots `rows`
+    (`state`: their caches, and every slot's penalties' history; `shape`: `(steps, top)`), the
+    token each slot's logits choose after its penalties with its own rules and key
     (`draw_rows`: slot `b` at position `p` draws with `fold_in(keys[b], p)`) fed to the next
-    round: the tokens `(steps, B)` and their scores (`score_rows`, for the slots `wanted`,
-    the last of `rules`). One dispatch for `steps` tokens of every slot; the host ends each
-    request at its stop."""
+    round and counted in its history: the tokens `(steps, B)` and their scores (`score_rows`,
+    of the model's logits, for the slots `wanted`, the last of `rules`). One dispatch for
+    `steps` tokens of every slot; the host ends each request at its stop."""
     steps, top = shape
     keys, temperature, top_k, top_p, min_p, wanted = rules
 
-    def one(carry: tuple[Any, Any], j: Any) -> tuple[tuple[Any, Any], Any]:
-        caches, tokens = carry
+    def one(carry: tuple[Any, Any, History], j: Any) -> tuple[tuple[Any, Any, History], Any]:
+        caches, tokens, past = carry
         logits, caches = step(tokens, caches)
-        chosen = draw_rows(logits, keys, positions + j, temperature, top_k, top_p, min_p)
-        return (caches, chosen), (chosen, score_rows(logits, chosen, wanted, top))
+        adjusted = penalised(logits, past, rows)
+        chosen = draw_rows(adjusted, keys, positions + j, temperature, top_k, top_p, min_p)
+        past = counted(past, rows, chosen)
+        return (caches, chosen, past), (chosen, score_rows(logits, chosen, wanted, top))
 
-    (caches, _), (chosen, scores) = lax.scan(
-        one, (caches, tokens), jnp.arange(steps, dtype=jnp.int32)
+    caches, past = state
+    (caches, _, past), (chosen, scores) = lax.scan(
+        one, (caches, tokens, past), jnp.arange(steps, dtype=jnp.int32)
     )
-    return (chosen, scores), caches
+    return (chosen, scores), (caches, past)
 
 
 @eqx.filter_jit(donate="all-except-first")  # the caches are updated in place
 def tick(
-    model: TransformerLM, caches: Any, shape: tuple[int, int], *arrays: Any
-) -> tuple[tuple[jax.Array, Any], Any]:
-    """`steps` decoding steps of every slot (`shape`: `(steps, top)`) from the tick's arrays
-    (each slot's token, the position its logits choose, its key and rules, whether it wants its
-    scores): the tokens `(steps, slots)` and their scores."""
-    return _ticks(jax.vmap(model.step), caches, shape, *arrays)
+    model: TransformerLM, state: tuple[Any, History], shape: tuple[int, int], *arrays: Any
+) -> tuple[tuple[jax.Array, Any], tuple[Any, History]]:
+    """`steps` decoding steps of every slot (`shape`: `(steps, top)`; `state`: the caches and
+    the penalties' history) from the tick's arrays (each slot's token, the position its logits
+    choose, its key and rules, whether it wants its scores): the tokens `(steps, slots)` and
+    their scores, and the state after them."""
+    rows = jnp.arange(state[1].active.shape[0])
+    return _ticks(jax.vmap(model.step), state, shape, rows, *arrays)
 
 
 @eqx.filter_jit(donate="all-except-first")  # the caches are updated in place
 def tick_rows(
-    model: TransformerLM, caches: Any, shape: tuple[int, int], rows: Any, *arrays: Any
-) -> tuple[tuple[jax.Array, Any], Any]:
+    model: TransformerLM, state: tuple[Any, History], shape: tuple[int, int], rows: Any,
+    *arrays: Any,
+) -> tuple[tuple[jax.Array, Any], tuple[Any, History]]:  # fmt: skip
     """`tick` of the slots `rows (R,)` only (distinct; the busy ones, padded with idle ones to
     a power of two), with the tick's arrays of those slots: the tokens they choose `(steps,
     R)` and their scores; the other slots' caches come back as they came."""
+    caches, past = state
     rows = jnp.clip(rows, 0, jax.tree.leaves(caches)[0].shape[0] - 1)
     chosen_caches = jax.tree.map(lambda a: a[rows], caches)
-    chosen, stepped = _ticks(jax.vmap(model.step), chosen_caches, shape, *arrays)
+    step = jax.vmap(model.step)
+    chosen, (stepped, past) = _ticks(step, (chosen_caches, past), shape, rows, *arrays)
     caches = jax.tree.map(
         lambda a, new: a.at[rows].set(new, mode="promise_in_bounds"), caches, stepped
     )
-    return chosen, caches
+    return chosen, (caches, past)
 
 
 @eqx.filter_jit(donate="all-except-first")  # the pools and the slots' states in place
 def paged_tick(
     model: TransformerLM,
-    pools: Any,
-    own: Any,
+    state: tuple[Any, Any, History],
     shape: tuple[int, int],
     rows: Any,
     tables: Any,
     *arrays: Any,
-) -> tuple[tuple[jax.Array, Any], Any, Any]:
+) -> tuple[tuple[jax.Array, Any], tuple[Any, Any, History]]:
     """`tick` over the paged slots `rows (R,)` (distinct): `pools` (shared) and `own` (every
     slot's counters and states, `eqx.partition`ed by `pool_mask`), slot `rows[r]` reading the
     pages `tables[r]` lists, with the tick's arrays of those slots; the tokens they choose
     `(steps, R)` and their scores (`shape`: `(steps, top)`). The other slots' states, and
-    every slot's own table (the host owns the tables), come back as they came."""
+    every slot's own table (the host owns the tables), come back as they came (`state`: the
+    pools, the slots' own states and the penalties' history)."""
+    pools, own, past = state
     rows = jnp.clip(rows, 0, jax.tree.leaves(own)[0].shape[0] - 1)
     chosen_own = jax.tree.map(lambda a: a[rows], own)
     caches = eqx.combine(pools, with_tables(chosen_own, tables))
     axes = stream_axes(caches)
     step = jax.vmap(model.step, in_axes=(0, axes), out_axes=(0, axes))
-    chosen, caches = _ticks(step, caches, shape, *arrays)
+    chosen, (caches, past) = _ticks(step, (caches, past), shape, rows, *arrays)
     pools, stepped = _parted(caches, chosen_own)
     own = jax.tree.map(lambda a, new: a.at[rows].set(new, mode="promise_in_bounds"), own, stepped)
-    return chosen, pools, own
+    return chosen, (pools, own, past)
 
 
 @eqx.filter_jit

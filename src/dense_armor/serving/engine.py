@@ -35,6 +35,7 @@ import numpy as np
 from ..nn.core import require_int, require_key
 from ..nn.models.generation import _prompts, check_kv_dtype, check_stop_tokens
 from ..nn.models.language_model import TransformerLM
+from ..nn.sampling import check_penalties
 from .records import (
     Completion,
     Event,
@@ -165,7 +166,8 @@ class Server:
         (padded,), lengths = _prompts(self.model, [prompt], caller="Server.submit")
         require_int(1, caller="Server.submit", max_new_tokens=max_new_tokens)
         check_room(int(lengths[0]), max_new_tokens, self.capacity, self._paging)
-        rules = (self.sampling if sampling is None else sampling).row()
+        sampling = self.sampling if sampling is None else sampling
+        rules, penalties = sampling.row(), check_penalties(sampling.penalties, self.model.vocab)
         stops = self.stop_tokens if stop_tokens is None else check_stop_tokens(
             "Server.submit", self.model, stop_tokens
         )  # fmt: skip
@@ -184,7 +186,7 @@ class Server:
             request = _Request(
                 number if id is None else id, number, padded, int(max_new_tokens),
                 time.perf_counter(), rules, np.asarray(request_key(base, index)),
-                frozenset(stops), logprobs, bool(prompt_logprobs),
+                frozenset(stops), logprobs, bool(prompt_logprobs), penalties,
             )  # fmt: skip
             self._queue.append(request)
         return request.id
@@ -264,6 +266,7 @@ class Server:
             list(self.run())
         self._submitted = submitted
         store = self._slots()
+        store.penalised.warm()  # a request's penalties set into its slot's history
         if isinstance(store, PagedSlots):  # and every table width a longer request reaches
             store.warm(tick_arrays(self._active), self._shape)
 
@@ -328,7 +331,10 @@ class Server:
                 self._preempted.pop(request.number, None)
             scored = request.logprobs is not None
             prompt = request.prompt_logprobs and (slot is None or slot.prompt_scores is None)
-            start = store.admit(i, context, Draw(request.key, request.rules, scored, prompt))
+            draw = Draw(
+                request.key, request.rules, scored, prompt, request.penalties, len(request.prompt)
+            )
+            start = store.admit(i, context, draw)
             if slot is None:
                 slot = _Slot(request, 0, time.perf_counter(), cached=start)
             slot.fed = min(len(context) - 1, len(request.prompt))

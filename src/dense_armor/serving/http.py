@@ -334,7 +334,9 @@ def _rules(
         raise ApiError(
             f"the prompt ({prompt} tokens) and `max_tokens={max_new}` pass {what}.", "max_tokens"
         )
-    sampling = Sampling(float(ask.temperature or 0.0), ask.top_k, ask.top_p, ask.min_p)
+    sampling = Sampling(
+        float(ask.temperature or 0.0), ask.top_k, ask.top_p, ask.min_p, ask.penalties
+    )
     key = None if ask.seed is None else jax.random.PRNGKey(ask.seed)
     return sampling, key, max_new
 

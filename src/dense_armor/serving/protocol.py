@@ -18,6 +18,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..nn.sampling import MAX_LOGIT_BIAS, Penalties
+
 __all__ = [
     "ApiError", "Ask", "Defaults", "choice", "chunk", "error_body", "parse_chat",
     "parse_completion", "response",
@@ -95,6 +97,7 @@ class Ask:
     n: int = 1
     logprobs: int | None = None  # alternatives with each token's score; None: no scores
     echo: bool = False  # a completion's text and scores begin with its prompt's
+    penalties: Penalties = dataclasses.field(default_factory=Penalties)
     id: str = dataclasses.field(default_factory=lambda: secrets.token_hex(12))
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -145,12 +148,13 @@ def _seed(body: Mapping[str, Any]) -> int | None:
 READ = frozenset({
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
     "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "stream", "stream_options",
-    "logprobs", "top_logprobs", "echo", "n",
+    "logprobs", "top_logprobs", "echo", "n", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logit_bias",
 })  # fmt: skip
 # ... those whose features are refused unless at their default (`_refused`) ...
 NOT_BUILT = frozenset({
-    "best_of", "presence_penalty", "frequency_penalty", "logit_bias", "suffix", "tools",
-    "tool_choice", "response_format", "functions", "function_call", "modalities",
+    "best_of", "suffix", "tools", "tool_choice", "response_format", "functions",
+    "function_call", "modalities",
 })  # fmt: skip
 # ... and those that change nothing an answer holds (bookkeeping, caching hints, a choice that
 # only matters with tools), accepted and ignored as OpenAI's server does.
@@ -171,9 +175,6 @@ def _refused(body: Mapping[str, Any]) -> None:
     """The fields whose features are not built, refused unless at their neutral value."""
     neutral: dict[str, tuple[Any, ...]] = {
         "best_of": (None, 1),
-        "presence_penalty": (None, 0, 0.0),
-        "frequency_penalty": (None, 0, 0.0),
-        "logit_bias": (None, {}),
         "suffix": (None, ""),
         "tools": (None, []),
         "tool_choice": (None, "none"),
@@ -246,6 +247,38 @@ def _common(body: Any, chat: bool, vocab: int) -> dict[str, Any]:
         stream=stream,
         include_usage=usage,
         n=n,
+        penalties=_penalties(body, vocab),
+    )
+
+
+def _penalties(body: Mapping[str, Any], vocab: int) -> Penalties:
+    """`presence_penalty` and `frequency_penalty` (OpenAI's, in [-2, 2]), `repetition_penalty`
+    (vLLM's, > 0) and `logit_bias` (an object of token ids, as strings, to numbers in [-100,
+    100]; at most `MAX_LOGIT_BIAS`)."""
+    bias = body.get("logit_bias") or {}
+    if not isinstance(bias, Mapping):
+        raise ApiError("`logit_bias` must be an object of token ids to numbers.", "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ApiError(f"`logit_bias` holds at most {MAX_LOGIT_BIAS} tokens.", "logit_bias")
+    entries = []
+    for name, value in bias.items():
+        token = int(name) if isinstance(name, str) and name.isdigit() and name.isascii() else -1
+        if not 0 <= token < vocab:
+            raise ApiError(
+                f"`logit_bias`: {name!r} is not a token id in [0, {vocab}).", "logit_bias"
+            )
+        if not _is_number(value) or not -100 <= value <= 100:
+            raise ApiError(
+                f"`logit_bias`: {value!r} for {name!r} is not in [-100, 100].", "logit_bias"
+            )
+        entries.append((token, float(value)))
+    if len({t for t, _ in entries}) != len(entries):
+        raise ApiError("`logit_bias` names a token more than once.", "logit_bias")
+    return Penalties(
+        _number(body, "presence_penalty", -2.0, 2.0, 0.0),
+        _number(body, "frequency_penalty", -2.0, 2.0, 0.0),
+        _number(body, "repetition_penalty", 0.0, math.inf, 1.0, open_low=True),
+        tuple(entries),
     )
 
 

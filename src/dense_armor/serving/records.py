@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from ..nn.sampling import check_sampling
+from ..nn.sampling import Penalties, check_sampling
 
 __all__ = ["Completion", "Event", "QueueFull", "Sampling"]
 
@@ -18,12 +18,14 @@ class QueueFull(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """A request's sampling rules (`sample`'s): `temperature` (0: greedy), `top_k`, `top_p`,
-    `min_p` (each `None` for off). Checked when made."""
+    `min_p` (each `None` for off), and its `penalties` (`nn.sampling.Penalties`, applied before
+    them; None for none). Checked when made (the penalties' token ids when submitted)."""
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
     min_p: float | None = None
+    penalties: Penalties | None = None
 
     def __post_init__(self) -> None:
         check_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
@@ -93,6 +95,7 @@ class _Request:
     stop_tokens: frozenset[int]
     logprobs: int | None = None  # alternatives wanted with each token's score (None: no score)
     prompt_logprobs: bool = False  # the prompt's scores too
+    penalties: Penalties = dataclasses.field(default_factory=Penalties)
 
 
 @dataclasses.dataclass

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..nn.layers.language import ids_checked
 from ..nn.models.language_model import TransformerLM
+from ..nn.sampling import Penalties, history, history_row
 from ..nn.state.cache import PositionCache
 from ..nn.state.paged import PagedKVCache, copy_page, paged_cache, paged_streams, pool_mask
 from .compiled import (
@@ -33,6 +34,7 @@ from .compiled import (
     admit_rows,
     first_tokens,
     fresh_rows,
+    history_off,
     paged_prefill,
     paged_prefill_scored,
     paged_tick,
@@ -41,6 +43,7 @@ from .compiled import (
     prefill_scored,
     put_row,
     row_of,
+    set_history,
     start_stream,
     tick,
     tick_rows,
@@ -48,17 +51,47 @@ from .compiled import (
 from .pages import PageBook
 from .scoring import PromptScores, Scores, scored_prefill, spread
 
-__all__ = ["Draw", "FixedSlots", "PagedSlots", "bucket", "prefill_pieces"]
+__all__ = ["Draw", "FixedSlots", "PagedSlots", "Penalised", "bucket", "prefill_pieces"]
 
 
 class Draw(NamedTuple):
     """What draws a request's tokens: its key data (2,) uint32, its row of sampling rules
-    (`Sampling.row`), whether it wants its new tokens' scores, and its prompt's."""
+    (`Sampling.row`), whether it wants its new tokens' scores, and its prompt's, its penalties
+    and its prompt's length (what of a context is its prompt, the rest its output)."""
 
     key: np.ndarray
     rules: tuple[float, int, float, float]
     scored: bool
     prompt_scored: bool
+    penalties: Penalties = Penalties()
+    prompt: int = 0
+
+
+class Penalised:
+    """Every slot's penalties' history on the device (`past`, an `nn.sampling.History`), a
+    slot's row set when a request is admitted into it, from its context (a preempted request's
+    output counted again); `on`, the slots whose row is on (the host's record: a request
+    without penalties in a slot without them costs no call)."""
+
+    def __init__(self, slots: int, vocab: int) -> None:
+        self.past, self.vocab, self.on = history(slots, vocab), vocab, set[int]()
+
+    def admit(self, i: int, context: np.ndarray, draw: Draw) -> None:
+        if draw.penalties.on:
+            self.on.add(i)
+            prompt, output = context[: draw.prompt], context[draw.prompt :]
+            row = history_row(draw.penalties, self.vocab, prompt, output)
+            self.past = set_history(row, self.past, np.int32(i))
+        elif i in self.on:
+            self.on.discard(i)
+            self.past = history_off(None, self.past, np.int32(i))
+
+    def warm(self) -> None:
+        """Compile the two calls that set a row (slot 0's, left off)."""
+        row = history_row(Penalties(), self.vocab, [])
+        self.past = set_history(row, self.past, np.int32(0))
+        self.past = history_off(None, self.past, np.int32(0))
+        self.on.discard(0)
 
 
 def prefill_pieces(n: int, chunk: int) -> list[int]:
@@ -105,6 +138,7 @@ class FixedSlots:
         self._slot_bytes = sum(a.nbytes for a in jax.tree.leaves(self.caches)) // slots
         self._weight_bytes = sum(a.nbytes for a in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
         self._waiting: list[tuple[int, np.ndarray, Draw]] = []  # admitted, not yet prefilled
+        self.penalised = Penalised(slots, model.vocab)
 
     def fits(self, context: np.ndarray) -> bool:
         return True
@@ -113,6 +147,7 @@ class FixedSlots:
         """Slot `i`'s request, prefilled at `settle` with the round's others; `rules` (its key
         data and its row of sampling rules) draw its first token there."""
         self._waiting.append((i, context, rules))
+        self.penalised.admit(i, context, rules)
         return 0
 
     def settle(self) -> dict[int, tuple[int, Scores]]:
@@ -144,16 +179,16 @@ class FixedSlots:
         count = bucket(len(waiting), self.slots)  # padded rows draw greedily; dropped
         keys, positions = np.zeros((count, 2), np.uint32), np.zeros(count, np.int32)
         table = np.tile(np.array([0.0, 0.0, 1.0, 0.0]), (count, 1))
-        wanted = np.zeros(count, bool)
-        for row, (_, context, draw) in enumerate(waiting):
+        wanted, slots = np.zeros(count, bool), np.full(count, -1, np.int32)
+        for row, (i, context, draw) in enumerate(waiting):
             keys[row], table[row], positions[row] = draw.key, draw.rules, len(context)
-            wanted[row] = draw.scored
+            wanted[row], slots[row] = draw.scored, i
         last = np.stack([np.asarray(hidden[i]) for i, _, _ in waiting])
         last = np.concatenate([last, np.repeat(last[:1], count - len(waiting), 0)])
-        tokens, scores = first_tokens(
-            self.model, last, self.top, keys, positions, table[:, 0].astype(np.float32),
-            table[:, 1].astype(np.int32), table[:, 2].astype(np.float32),
-            table[:, 3].astype(np.float32), wanted,
+        (tokens, scores), self.penalised.past = first_tokens(
+            self.model, self.penalised.past, self.top, slots, last, keys, positions,
+            table[:, 0].astype(np.float32), table[:, 1].astype(np.int32),
+            table[:, 2].astype(np.float32), table[:, 3].astype(np.float32), wanted,
         )  # fmt: skip
         chosen = np.asarray(tokens).tolist()
         own, ids, values = (np.asarray(a) for a in scores)
@@ -213,13 +248,14 @@ class FixedSlots:
         The tokens `(steps, slots)` and their scores (`Ticked`)."""
         count = bucket(len(busy), self.slots)
         with ids_checked():  # prompts were checked by `submit`; the rest are sampled ids
+            state = (self.caches, self.penalised.past)
             if count == self.slots or 2 * count * self._slot_bytes > self._weight_bytes:
-                every, self.caches = tick(self.model, self.caches, shape, *arrays)
+                every, (self.caches, self.penalised.past) = tick(self.model, state, shape, *arrays)
                 return spread(every, np.arange(self.slots), self.slots)
             idle = [i for i in range(self.slots) if i not in busy]
             rows = np.array((busy + idle)[:count], np.int32)
-            some, self.caches = tick_rows(
-                self.model, self.caches, shape, rows, *(a[rows] for a in arrays)
+            some, (self.caches, self.penalised.past) = tick_rows(
+                self.model, state, shape, rows, *(a[rows] for a in arrays)
             )
         return spread(some, rows, self.slots)
 
@@ -263,6 +299,7 @@ class PagedSlots:
         self.book = PageBook(pages, page_size)
         self.tables = np.zeros((slots, self.width), np.int32)
         self.held: list[list[int]] = [[] for _ in range(slots)]
+        self.penalised = Penalised(slots, model.vocab)
 
     def fits(self, context: np.ndarray) -> bool:
         """Whether the pages of the context (its last token's row, written by the first tick,
@@ -295,6 +332,7 @@ class PagedSlots:
                 with ids_checked():  # checked by `submit`
                     self.pools, own = paged_prefill(self.model, piece, self.pools, own, table)
         self.own = admit((jnp.arange(self.slots) == i, own), self.own)
+        self.penalised.admit(i, context, draw)
         if self.share:
             self.book.register(context, plan.pages, len(context) - 1)
         return plan.start
@@ -331,9 +369,9 @@ class PagedSlots:
         rows = np.array((busy + idle)[: bucket(len(busy), self.slots)], np.int32)
         width = bucket(max(len(self.held[i]) for i in busy), self.width)
         with ids_checked():  # prompts were checked by `submit`; the rest are sampled ids
-            chosen, self.pools, self.own = paged_tick(
-                self.model, self.pools, self.own, shape, rows, self.tables[rows, :width],
-                *(a[rows] for a in arrays),
+            chosen, (self.pools, self.own, self.penalised.past) = paged_tick(
+                self.model, (self.pools, self.own, self.penalised.past), shape, rows,
+                self.tables[rows, :width], *(a[rows] for a in arrays),
             )  # fmt: skip
         return spread(chosen, rows, self.slots)
 
@@ -363,8 +401,8 @@ class PagedSlots:
             for count in counts:
                 rows = np.arange(count, dtype=np.int32)
                 with ids_checked():
-                    _, self.pools, self.own = paged_tick(
-                        self.model, self.pools, self.own, shape, rows,
+                    _, (self.pools, self.own, self.penalised.past) = paged_tick(
+                        self.model, (self.pools, self.own, self.penalised.past), shape, rows,
                         np.zeros((count, width), np.int32), *(a[rows] for a in arrays),
                     )  # fmt: skip
         self.pools = copy_page(self.pools, np.int32(0), np.int32(0))

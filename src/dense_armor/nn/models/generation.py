@@ -16,7 +16,16 @@ import numpy as np
 from ..core import require_int, require_key
 from ..layers.language import ids_checked
 from ..precision import KV_DTYPES
-from ..sampling import check_sampling, draw_tokens
+from ..sampling import (
+    History,
+    Penalties,
+    check_penalties,
+    check_sampling,
+    counted,
+    draw_tokens,
+    history_row,
+    penalised,
+)
 from .language_model import TransformerLM
 
 __all__ = ["Generation", "generate", "stream_tokens"]
@@ -83,6 +92,7 @@ def generate(
     stop_tokens: Sequence[int] = (),
     capacity: int | None = None,
     kv_dtype: str | None = None,
+    penalties: Penalties | None = None,
 ) -> Generation:
     """Generate up to `max_new_tokens` tokens after each prompt, in one compiled function.
 
@@ -92,7 +102,9 @@ def generate(
     `dense_armor.nn.sampling`); `stop_tokens`: a row stops after generating one of them;
     `capacity`: the cache's slots per row (default: the longest prompt plus `max_new_tokens`);
     `kv_dtype`: the cache's keys and values in another dtype (`"int8"`, `"bfloat16"`, ...: see
-    `TransformerLM.init_cache`).
+    `TransformerLM.init_cache`); `penalties` (`sampling.Penalties`: presence, frequency and
+    repetition penalties, a logit bias), applied to every row's logits before the rules, each
+    row's from its own prompt and output.
 
     Row `b` draws its token at position `p` with `fold_in(fold_in(key, b), p)`, so the same key
     gives the same tokens. Each row is its own stream: greedy generation of a prompt in a batch
@@ -105,8 +117,9 @@ def generate(
     )  # fmt: skip
     stops = tuple(int(t) for t in stop_tokens)
     check_kv_dtype("generate", kv_dtype)
+    penalties = check_penalties(penalties, model.vocab)
     settings = (int(max_new_tokens), float(temperature), top_k, top_p, min_p, stops, capacity)
-    run = _compiled(*settings, kv_dtype)
+    run = _compiled(*settings, kv_dtype, penalties if penalties.on else None)
     key = jax.random.PRNGKey(0) if key is None else key
     common = int(lengths.min())  # static: one compilation per common length
     with ids_checked():  # the prompts were checked above: no callback, so the compilation keeps
@@ -252,10 +265,16 @@ def _compiled(
     stops: tuple[int, ...],
     capacity: int,
     kv_dtype: str | None,
+    penalties: Penalties | None,
 ) -> Any:
     """The compiled generation for these settings (one per distinct settings)."""
 
-    choose = _chooser(temperature, top_k, top_p, min_p)
+    chooser = _chooser(temperature, top_k, top_p, min_p)
+
+    def choose(logits: jax.Array, past: History | None, position: Any, key: Any) -> jax.Array:
+        if past is not None:
+            logits = penalised(logits, past, jnp.arange(logits.shape[0]))
+        return chooser(logits, key, position)
 
     @eqx.filter_jit
     def run(
@@ -270,8 +289,8 @@ def _compiled(
 
         def draw(position: jax.Array, logits: jax.Array, chosen_so_far: tuple) -> tuple:
             """The token at `position` (the prompt's, or drawn from `logits`), recorded."""
-            out, made, done = chosen_so_far
-            chosen = choose(logits, key, position)  # the logits predict `position`'s token
+            out, made, done, past = chosen_so_far
+            chosen = choose(logits, past, position, key)  # they predict `position`'s token
             in_prompt = position < lengths
             token = jnp.where(in_prompt, prompts[:, jnp.minimum(position, longest - 1)], chosen)
             new = ~in_prompt & ~done
@@ -279,7 +298,8 @@ def _compiled(
             out = out.at[rows, slot].set(jnp.where(new, chosen, out[rows, slot]))
             made = made + new.astype(jnp.int32)
             stopped = new & jnp.any(chosen[:, None] == stop_ids[None, :], axis=1)
-            return token, (out, made, done | stopped | (made >= max_new))
+            past = None if past is None else counted(past, rows, chosen, new)
+            return token, (out, made, done | stopped | (made >= max_new), past)
 
         def body(state: tuple) -> tuple:
             # Each step follows a draw that left a row unfinished: no step after the last token.
@@ -290,10 +310,23 @@ def _compiled(
 
         out = jnp.full((batch, max_new), -1, jnp.int32)
         made, done = jnp.zeros(batch, jnp.int32), jnp.zeros(batch, bool)
-        token, chosen_so_far = draw(jnp.int32(common), logits, (out, made, done))
+        past = None if penalties is None else _history(penalties, prompts, lengths, logits)
+        token, chosen_so_far = draw(jnp.int32(common), logits, (out, made, done, past))
         state = (jnp.int32(common), token, caches, chosen_so_far)
-        state = jax.lax.while_loop(lambda s: ~jnp.all(s[-1][-1]), body, state)
-        _, _, _, (out, made, _) = state
+        state = jax.lax.while_loop(lambda s: ~jnp.all(s[-1][2]), body, state)
+        _, _, _, (out, made, _, _) = state
         return Generation(out, made)
 
     return run
+
+
+def _history(penalties: Penalties, prompts: jax.Array, lengths: jax.Array, logits: Any) -> History:
+    """The penalties' history of a batch of prompts `(B, longest)` (each `lengths[b]` long):
+    every token of its prompt seen, no output yet."""
+    batch, longest = prompts.shape
+    vocab = logits.shape[-1]
+    counts, _, bias, settings, _ = history_row(penalties, vocab, [])
+    inside = (jnp.arange(longest)[None, :] < lengths[:, None]).astype(jnp.int32)
+    seen = jnp.zeros((batch, vocab), jnp.int32).at[jnp.arange(batch)[:, None], prompts].max(inside)
+    tile = lambda a: jnp.tile(jnp.asarray(a)[None], (batch,) + (1,) * a.ndim)  # noqa: E731
+    return History(tile(counts), seen > 0, tile(bias), tile(settings), jnp.ones(batch, bool))
