@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dense_armor.huggingface import import_hf
-from dense_armor.nn.models.generation import generate
+from dense_armor.nn.models.generation import generate, stream_tokens
 from dense_armor.nn.sampling import (
     MAX_LOGIT_BIAS,
     History,
@@ -20,6 +20,7 @@ from dense_armor.nn.sampling import (
 )
 from dense_armor.serving import Sampling, Server
 from test_language_models import DATA
+from test_serving import Traces
 
 STRONG = Penalties(presence=0.4, frequency=0.6, repetition=1.7, logit_bias=((5, 2.5), (9, -100.0)))
 
@@ -130,3 +131,28 @@ def test_the_server_applies_penalties_as_generate_does(temperature, pages):
 def test_a_penalty_out_of_its_range_is_refused_by_name(penalties, message):
     with pytest.raises(ValueError, match=message):
         check_penalties(penalties, 128)
+
+
+def test_requests_with_and_without_penalties_compile_nothing_after_warm_up():
+    """Penalties set into a slot, then a request without them in the same slot: no compilation
+    after `warm_up` (the rows are set by calls it compiled)."""
+    model, _ = import_hf(DATA / "llama_gqa")
+    server = Server(model, slots=2, capacity=32, chunk=4)
+    server.warm_up()
+    kinds = [STRONG, None, Penalties(repetition=0.7), None, None]
+    with Traces() as traces:
+        for i, p in enumerate(kinds):
+            server.submit([3, 1 + i, 4], 5, sampling=Sampling(penalties=p))
+        done = list(server.run())
+    assert traces.count == 0 and len(done) == len(kinds)
+
+
+def test_stream_tokens_with_penalties_are_generates():
+    model, _ = import_hf(DATA / "llama_gqa")
+    prompt, key = [3, 17, 17, 40, 3, 8], jax.random.PRNGKey(2)
+    for temperature in (0.0, 0.9):
+        streamed = list(
+            stream_tokens(model, prompt, 8, key, temperature=temperature, penalties=STRONG)
+        )
+        want = generate(model, [prompt], 8, key, temperature=temperature, penalties=STRONG)
+        assert streamed == want.tokens[0].tolist()

@@ -403,5 +403,8 @@ def counted(past: History, rows: Any, chosen: Any, new: Any = True) -> History:
     """`past` with each stream `rows[b]`'s `chosen[b]` counted in its output (where `new`; and
     only for a stream with penalties, whose counts are read)."""
     add = (past.active[rows] & new).astype(jnp.int32)
-    counts = past.counts.at[rows, chosen].add(add, mode="promise_in_bounds")
-    return past._replace(counts=counts)
+
+    def count(counts: Array) -> Array:
+        return counts.at[rows, chosen].add(add, mode="promise_in_bounds")
+
+    return past._replace(counts=jax.lax.cond(jnp.any(add), count, lambda c: c, past.counts))

@@ -209,31 +209,48 @@ def stream_tokens(
     min_p: float | None = None,
     stop_tokens: Sequence[int] = (),
     kv_dtype: str | None = None,
+    penalties: Penalties | None = None,
 ) -> Iterator[int]:
     """The new tokens of one prompt, each as soon as it is chosen (for a person reading them):
     one compiled `prefill`, then one compiled `step` per token. The same tokens as
-    `generate([prompt], ...)` with the same settings and key; the iterator ends after a stop
-    token or `max_new_tokens`."""
+    `generate([prompt], ...)` with the same settings, penalties and key; the iterator ends after
+    a stop token or `max_new_tokens`."""
     padded, _ = _prompts(model, [prompt])
     capacity = _check_generation(
         model, padded.shape[1], max_new_tokens, key, temperature, top_k, top_p, min_p,
         stop_tokens, None,
     )  # fmt: skip
     check_kv_dtype("stream_tokens", kv_dtype)
+    penalties = check_penalties(penalties, model.vocab)
     choose = _chooser(float(temperature), top_k, top_p, min_p)
     key = jax.random.PRNGKey(0) if key is None else key
     cache = model.init_cache(capacity, on_overflow="nan", kv_dtype=kv_dtype)
     with ids_checked():
         logits, cache = _prefill(model, jnp.asarray(padded[0]), cache)
     position = padded.shape[1]
+    past = None
+    if penalties.on:
+        past = _history(penalties, jnp.asarray(padded), jnp.asarray([padded.shape[1]]), logits)
     for made in range(int(max_new_tokens)):
-        token = int(choose(logits[None], key, jnp.int32(position))[0])
+        row = logits[None] if past is None else _penalised_one(logits[None], past)
+        token = int(choose(row, key, jnp.int32(position))[0])
+        past = None if past is None else _counted_one(past, jnp.int32(token))
         yield token
         if token in stop_tokens or made + 1 == max_new_tokens:
             return
         with ids_checked():
             logits, cache = _step(model, jnp.int32(token), cache)
         position += 1
+
+
+@jax.jit
+def _penalised_one(logits: jax.Array, past: History) -> jax.Array:
+    return penalised(logits, past, jnp.zeros(1, jnp.int32))
+
+
+@jax.jit
+def _counted_one(past: History, token: jax.Array) -> History:
+    return counted(past, jnp.zeros(1, jnp.int32), token[None])
 
 
 @functools.cache
