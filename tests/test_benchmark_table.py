@@ -1,4 +1,4 @@
-"""The README's benchmark table is what tests/benchmarks/recorded.json generates, and the
+"""The Performance page's benchmark table is what tests/benchmarks/recorded.json generates, and the
 regression guard prints a run's figures beside the recorded ones."""
 
 import json
@@ -26,7 +26,7 @@ FIGURES = {
 
 
 def test_the_readme_table_is_the_recorded_run():
-    text = recorded.README.read_text()
+    text = recorded.PAGE.read_text()
     assert recorded.readme_block(text) == recorded.table(recorded.load())
 
 
@@ -58,7 +58,7 @@ def test_the_guard_prints_each_figure_beside_the_recorded_one():
 def test_record_writes_the_figures_and_the_table(tmp_path, monkeypatch):
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\n{recorded.BEGIN}\nold\n{recorded.END}\n\nafter\n")
-    monkeypatch.setattr(recorded, "README", readme)
+    monkeypatch.setattr(recorded, "PAGE", readme)
     monkeypatch.setattr(recorded, "RECORDED", tmp_path / "recorded.json")
     recorded.write(FIGURES, "2026-12-01", "a CPU")
     written = json.loads((tmp_path / "recorded.json").read_text())

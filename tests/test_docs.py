@@ -63,7 +63,7 @@ CASES = [
 def test_every_page_has_listings():
     assert len([c for c in CASES if c.id.startswith("docs/attention.md:")]) == 6
     for page in PAGES:
-        if page.name != "api.md":
+        if page.name not in ("api.md", "performance.md", "development.md"):  # reference pages
             assert listings(page), f"{page} has no listing"
 
 

@@ -64,10 +64,12 @@ def test_the_penalised_logits_are_the_formulas_and_a_row_without_penalties_is_un
 def _reference_tokens(model, prompt, new, penalties):
     """Greedy decoding by the model's whole forward at every step (no cache) and the NumPy
     penalties; the margin of each choice (its best logit over the second)."""
-    forward = jax.jit(lambda ids: model(ids)[-1])
+    forward = jax.jit(lambda ids, last: model(ids)[last])  # causal: the rows after are padding
     ids, output, margins = list(prompt), [], []
     for _ in range(new):
-        logits = numpy_penalised(np.asarray(forward(jnp.asarray(ids))), prompt, output, penalties)
+        padded = jnp.asarray(ids + [0] * (len(prompt) + new - len(ids)))
+        logits = np.asarray(forward(padded, len(ids) - 1))
+        logits = numpy_penalised(logits, prompt, output, penalties)
         top = np.sort(logits)[-2:]
         margins.append(top[1] - top[0])
         output.append(int(np.argmax(logits)))
@@ -95,8 +97,7 @@ def test_generate_with_penalties_equals_a_numpy_sampler(penalties):
     assert not np.array_equal(got, plain)  # the penalties changed what was chosen
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-@pytest.mark.parametrize("pages", [None, 64])
+@pytest.mark.parametrize("temperature, pages", [(0.0, None), (0.8, 64)])
 def test_the_server_applies_penalties_as_generate_does(temperature, pages):
     """Each request's own penalties (beside requests without any) give its tokens of `generate`
     with the same key and settings; a preempted or resumed slot is not needed for this."""

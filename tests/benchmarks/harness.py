@@ -72,8 +72,9 @@ def machine() -> str:
     )
 
 
-# Figures a benchmark run records (`record`), compared by `run.py` with those the README's table
-# was generated from (tests/benchmarks/recorded.json), and written there with `--record`.
+# Figures a benchmark run records (`record`), compared by `run.py` with those the Performance
+# page's table was generated from (tests/benchmarks/recorded.json), and written there with
+# `--record`.
 FIGURES: dict[str, float] = {}
 
 

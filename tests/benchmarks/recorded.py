@@ -1,12 +1,12 @@
-"""The figures the README's encoder and streaming table is generated from, and the regression
-guard that prints them beside a new run's.
+"""The figures the Performance page's (docs/performance.md) encoder and streaming table is
+generated from, and the regression guard that prints them beside a new run's.
 
 `nox -s bench -- encoder streaming` prints, after the benchmarks' own tables, every recorded
-figure of this run beside the one in `recorded.json` (the run the README's table came from) and
+figure of this run beside the one in `recorded.json` (the run the page's table came from) and
 their ratio; `nox -s bench -- encoder streaming --record` writes this run's figures to
-`recorded.json` and regenerates the README's table from them, dated and with the machine. The
-table lives between the README's two `bench table` markers; `tests/test_benchmark_table.py`
-checks that it is what `recorded.json` generates.
+`recorded.json` and regenerates the page's table from them, dated and with the machine. The table
+lives between the page's two `bench table` markers; `tests/test_benchmark_table.py` checks that
+it is what `recorded.json` generates.
 
 Figures are seconds, named "<benchmark>/<system>" (see `harness.record`).
 """
@@ -16,7 +16,7 @@ import pathlib
 from typing import Any
 
 RECORDED = pathlib.Path(__file__).with_name("recorded.json")
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "performance.md"
 BEGIN = "<!-- bench table: `nox -s bench -- encoder streaming --record` writes it -->"
 END = "<!-- /bench table -->"
 
@@ -47,8 +47,8 @@ def compare(figures: dict[str, float], recorded: dict[str, Any]) -> str:
     """Each figure of this run beside the recorded one: the regression guard's table."""
     old = recorded["figures"]
     lines = [
-        f"\nAgainst the README's figures ({recorded['date']}, {recorded['machine']})",
-        f"{'figure':<52}{'README':>12}{'this run':>12}   this / README",
+        f"\nAgainst the Performance page's figures ({recorded['date']}, {recorded['machine']})",
+        f"{'figure':<52}{'recorded':>12}{'this run':>12}   this / recorded",
     ]
     for name in sorted(set(old) | set(figures)):
         before, now = old.get(name), figures.get(name)
@@ -65,7 +65,7 @@ def _ms(seconds: float) -> str:
 
 
 def table(recorded: dict[str, Any]) -> str:
-    """The README's table (markdown) from recorded figures; below 1.00x is faster than
+    """The Performance page's table (markdown) from recorded figures; below 1.00x is faster than
     dense_armor."""
     f = recorded["figures"]
     rows = [
@@ -114,14 +114,14 @@ def table(recorded: dict[str, Any]) -> str:
 
 
 def readme_block(text: str) -> str:
-    """The table between the README's markers."""
+    """The table between the Performance page's markers."""
     if BEGIN not in text or END not in text:
-        raise ValueError(f"{README}: the markers {BEGIN!r} and {END!r} are missing.")
+        raise ValueError(f"{PAGE}: the markers {BEGIN!r} and {END!r} are missing.")
     return text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n")
 
 
 def write(figures: dict[str, float], date: str, machine: str) -> None:
-    """Write this run's figures to `recorded.json` and regenerate the README's table."""
+    """Write this run's figures to `recorded.json` and regenerate the Performance page's table."""
     missing = [
         name
         for name in (
@@ -136,9 +136,9 @@ def write(figures: dict[str, float], date: str, machine: str) -> None:
             f"--record needs the encoder and streaming benchmarks; this run lacks {missing}."
         )
     recorded = {"date": date, "machine": machine, "figures": dict(sorted(figures.items()))}
-    text = README.read_text()
+    text = PAGE.read_text()
     readme_block(text)  # the markers are there
     before, rest = text.split(BEGIN, 1)
     after = rest.split(END, 1)[1]
     RECORDED.write_text(json.dumps(recorded, indent=2) + "\n")
-    README.write_text(f"{before}{BEGIN}\n{table(recorded)}\n{END}{after}")
+    PAGE.write_text(f"{before}{BEGIN}\n{table(recorded)}\n{END}{after}")

@@ -1,6 +1,7 @@
 """Run every benchmark and print its table: `nox -s bench` (or `python -m tests.benchmarks.run`),
 or the ones named: `nox -s bench -- encoder streaming`. After them, every recorded figure beside
-the README's (see `recorded`); `--record` writes this run's figures and the README's table."""
+the Performance page's (see `recorded`); `--record` writes this run's figures and the page's
+table."""
 
 import datetime
 import sys
@@ -53,7 +54,7 @@ def main() -> None:
         print(recorded.compare(FIGURES, recorded.load()))
     if write:
         recorded.write(FIGURES, today, where)
-        print(f"\nwrote {recorded.RECORDED} and the README's table")
+        print(f"\nwrote {recorded.RECORDED} and the Performance page's table")
 
 
 if __name__ == "__main__":
