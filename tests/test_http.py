@@ -30,7 +30,7 @@ openai = pytest.importorskip("openai", reason="the test extra installs the opena
 from dense_armor.checkpoint import load_checkpoint  # noqa: E402
 from dense_armor.huggingface import load_tokenizer  # noqa: E402
 from dense_armor.nn.models.generation import generate  # noqa: E402
-from dense_armor.nn.sampling import Penalties  # noqa: E402
+from dense_armor.nn.penalties import Penalties  # noqa: E402
 
 DATA = pathlib.Path(__file__).parent / "data"
 BYTES, CHAT = DATA / "byte_lm", DATA / "chat"

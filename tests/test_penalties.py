@@ -11,7 +11,7 @@ import pytest
 
 from dense_armor.huggingface import import_hf
 from dense_armor.nn.models.generation import generate, stream_tokens
-from dense_armor.nn.sampling import (
+from dense_armor.nn.penalties import (
     MAX_LOGIT_BIAS,
     History,
     Penalties,

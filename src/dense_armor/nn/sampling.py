@@ -17,18 +17,11 @@ exported graph (their settings are Python numbers, fixed when traced).
 
 The most probable token always stays, so a row never ends with nothing to draw from.
 
-Penalties (`Penalties`, `check_penalties`) change the logits before every rule above, greedy
-included, from what a stream has seen: vLLM's and OpenAI's formulas, in vLLM's order. First
-`logit_bias` (a number added to chosen tokens' logits), then `repetition_penalty` `r` over the
-tokens of the prompt and of the output (a positive logit divided by `r`, any other multiplied),
-then `frequency_penalty` `f` and `presence_penalty` `p` over the output's (`logit -= f * count +
-p * (count > 0)`). A row's history (`History`: each token's count in its output, whether it is in
-its prompt, its bias and settings) stays on the device; `penalised` reads it, `counted` adds
-each drawn token. The log-probabilities a request asks for are the model's, before any of them.
+Penalties (`nn.penalties`) change the logits before these rules.
 """
 
 import numbers
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,18 +31,12 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from .core import require_int, require_key, type_checked
 
 __all__ = [
-    "History",
-    "Penalties",
-    "check_penalties",
     "check_sampling",
-    "counted",
     "draw_rows",
     "draw_tokens",
     "filter_logits",
     "filter_rows",
     "greedy",
-    "history",
-    "penalised",
     "sample",
     "score_rows",
 ]
@@ -288,123 +275,3 @@ def score_rows(
         return jnp.zeros((rows,), jnp.float32), zeros.astype(jnp.int32), zeros
 
     return jax.lax.cond(jnp.any(wanted), scored, nothing, logits)
-
-
-# Penalties: settings of a request, and each stream's history on the device.
-
-MAX_LOGIT_BIAS = 1024  # entries of one request's `logit_bias`
-
-
-class Penalties(NamedTuple):
-    """A stream's penalties (off by default): `presence` and `frequency` (OpenAI's, numbers in
-    `[-2, 2]`), `repetition` (vLLM's, a number `> 0`; 1 is off) and `logit_bias` (token id ->
-    a number in `[-100, 100]`, at most `MAX_LOGIT_BIAS` of them)."""
-
-    presence: float = 0.0
-    frequency: float = 0.0
-    repetition: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-
-    @property
-    def on(self) -> bool:
-        return bool(self.presence or self.frequency or self.repetition != 1 or self.logit_bias)
-
-
-def check_penalties(penalties: Any, vocab: int) -> Penalties:
-    """`penalties` (a `Penalties`, or None for off) checked, each setting refused by name out of
-    its range; `logit_bias`'s ids inside the vocabulary."""
-    if penalties is None:
-        return Penalties()
-    if not isinstance(penalties, Penalties):
-        raise TypeError(f"`penalties` must be a `Penalties`; received {type(penalties).__name__}.")
-    for name, low in (("presence", -2.0), ("frequency", -2.0)):
-        value = getattr(penalties, name)
-        if not _real(value) or not low <= value <= 2.0:
-            raise ValueError(f"`{name}_penalty` must be a number in [-2, 2]; received {value!r}.")
-    r = penalties.repetition
-    if not _real(r) or not np.isfinite(r) or r <= 0:
-        raise ValueError(f"`repetition_penalty` must be a finite number > 0; received {r!r}.")
-    bias = tuple(penalties.logit_bias)
-    if len(bias) > MAX_LOGIT_BIAS:
-        raise ValueError(f"`logit_bias` has {len(bias)} entries; at most {MAX_LOGIT_BIAS}.")
-    ids = [t for t, _ in bias]
-    for token, value in bias:
-        if (
-            not isinstance(token, numbers.Integral)
-            or isinstance(token, bool)
-            or not (0 <= token < vocab)
-        ):
-            raise ValueError(f"`logit_bias`: token {token!r} is not an id in [0, {vocab}).")
-        if not _real(value) or not -100.0 <= value <= 100.0:
-            raise ValueError(f"`logit_bias`: {value!r} for token {token} is not in [-100, 100].")
-    if len(set(ids)) != len(ids):
-        raise ValueError("`logit_bias` names a token more than once.")
-    return penalties
-
-
-class History(NamedTuple):
-    """What the penalties of `S` streams read, on the device: `counts (S, vocab)` each token's
-    count in a stream's output, `seen (S, vocab)` whether it is in its prompt, `bias (S, vocab)`
-    its logit bias, `settings (S, 3)` its presence, frequency and repetition penalties, and
-    `active (S,)` whether it has any (a row without them is left bit for bit as it was)."""
-
-    counts: Array
-    seen: Array
-    bias: Array
-    settings: Array
-    active: Array
-
-
-def history(streams: int, vocab: int) -> History:
-    """The history of `streams` streams without penalties."""
-    return History(
-        jnp.zeros((streams, vocab), jnp.int32), jnp.zeros((streams, vocab), bool),
-        jnp.zeros((streams, vocab), jnp.float32),
-        jnp.tile(jnp.array([0.0, 0.0, 1.0], jnp.float32), (streams, 1)),
-        jnp.zeros((streams,), bool),
-    )  # fmt: skip
-
-
-def history_row(
-    penalties: Penalties, vocab: int, prompt: Any, output: Any = ()
-) -> tuple[np.ndarray, ...]:
-    """One stream's row of a `History` (NumPy, `History`'s order): its `output` tokens' counts,
-    its `prompt`'s tokens seen, its bias, its settings and whether any is on."""
-    counts = np.bincount(np.asarray(output, np.int64), minlength=vocab).astype(np.int32)
-    seen = np.zeros(vocab, bool)
-    seen[np.asarray(prompt, np.int64)] = True
-    bias = np.zeros(vocab, np.float32)
-    for token, value in penalties.logit_bias:
-        bias[token] = value
-    settings = np.array([penalties.presence, penalties.frequency, penalties.repetition], np.float32)
-    return counts, seen, bias, settings, np.array(penalties.on)
-
-
-def penalised(logits: Float[Array, "B vocab"], past: History, rows: Any) -> Array:
-    """The logits `(B, vocab)`, float32, of the streams `rows (B,)` of `past` after their
-    penalties (the module's formulas); computed only when one of them has any."""
-    logits = logits.astype(jnp.float32)
-
-    def apply(logits: Array) -> Array:
-        counts, active = past.counts[rows], past.active[rows][:, None]
-        presence, frequency, repetition = (past.settings[rows, j][:, None] for j in range(3))
-        out = logits + past.bias[rows]
-        repeated = past.seen[rows] | (counts > 0)
-        scaled = jnp.where(out > 0, out / repetition, out * repetition)
-        out = jnp.where(repeated, scaled, out)
-        used = counts.astype(jnp.float32)
-        out = out - frequency * used - presence * (counts > 0).astype(jnp.float32)
-        return jnp.where(active, out, logits)
-
-    return jax.lax.cond(jnp.any(past.active[rows]), apply, lambda x: x, logits)
-
-
-def counted(past: History, rows: Any, chosen: Any, new: Any = True) -> History:
-    """`past` with each stream `rows[b]`'s `chosen[b]` counted in its output (where `new`; and
-    only for a stream with penalties, whose counts are read)."""
-    add = (past.active[rows] & new).astype(jnp.int32)
-
-    def count(counts: Array) -> Array:
-        return counts.at[rows, chosen].add(add, mode="promise_in_bounds")
-
-    return past._replace(counts=jax.lax.cond(jnp.any(add), count, lambda c: c, past.counts))

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..nn.models.language_model import TransformerLM
-from ..nn.sampling import History, counted, draw_rows, penalised, score_rows
+from ..nn.penalties import History, counted, penalised
+from ..nn.sampling import draw_rows, score_rows
 from ..nn.state.counter import Counter
 from ..nn.state.paged import PagedKVCache, pool_mask, stream_axes, with_tables
 from ..nn.state.streams import reset
@@ -21,7 +22,6 @@ __all__ = [
     "admit_rows",
     "first_tokens",
     "fresh_rows",
-    "history_off",
     "paged_prefill",
     "paged_prefill_scored",
     "paged_tick",
@@ -30,7 +30,6 @@ __all__ = [
     "prefill_rows",
     "put_row",
     "row_of",
-    "set_history",
     "start_stream",
     "tick",
     "tick_rows",
@@ -97,18 +96,6 @@ def first_tokens(
     chosen = draw_rows(penalised(logits, past, rows), *rules)
     past = counted(past, rows, chosen, slots >= 0)
     return (chosen, score_rows(logits, chosen, wanted, top)), past
-
-
-@eqx.filter_jit(donate="all-except-first")
-def set_history(row: tuple[Any, ...], past: History, slot: Any) -> History:
-    """`past` with slot `slot`'s row replaced by `row` (`sampling.history_row`'s), in place."""
-    return History(*(a.at[slot].set(r) for a, r in zip(past, row, strict=True)))
-
-
-@eqx.filter_jit(donate="all-except-first")
-def history_off(_: Any, past: History, slot: Any) -> History:
-    """`past` with slot `slot`'s penalties off, in place."""
-    return past._replace(active=past.active.at[slot].set(False))
 
 
 @eqx.filter_jit

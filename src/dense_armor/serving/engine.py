@@ -35,7 +35,7 @@ import numpy as np
 from ..nn.core import require_int, require_key
 from ..nn.models.generation import _prompts, check_kv_dtype, check_stop_tokens
 from ..nn.models.language_model import TransformerLM
-from ..nn.sampling import check_penalties
+from ..nn.penalties import check_penalties
 from .records import (
     Completion,
     Event,

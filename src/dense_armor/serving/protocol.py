@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..nn.sampling import MAX_LOGIT_BIAS, Penalties
+from ..nn.penalties import MAX_LOGIT_BIAS, Penalties
 
 __all__ = [
     "ApiError", "Ask", "Defaults", "choice", "chunk", "error_body", "parse_chat",

@@ -6,7 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from ..nn.sampling import Penalties, check_sampling
+from ..nn.penalties import Penalties
+from ..nn.sampling import check_sampling
 
 __all__ = ["Completion", "Event", "QueueFull", "Sampling"]
 
@@ -18,7 +19,7 @@ class QueueFull(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """A request's sampling rules (`sample`'s): `temperature` (0: greedy), `top_k`, `top_p`,
-    `min_p` (each `None` for off), and its `penalties` (`nn.sampling.Penalties`, applied before
+    `min_p` (each `None` for off), and its `penalties` (`nn.penalties.Penalties`, applied before
     them; None for none). Checked when made (the penalties' token ids when submitted)."""
 
     temperature: float = 0.0

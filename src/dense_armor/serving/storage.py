@@ -26,7 +26,7 @@ import numpy as np
 
 from ..nn.layers.language import ids_checked
 from ..nn.models.language_model import TransformerLM
-from ..nn.sampling import Penalties, history, history_row
+from ..nn.penalties import Penalties
 from ..nn.state.cache import PositionCache
 from ..nn.state.paged import PagedKVCache, copy_page, paged_cache, paged_streams, pool_mask
 from .compiled import (
@@ -34,7 +34,6 @@ from .compiled import (
     admit_rows,
     first_tokens,
     fresh_rows,
-    history_off,
     paged_prefill,
     paged_prefill_scored,
     paged_tick,
@@ -43,15 +42,15 @@ from .compiled import (
     prefill_scored,
     put_row,
     row_of,
-    set_history,
     start_stream,
     tick,
     tick_rows,
 )
+from .history import Penalised
 from .pages import PageBook
 from .scoring import PromptScores, Scores, scored_prefill, spread
 
-__all__ = ["Draw", "FixedSlots", "PagedSlots", "Penalised", "bucket", "prefill_pieces"]
+__all__ = ["Draw", "FixedSlots", "PagedSlots", "bucket", "prefill_pieces"]
 
 
 class Draw(NamedTuple):
@@ -65,33 +64,6 @@ class Draw(NamedTuple):
     prompt_scored: bool
     penalties: Penalties = Penalties()
     prompt: int = 0
-
-
-class Penalised:
-    """Every slot's penalties' history on the device (`past`, an `nn.sampling.History`), a
-    slot's row set when a request is admitted into it, from its context (a preempted request's
-    output counted again); `on`, the slots whose row is on (the host's record: a request
-    without penalties in a slot without them costs no call)."""
-
-    def __init__(self, slots: int, vocab: int) -> None:
-        self.past, self.vocab, self.on = history(slots, vocab), vocab, set[int]()
-
-    def admit(self, i: int, context: np.ndarray, draw: Draw) -> None:
-        if draw.penalties.on:
-            self.on.add(i)
-            prompt, output = context[: draw.prompt], context[draw.prompt :]
-            row = history_row(draw.penalties, self.vocab, prompt, output)
-            self.past = set_history(row, self.past, np.int32(i))
-        elif i in self.on:
-            self.on.discard(i)
-            self.past = history_off(None, self.past, np.int32(i))
-
-    def warm(self) -> None:
-        """Compile the two calls that set a row (slot 0's, left off)."""
-        row = history_row(Penalties(), self.vocab, [])
-        self.past = set_history(row, self.past, np.int32(0))
-        self.past = history_off(None, self.past, np.int32(0))
-        self.on.discard(0)
 
 
 def prefill_pieces(n: int, chunk: int) -> list[int]:

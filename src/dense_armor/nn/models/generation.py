@@ -15,17 +15,9 @@ import numpy as np
 
 from ..core import require_int, require_key
 from ..layers.language import ids_checked
+from ..penalties import History, Penalties, check_penalties, counted, history_row, penalised
 from ..precision import KV_DTYPES
-from ..sampling import (
-    History,
-    Penalties,
-    check_penalties,
-    check_sampling,
-    counted,
-    draw_tokens,
-    history_row,
-    penalised,
-)
+from ..sampling import check_sampling, draw_tokens
 from .language_model import TransformerLM
 
 __all__ = ["Generation", "generate", "stream_tokens"]
@@ -102,7 +94,7 @@ def generate(
     `dense_armor.nn.sampling`); `stop_tokens`: a row stops after generating one of them;
     `capacity`: the cache's slots per row (default: the longest prompt plus `max_new_tokens`);
     `kv_dtype`: the cache's keys and values in another dtype (`"int8"`, `"bfloat16"`, ...: see
-    `TransformerLM.init_cache`); `penalties` (`sampling.Penalties`: presence, frequency and
+    `TransformerLM.init_cache`); `penalties` (`nn.penalties.Penalties`: presence, frequency and
     repetition penalties, a logit bias), applied to every row's logits before the rules, each
     row's from its own prompt and output.
 
@@ -286,12 +278,7 @@ def _compiled(
 ) -> Any:
     """The compiled generation for these settings (one per distinct settings)."""
 
-    chooser = _chooser(temperature, top_k, top_p, min_p)
-
-    def choose(logits: jax.Array, past: History | None, position: Any, key: Any) -> jax.Array:
-        if past is not None:
-            logits = penalised(logits, past, jnp.arange(logits.shape[0]))
-        return chooser(logits, key, position)
+    choose = functools.partial(_choose, _chooser(temperature, top_k, top_p, min_p))
 
     @eqx.filter_jit
     def run(
@@ -335,6 +322,15 @@ def _compiled(
         return Generation(out, made)
 
     return run
+
+
+def _choose(
+    chooser: Any, logits: jax.Array, past: History | None, position: Any, key: Any
+) -> jax.Array:
+    """`chooser`'s tokens from `logits (B, vocab)` after each row's penalties (`past`, if any)."""
+    if past is not None:
+        logits = penalised(logits, past, jnp.arange(logits.shape[0]))
+    return chooser(logits, key, position)
 
 
 def _history(penalties: Penalties, prompts: jax.Array, lengths: jax.Array, logits: Any) -> History:
