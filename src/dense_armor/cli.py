@@ -120,7 +120,17 @@ def _inspect(directory: pathlib.Path) -> str:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dense-armor", description="dense_armor tools")
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_export(commands)
+    _add_compile(commands)
+    _add_runner(commands)
+    _add_import_torch(commands)
+    add_commands(commands)  # import-hf, export-hf, generate, serve
+    _add_inspect(commands)
+    return parser
 
+
+def _add_export(commands: Any) -> None:
+    """`export`: a checkpoint to StableHLO artifacts."""
     ex = commands.add_parser("export", help="export a checkpoint to StableHLO artifacts")
     ex.add_argument("checkpoint", type=pathlib.Path, help="checkpoint directory")
     ex.add_argument("--out", type=pathlib.Path, required=True, help="artifact directory to write")
@@ -149,6 +159,9 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--min-p", type=float)
     add_kv_dtype(ex)
 
+
+def _add_compile(commands: Any) -> None:
+    """`compile`: an artifact's static modules through IREE."""
     co = commands.add_parser(
         "compile", help="compile an artifact's static modules with IREE and check them"
     )
@@ -161,6 +174,9 @@ def _parser() -> argparse.ArgumentParser:
         help="only these exported functions' modules (default all)",
     )  # fmt: skip
 
+
+def _add_runner(commands: Any) -> None:
+    """`runner`: an artifact's C runner on a PJRT plugin."""
     ru = commands.add_parser(
         "runner", help="build an artifact's C runner and check it from C through a PJRT plugin"
     )
@@ -176,6 +192,9 @@ def _parser() -> argparse.ArgumentParser:
     ru.add_argument("--tolerance", type=float, help="largest error accepted (as run.py's)")
     ru.add_argument("--cc", help="the C compiler ($CC, cc, gcc or clang)")
 
+
+def _add_import_torch(commands: Any) -> None:
+    """`import-torch`: a PyTorch Transformer's state dict."""
     it = commands.add_parser(
         "import-torch", help="import a PyTorch Transformer state dict into a checkpoint"
     )
@@ -190,12 +209,11 @@ def _parser() -> argparse.ArgumentParser:
     it.add_argument("--embed", default="embed", help="the input Linear's name (embed)")
     it.add_argument("--head", default="head", help="the output Linear's name (head)")
 
-    add_commands(commands)  # import-hf, export-hf, generate, serve
 
+def _add_inspect(commands: Any) -> None:
+    """`inspect`: an artifact's manifest and files."""
     ins = commands.add_parser("inspect", help="print an artifact's manifest and verify its files")
     ins.add_argument("directory", type=pathlib.Path)
-
-    return parser
 
 
 def _export(args: argparse.Namespace) -> None:
