@@ -25,7 +25,7 @@ import shutil
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import _atomic
 from ..nn.core import require_int
@@ -167,6 +167,34 @@ def compile_artifact(
     manifest = read_manifest(target)
     verify_files(target, manifest)
     tools = _compiler()
+    modules = _static_modules(target, manifest, functions)
+    if jobs is not None:
+        require_int(1, caller="compile_artifact (or None)", error=ArtifactError, jobs=jobs)
+    work = _Work(tools, manifest, modules, flags, int(jobs or os.cpu_count() or 1))
+    store = _compile_cache(cache)
+    _atomic.write_directory(target, lambda tmp: _fill(target, tmp, work, store))
+    written = read_manifest(target)["compiled"]
+    files = {
+        c["file"]: (target / c["file"]).stat().st_size for c in written if c["target"] in flags
+    }
+    return CompileSummary(target, files, time.perf_counter() - started)
+
+
+class _Work(NamedTuple):
+    """What `compile_artifact` compiles: with the compiler `tools`, the `modules` of the
+    artifact (its `manifest`'s) for each target of `flags` (its flags), `jobs` at a time."""
+
+    tools: Any
+    manifest: dict[str, Any]
+    modules: list[str]
+    flags: dict[str, list[str]]
+    jobs: int
+
+
+def _static_modules(
+    target: pathlib.Path, manifest: dict[str, Any], functions: Sequence[str] | None
+) -> list[str]:
+    """The static modules of the chosen `functions` (all: None), or an `ArtifactError`."""
     chosen = _chosen_functions(manifest, functions)
     modules = sorted({e["bytecode"] for e in manifest["static"] if e["function"] in chosen})
     if not modules:
@@ -174,36 +202,30 @@ def compile_artifact(
             f"{target} has no static modules to compile: export it with static shapes "
             "(`static_shapes=[(B, T)]`, `--static B,T`)."
         )
-    if jobs is not None:
-        require_int(1, caller="compile_artifact (or None)", error=ArtifactError, jobs=jobs)
-    jobs = int(jobs or os.cpu_count() or 1)
-    store = _compile_cache(cache)
+    return modules
 
-    def fill(tmp: pathlib.Path) -> None:
-        shutil.copytree(target, tmp, dirs_exist_ok=True)
-        kept = [c for c in manifest.get("compiled", []) if c["target"] not in flags]
-        for old in manifest.get("compiled", []):
-            if old["target"] in flags:
-                (tmp / old["file"]).unlink(missing_ok=True)
-        work = [(module, t) for module in modules for t in flags]
 
-        def one(item: tuple[str, str]) -> dict[str, Any]:
-            return _compile_module(tools, tmp, item[0], item[1], flags[item[1]], store)
+def _fill(target: pathlib.Path, tmp: pathlib.Path, work: _Work, store: Any) -> None:
+    """`tmp`: the artifact at `target` with `work`'s modules compiled (replacing those of its
+    targets, keeping the others) and its manifest listing them."""
+    manifest, flags = work.manifest, work.flags
+    shutil.copytree(target, tmp, dirs_exist_ok=True)
+    kept = [c for c in manifest.get("compiled", []) if c["target"] not in flags]
+    for old in manifest.get("compiled", []):
+        if old["target"] in flags:
+            (tmp / old["file"]).unlink(missing_ok=True)
+    items = [(module, t) for module in work.modules for t in flags]
 
-        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-            compiled = list(pool.map(one, work))
-        version = _compiler_version()
-        new = {**manifest, "compiled": kept + [{**c, "iree": version} for c in compiled]}
-        new.pop("files")
-        new["files"] = file_table(tmp)
-        (tmp / MANIFEST).write_text(json.dumps(new, indent=2) + "\n")
+    def one(item: tuple[str, str]) -> dict[str, Any]:
+        return _compile_module(work.tools, tmp, item[0], item[1], flags[item[1]], store)
 
-    _atomic.write_directory(target, fill)
-    written = read_manifest(target)["compiled"]
-    files = {
-        c["file"]: (target / c["file"]).stat().st_size for c in written if c["target"] in flags
-    }
-    return CompileSummary(target, files, time.perf_counter() - started)
+    with concurrent.futures.ThreadPoolExecutor(work.jobs) as pool:
+        compiled = list(pool.map(one, items))
+    version = _compiler_version()
+    new = {**manifest, "compiled": kept + [{**c, "iree": version} for c in compiled]}
+    new.pop("files")
+    new["files"] = file_table(tmp)
+    (tmp / MANIFEST).write_text(json.dumps(new, indent=2) + "\n")
 
 
 def _chosen_functions(manifest: dict[str, Any], functions: Sequence[str] | None) -> set[str]:
