@@ -989,6 +989,26 @@ def run_pjrt(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        _check_flags(args)
+        if args.pjrt:
+            return _from_c(args)
+        if args.iree:
+            runner, errors = check_iree_with(
+                args.directory, args.steps, args.device or "local-task", args.iree_runner or "auto"
+            )
+            where = f"IREE llvm-cpu modules through {runner}"
+        else:
+            errors = check_golden(load(args.directory), args.steps)
+            where = f"{jax.default_backend()} (jax {jax.__version__})"
+    except ArtifactError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return _verdict(args, errors, where)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Check a dense_armor artifact directory.")
     parser.add_argument("directory", nargs="?", default=str(pathlib.Path(__file__).parent))
     parser.add_argument(
@@ -1024,34 +1044,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="IREE's device for --iree: its thread pool (local-task, the default) or the calling "
         "thread (local-sync)",
     )
-    args = parser.parse_args(argv)
-    try:
-        if args.pjrt and args.iree:
-            raise ArtifactError("--pjrt and --iree are two checks: choose one.")
-        for given, flag in ((args.device, "--device"), (args.iree_runner, "--iree-runner")):
-            if given is not None and not args.iree:
-                raise ArtifactError(f"{flag} chooses how IREE runs: it goes with --iree.")
-        if args.pjrt:
-            done = run_pjrt(args.directory, args.plugin, args.steps, tolerance=args.tolerance)
-            print(done.stdout, end="")
-            print(done.stderr, end="", file=sys.stderr)
-            if args.report is not None and done.returncode in (0, 1):
-                found = re.findall(r"^  (\S.*?)\s+max \|error\| = (\S+)", done.stdout, re.M)
-                errors = {name: float(value) for name, value in found if name != "all"}
-                report = {"errors": errors, "max": max(errors.values())}
-                args.report.write_text(json.dumps(report, indent=2) + "\n")
-            return done.returncode
-        if args.iree:
-            runner, errors = check_iree_with(
-                args.directory, args.steps, args.device or "local-task", args.iree_runner or "auto"
-            )
-            where = f"IREE llvm-cpu modules through {runner}"
-        else:
-            errors = check_golden(load(args.directory), args.steps)
-            where = f"{jax.default_backend()} (jax {jax.__version__})"
-    except ArtifactError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    return parser
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """The flags that go together, or an `ArtifactError`."""
+    if args.pjrt and args.iree:
+        raise ArtifactError("--pjrt and --iree are two checks: choose one.")
+    for given, flag in ((args.device, "--device"), (args.iree_runner, "--iree-runner")):
+        if given is not None and not args.iree:
+            raise ArtifactError(f"{flag} chooses how IREE runs: it goes with --iree.")
+
+
+def _from_c(args: argparse.Namespace) -> int:
+    """The check from C (`--pjrt`): the runner's output passed on, its errors reported."""
+    done = run_pjrt(args.directory, args.plugin, args.steps, tolerance=args.tolerance)
+    print(done.stdout, end="")
+    print(done.stderr, end="", file=sys.stderr)
+    if args.report is not None and done.returncode in (0, 1):
+        found = re.findall(r"^  (\S.*?)\s+max \|error\| = (\S+)", done.stdout, re.M)
+        errors = {name: float(value) for name, value in found if name != "all"}
+        report = {"errors": errors, "max": max(errors.values())}
+        args.report.write_text(json.dumps(report, indent=2) + "\n")
+    return done.returncode
+
+
+def _verdict(args: argparse.Namespace, errors: dict[str, float], where: str) -> int:
+    """Each check's largest error printed against the tolerance (the manifest's for the
+    platform, unless `--tolerance`), written to `--report`; 0 when all pass, else 1."""
     print(f"artifact {args.directory} on {where}")
     for name, value in errors.items():
         print(f"  {name:<36} max |error| = {value:.3e}")
