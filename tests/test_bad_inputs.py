@@ -56,6 +56,7 @@ from dense_armor.nn.mixers.convolution import ShortConv
 from dense_armor.nn.mixers.deltanet import GatedDeltaNet
 from dense_armor.nn.models.generation import generate
 from dense_armor.nn.models.language_model import TransformerLM
+from dense_armor.nn.penalties import Penalties
 from dense_armor.nn.sampling import greedy, sample
 from dense_armor.serving import QueueFull, Sampling, Server
 from dense_armor.sharded_checkpoint import ShardedCheckpoints, to_safetensors
@@ -531,6 +532,14 @@ BAD = [
     ("lm-kv-dtype-int4", lambda: TINY_LM.init_cache(4, kv_dtype="int4"), ValueError, r"`kv_dtype` must be one of \('float32', 'bfloat16', 'float16', 'int8'\); received `kv_dtype='int4'`"),
     ("lm-kv-int8-growing-cache", lambda: TINY_LM.init_cache(kv_dtype="int8"), ValueError, r"kv_dtype='int8' needs a fixed-shape cache: pass a `capacity`"),
     ("generate-kv-dtype-bool", lambda: generate(TINY_LM, [[1]], 2, kv_dtype=True), ValueError, r"generate: `kv_dtype` must be one of \('float32', 'bfloat16', 'float16', 'int8'\) or None; received True"),
+    ("generate-penalties-a-dict", lambda: generate(TINY_LM, [[1]], 2, penalties={"presence": 1.0}), TypeError, r"`penalties` must be a `Penalties`; received dict"),
+    ("generate-presence-nan", lambda: generate(TINY_LM, [[1]], 2, penalties=Penalties(presence=float("nan"))), ValueError, r"`presence_penalty` must be a number in \[-2, 2\]; received nan"),
+    ("generate-frequency-string", lambda: generate(TINY_LM, [[1]], 2, penalties=Penalties(frequency="1")), ValueError, r"`frequency_penalty` must be a number in \[-2, 2\]; received '1'"),
+    ("generate-repetition-bool", lambda: generate(TINY_LM, [[1]], 2, penalties=Penalties(repetition=True)), ValueError, r"`repetition_penalty` must be a finite number > 0; received True"),
+    ("generate-logit-bias-a-string", lambda: generate(TINY_LM, [[1]], 2, penalties=Penalties(logit_bias="5")), ValueError, r"`logit_bias` must be \(token, value\) pairs or a mapping"),
+    ("generate-logit-bias-not-pairs", lambda: generate(TINY_LM, [[1]], 2, penalties=Penalties(logit_bias=(5, 2.0))), ValueError, r"`logit_bias` must be \(token, value\) pairs"),
+    ("generate-logit-bias-id-outside", lambda: generate(TINY_LM, [[1]], 2, penalties=Penalties(logit_bias={16: 1.0})), ValueError, r"`logit_bias`: token 16 is not an id in \[0, 16\)"),
+    ("server-submit-logit-bias-inf", lambda: Server(TINY_LM, capacity=8).submit([1], 2, sampling=Sampling(penalties=Penalties(logit_bias={1: float("inf")}))), ValueError, r"`logit_bias`: inf for token 1 is not in \[-100, 100\]"),
     ("server-kv-dtype-float64", lambda: Server(TINY_LM, kv_dtype="float64"), ValueError, r"Server: `kv_dtype` must be one of .* received 'float64'"),
     ("export-kv-dtype-int4", lambda tmp, _: export_model(TINY_LM, LM_CONFIG, tmp / "art", kv_dtype="int4"), ArtifactError, r"export_model: `kv_dtype` must be one of \('float32', 'bfloat16', 'float16', 'int8'\) or None; received 'int4'"),
     ("export-kv-dtype-encoder", lambda tmp, _: export_model(MODEL, CONFIG, tmp / "art", kv_dtype="int8"), ArtifactError, r"export_model: `kv_dtype` is for a language model's cache; a transformer_encoder keeps float32"),

@@ -11,6 +11,7 @@ device; `penalised` reads it, `counted` adds each drawn token. The log-probabili
 asks for are the model's, before any of them.
 """
 
+from collections.abc import Mapping, Sequence
 from numbers import Integral
 from typing import Any, NamedTuple
 
@@ -24,6 +25,7 @@ from .sampling import _real
 __all__ = [
     "MAX_LOGIT_BIAS",
     "History",
+    "PenaltyError",
     "Penalties",
     "check_penalties",
     "counted",
@@ -44,11 +46,19 @@ class Penalties(NamedTuple):
     presence: float = 0.0
     frequency: float = 0.0
     repetition: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()  # or a mapping, made pairs when checked
 
     @property
     def on(self) -> bool:
         return bool(self.presence or self.frequency or self.repetition != 1 or self.logit_bias)
+
+
+class PenaltyError(ValueError):
+    """A penalty out of its range; `field`: its name in OpenAI's API (`presence_penalty`, ...)."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def check_penalties(penalties: Any, vocab: int) -> Penalties:
@@ -61,22 +71,53 @@ def check_penalties(penalties: Any, vocab: int) -> Penalties:
     for name, low in (("presence", -2.0), ("frequency", -2.0)):
         value = getattr(penalties, name)
         if not _real(value) or not low <= value <= 2.0:
-            raise ValueError(f"`{name}_penalty` must be a number in [-2, 2]; received {value!r}.")
+            raise PenaltyError(
+                f"`{name}_penalty` must be a number in [-2, 2]; received {value!r}.",
+                f"{name}_penalty",
+            )
     r = penalties.repetition
     if not _real(r) or not np.isfinite(r) or r <= 0:
-        raise ValueError(f"`repetition_penalty` must be a finite number > 0; received {r!r}.")
-    bias = tuple(penalties.logit_bias)
+        raise PenaltyError(
+            f"`repetition_penalty` must be a finite number > 0; received {r!r}.",
+            "repetition_penalty",
+        )
+    bias = _bias_pairs(penalties.logit_bias)
     if len(bias) > MAX_LOGIT_BIAS:
-        raise ValueError(f"`logit_bias` has {len(bias)} entries; at most {MAX_LOGIT_BIAS}.")
+        raise PenaltyError(
+            f"`logit_bias` has {len(bias)} entries; at most {MAX_LOGIT_BIAS}.", "logit_bias"
+        )
     ids = [t for t, _ in bias]
     for token, value in bias:
-        if not isinstance(token, Integral) or isinstance(token, bool) or not (0 <= token < vocab):
-            raise ValueError(f"`logit_bias`: token {token!r} is not an id in [0, {vocab}).")
+        if (
+            not isinstance(token, Integral)
+            or isinstance(token, bool)
+            or not 0 <= int(token) < vocab
+        ):
+            raise PenaltyError(
+                f"`logit_bias`: token {token!r} is not an id in [0, {vocab}).", "logit_bias"
+            )
         if not _real(value) or not -100.0 <= value <= 100.0:
-            raise ValueError(f"`logit_bias`: {value!r} for token {token} is not in [-100, 100].")
+            raise PenaltyError(
+                f"`logit_bias`: {value!r} for token {token} is not in [-100, 100].", "logit_bias"
+            )
     if len(set(ids)) != len(ids):
-        raise ValueError("`logit_bias` names a token more than once.")
-    return penalties
+        raise PenaltyError("`logit_bias` names a token more than once.", "logit_bias")
+    return penalties._replace(logit_bias=tuple((int(t), float(v)) for t, v in bias))
+
+
+def _bias_pairs(bias: Any) -> tuple[tuple[Any, Any], ...]:
+    """`logit_bias` as `(token, value)` pairs: from pairs, or from a mapping of ids to values."""
+    if isinstance(bias, Mapping):
+        return tuple(bias.items())
+    if isinstance(bias, str | bytes) or not isinstance(bias, Sequence):
+        raise ValueError(
+            f"`logit_bias` must be (token, value) pairs or a mapping; received {bias!r}."
+        )
+    if not all(isinstance(pair, Sequence) and len(pair) == 2 for pair in bias):
+        raise PenaltyError(
+            f"`logit_bias` must be (token, value) pairs; received {bias!r}.", "logit_bias"
+        )
+    return tuple((pair[0], pair[1]) for pair in bias)
 
 
 class History(NamedTuple):

@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..nn.penalties import MAX_LOGIT_BIAS, Penalties
+from ..nn.penalties import Penalties, PenaltyError, check_penalties
 
 __all__ = [
     "ApiError", "Ask", "Defaults", "choice", "chunk", "error_body", "parse_chat",
@@ -254,32 +254,25 @@ def _common(body: Any, chat: bool, vocab: int) -> dict[str, Any]:
 def _penalties(body: Mapping[str, Any], vocab: int) -> Penalties:
     """`presence_penalty` and `frequency_penalty` (OpenAI's, in [-2, 2]), `repetition_penalty`
     (vLLM's, > 0) and `logit_bias` (an object of token ids, as strings, to numbers in [-100,
-    100]; at most `MAX_LOGIT_BIAS`)."""
+    100]), checked by `check_penalties`; a refusal names its field."""
     bias = body.get("logit_bias") or {}
     if not isinstance(bias, Mapping):
         raise ApiError("`logit_bias` must be an object of token ids to numbers.", "logit_bias")
-    if len(bias) > MAX_LOGIT_BIAS:
-        raise ApiError(f"`logit_bias` holds at most {MAX_LOGIT_BIAS} tokens.", "logit_bias")
-    entries = []
-    for name, value in bias.items():
-        token = int(name) if isinstance(name, str) and name.isdigit() and name.isascii() else -1
-        if not 0 <= token < vocab:
-            raise ApiError(
-                f"`logit_bias`: {name!r} is not a token id in [0, {vocab}).", "logit_bias"
-            )
-        if not _is_number(value) or not -100 <= value <= 100:
-            raise ApiError(
-                f"`logit_bias`: {value!r} for {name!r} is not in [-100, 100].", "logit_bias"
-            )
-        entries.append((token, float(value)))
-    if len({t for t, _ in entries}) != len(entries):
-        raise ApiError("`logit_bias` names a token more than once.", "logit_bias")
-    return Penalties(
-        _number(body, "presence_penalty", -2.0, 2.0, 0.0),
-        _number(body, "frequency_penalty", -2.0, 2.0, 0.0),
-        _number(body, "repetition_penalty", 0.0, math.inf, 1.0, open_low=True),
-        tuple(entries),
+    for name in bias:
+        if not (isinstance(name, str) and name.isascii() and name.isdigit()):
+            raise ApiError(f"`logit_bias`: {name!r} is not a token id.", "logit_bias")
+    given = {name: body.get(name) for name in ("presence_penalty", "frequency_penalty")}
+    repetition = body.get("repetition_penalty")
+    penalties = Penalties(
+        0.0 if given["presence_penalty"] is None else given["presence_penalty"],
+        0.0 if given["frequency_penalty"] is None else given["frequency_penalty"],
+        1.0 if repetition is None else repetition,
+        tuple((int(name), value) for name, value in bias.items()),
     )
+    try:
+        return check_penalties(penalties, vocab)
+    except PenaltyError as error:
+        raise ApiError(str(error), error.field) from None
 
 
 def _scores(body: Mapping[str, Any], chat: bool, most: int | None) -> dict[str, Any]:
