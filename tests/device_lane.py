@@ -50,7 +50,7 @@ LM = {"vocab": 64, "d_model": 32, "n_heads": 4, "d_ff": 64, "depth": 2, "max_len
 CAPACITY, LM_CAPACITY, PAST = 12, 24, 4  # each stream runs PAST steps beyond its capacity
 # the serving rows' configurations (tests/device_serving.py): slots, cache, decoding steps per
 # dispatch, and whether `warm_up` is timed
-SERVING = "64:fixed:8,64:fixed:1,8:fixed:8:warm,64:paged:8,8:paged:8"
+SERVING = "64:fixed:8,64:fixed:1,8:fixed:8:warm,64:paged:8,64:paged-gather:8,8:paged:8"
 SERVING_SIZES = {"prompt": 128, "new": 128, "capacity": 256}
 TINY_SERVING = (
     {"vocab": 64, "d_model": 32, "n_heads": 4, "d_ff": 64, "depth": 2, "n_kv_heads": 2},
@@ -474,7 +474,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     rp.add_argument("--note", default="", help="how the rows were made, if not by one `all`")
     sv = commands.add_parser("serve", help="the serving rows (tests/device_serving.py)")
     sv.add_argument("--rows", type=pathlib.Path, required=True)
-    sv.add_argument("--configs", default=SERVING, help="SLOTS:fixed|paged:STEPS[:warm],...")
+    sv.add_argument(
+        "--configs", default=SERVING, help="SLOTS:fixed|paged|paged-gather:STEPS[:warm],..."
+    )
+    sv.add_argument("--compile-cache", help="JAX's persistent compilation cache (a restart's)")
+    sv.add_argument("--no-generate", action="store_true", help="the Server's rows only")
     sv.add_argument("--tiny", action="store_true", help="a tiny shape (the suite's, on a CPU)")
     sv.add_argument("--budget", type=float, default=420.0, help="no configuration started after")
     rd = commands.add_parser("readme")
@@ -502,7 +506,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.tiny:
             shape, sizes = TINY_SERVING
         configs = device_serving.parse(args.configs)
-        device_serving.run(args.rows, configs, shape, sizes, args.budget)
+        if args.compile_cache:
+            from dense_armor.serving.settings import enable_compile_cache
+
+            enable_compile_cache(args.compile_cache)
+        device_serving.run(args.rows, configs, shape, sizes, args.budget, not args.no_generate)
     elif args.command == "readme":
         write_readme(args.report, args.readme)
     else:

@@ -71,22 +71,25 @@ def _load(server: Any, prompts: np.ndarray, new: int) -> tuple[float, float]:
     return end - begin, end - (first or begin)
 
 
-def serve_row(model: Any, slots: int, paged: bool, steps: int, warm_up: bool, **sizes: int) -> Any:
-    """One configuration's row (see the module): `warm_up` times `Server.warm_up()`, else one
-    run of the same load compiles what the measured run needs."""
+def serve_row(model: Any, slots: int, cache: str, steps: int, warm_up: bool, **sizes: int) -> Any:
+    """One configuration's row (see the module; `cache`: "fixed", "paged", or "paged-gather", the
+    paged cache read by its gather instead of the TPU's kernel): `warm_up` times
+    `Server.warm_up()`, else one run of the same load compiles what the measured run needs."""
     import jax
 
     from dense_armor.serving import Server
 
     prompt, new, capacity = sizes["prompt"], sizes["new"], sizes["capacity"]
-    pages = (
-        {"pages": slots * -(-capacity // PAGE_SIZE) + 1, "page_size": PAGE_SIZE} if paged else {}
-    )
+    pages = {}
+    if cache != "fixed":
+        pages = {"pages": slots * -(-capacity // PAGE_SIZE) + 1, "page_size": PAGE_SIZE}
+        pages["paged_attention"] = "gather" if cache == "paged-gather" else "auto"
     server = Server(model, slots, capacity, decode_steps=steps, **pages)
     prompts = np.random.default_rng(slots).integers(0, model.vocab, (slots, prompt), np.int32)
     begin = time.perf_counter()
     if warm_up:
         server.warm_up()
+    warmed = time.perf_counter() - begin
     _load(server, prompts, new)  # (with warm_up: compiles nothing)
     warm = time.perf_counter() - begin
     whole, decoding = _load(server, (prompts + 1) % model.vocab, new)
@@ -95,12 +98,12 @@ def serve_row(model: Any, slots: int, paged: bool, steps: int, warm_up: bool, **
     ceiling = roofline(model, slots, bandwidth, prompt, new) if bandwidth else None
     decode_rate = slots * (new - 1) / decoding if decoding > 0 else None
     return {
-        "kind": "serve", "slots": slots, "cache": "paged" if paged else "fixed",
+        "kind": "serve", "slots": slots, "cache": cache,
         "decode_steps": steps, "tokens_per_s": round(slots * new / whole, 1),
         "decode_tokens_per_s": None if decode_rate is None else round(decode_rate, 1),
         "roofline_tokens_per_s": None if ceiling is None else round(ceiling, 1),
         "share": None if not (ceiling and decode_rate) else round(decode_rate / ceiling, 3),
-        "warm_up_s": round(warm, 1) if warm_up else None, "first_run_s": round(warm, 1),
+        "warm_up_s": round(warmed, 1) if warm_up else None, "first_run_s": round(warm, 1),
     }  # fmt: skip
 
 
@@ -135,31 +138,37 @@ def generate_row(model: Any, prompt: int, new: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def parse(configs: str) -> list[tuple[int, bool, int, bool]]:
-    """`SLOTS:fixed|paged:STEPS[:warm]`, comma separated (e.g. "64:paged:8,8:fixed:8:warm")."""
+CACHES = ("fixed", "paged", "paged-gather")
+
+
+def parse(configs: str) -> list[tuple[int, str, int, bool]]:
+    """`SLOTS:fixed|paged|paged-gather:STEPS[:warm]`, comma separated (e.g.
+    "64:paged:8,8:fixed:8:warm")."""
     found = []
     for item in configs.split(","):
         parts = item.split(":")
-        found.append((int(parts[0]), parts[1] == "paged", int(parts[2]), parts[-1] == "warm"))
+        if parts[1] not in CACHES:
+            raise ValueError(f"{item!r}: the cache is one of {CACHES}")
+        found.append((int(parts[0]), parts[1], int(parts[2]), parts[-1] == "warm"))
     return found
 
 
 def run(
-    rows: pathlib.Path, configs: Sequence[tuple[int, bool, int, bool]], shape: dict[str, int],
-    sizes: dict[str, int], budget_s: float,
+    rows: pathlib.Path, configs: Sequence[tuple[int, str, int, bool]], shape: dict[str, int],
+    sizes: dict[str, int], budget_s: float, with_generate: bool = True,
 ) -> None:  # fmt: skip
-    """`generate`'s row, then each configuration's, appended to `rows` as each finishes; none
-    started past `budget_s` seconds."""
+    """`generate`'s row (`with_generate`), then each configuration's, appended to `rows` as each
+    finishes; none started past `budget_s` seconds."""
     started = time.perf_counter()
     model = model_of(shape, sizes["capacity"])
-    rows_out = [generate_row(model, sizes["prompt"], sizes["new"])]
-    with rows.open("a") as out:
-        out.write(json.dumps(rows_out[0]) + "\n")
-    for slots, paged, steps, warm in configs:
+    if with_generate:
+        with rows.open("a") as out:
+            out.write(json.dumps(generate_row(model, sizes["prompt"], sizes["new"])) + "\n")
+    for slots, cache, steps, warm in configs:
         if time.perf_counter() - started > budget_s:
-            print(f"serving: out of time before {slots}:{paged}:{steps}", flush=True)
+            print(f"serving: out of time before {slots}:{cache}:{steps}", flush=True)
             break
-        row = serve_row(model, slots, paged, steps, warm, **sizes)
+        row = serve_row(model, slots, cache, steps, warm, **sizes)
         print(json.dumps(row), flush=True)
         with rows.open("a") as out:
             out.write(json.dumps(row) + "\n")

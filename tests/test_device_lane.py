@@ -75,19 +75,20 @@ def test_the_serving_rows_run_here_and_make_their_table(tmp_path):
     paged, several decoding steps per dispatch, `warm_up` timed) and `generate`'s, each with
     positive rates; the report's serving table lists them."""
     rows = tmp_path / "rows.jsonl"
-    configs = "2:fixed:3:warm,2:paged:2"
+    configs = "2:fixed:3:warm,2:paged:2,2:paged-gather:1"
     device_lane.main(["serve", "--rows", str(rows), "--tiny", "--configs", configs])
     found = [json.loads(line) for line in rows.read_text().splitlines()]
     assert [(r["kind"], r["slots"], r["cache"], r["decode_steps"]) for r in found] == [
         ("generate", 1, "fixed", None), ("serve", 2, "fixed", 3), ("serve", 2, "paged", 2),
+        ("serve", 2, "paged-gather", 1),
     ]  # fmt: skip
     assert all(r["decode_tokens_per_s"] > 0 for r in found)
     assert all(r["tokens_per_s"] > 0 for r in found[1:])
-    assert [r["warm_up_s"] is not None for r in found] == [False, True, False]
+    assert [r["warm_up_s"] is not None for r in found] == [False, True, False, False]
     info = {"platform": "cpu", "device": "cpu", "date": "2026-12-07", "host": "x86_64",
             "cores": 2, "versions": {"jax": jax.__version__}}  # fmt: skip
     device_lane.report(rows, tmp_path / "report", "cpu", info)
     written = json.loads((tmp_path / "report" / "cpu.json").read_text())
-    assert (written["rows"], len(written["serving"])) == ([], 3)
+    assert (written["rows"], len(written["serving"])) == ([], 4)
     table = (tmp_path / "report" / "cpu.md").read_text()
-    assert table.count("| Server | 2 |") == 2 and "| generate | 1 | fixed |" in table
+    assert table.count("| Server | 2 |") == 3 and "| generate | 1 | fixed |" in table

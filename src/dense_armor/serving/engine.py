@@ -53,6 +53,7 @@ from .settings import (
     check_scores,
     decode_steps_of,
     key_data,
+    paged_attention_of,
     paging,
     request_key,
 )
@@ -79,8 +80,10 @@ class Server:
     positions per layer instead of a whole cache per slot, taken as requests grow, the
     youngest request preempted and recomputed when the pool runs short; full pages of prompt
     tokens shared between requests by default where every state is keys and values; see
-    `serving.storage` and `serving.pages`), `decode_steps` (decoding steps of every busy slot
-    per dispatch, the sampled token fed back on the device: the host's round trip paid once
+    `serving.storage` and `serving.pages`), `paged_attention` (how a paged decoding step reads
+    its pages: `"auto"`, the Pallas kernel on a TPU and a gather elsewhere, `"kernel"` or
+    `"gather"` everywhere; see `nn.kernels.paged`), `decode_steps` (decoding steps of every busy
+    slot per dispatch, the sampled token fed back on the device: the host's round trip paid once
     for that many tokens; a request's tokens come back that many at a time, the steps past its
     end dropped; default 1), `max_logprobs` (requests may ask for their tokens' scores, with up
     to that many alternatives each: computed in the tick only when a request asks, and a
@@ -111,6 +114,7 @@ class Server:
         pages: int | None = None,
         page_size: int = 16,
         share_prefixes: bool | None = None,
+        paged_attention: str = "auto",
         decode_steps: int | None = None,
         max_logprobs: int | None = None,
     ) -> None:
@@ -124,6 +128,7 @@ class Server:
         self.model, self.slots, self.chunk = model, int(slots), int(chunk)
         check_kv_dtype("Server", kv_dtype)
         self._paging = paging(pages, page_size, share_prefixes)
+        self.paged_attention = paged_attention_of(paged_attention)
         self.capacity = capacity_of(model, capacity, slots, kv_dtype, self._paging is not None)
         self.sampling = Sampling(temperature, top_k, top_p, min_p)
         if temperature != 0:
@@ -377,8 +382,9 @@ class Server:
                 self._store = FixedSlots(model, slots, capacity, kv, chunk, self.max_logprobs)
             else:
                 self._store = PagedSlots(
-                    model, slots, capacity, kv, chunk, self.max_logprobs, *self._paging
-                )
+                    model, slots, capacity, kv, chunk, self.max_logprobs, *self._paging,
+                    read=self.paged_attention,
+                )  # fmt: skip
         return self._store
 
     def _drop_cancelled(self) -> None:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from ..nn.core import require_int
 from ..nn.models.language_model import TransformerLM
+from ..nn.state.paged import READS
 
 __all__ = [
     "capacity_of", "compile_cache_dir", "enable_compile_cache", "key_data", "paging",
@@ -102,6 +103,13 @@ def paging(pages: Any, page_size: Any, share: Any) -> tuple[int, int, bool | Non
             f"Server: `share_prefixes` must be True, False or None; received {share!r}."
         )
     return int(pages), int(page_size), share
+
+
+def paged_attention_of(given: Any) -> str:
+    """`paged_attention`, checked: one of `nn.state.paged.READS`."""
+    if given not in READS:
+        raise ValueError(f"Server: `paged_attention` must be one of {READS}; received {given!r}.")
+    return str(given)
 
 
 # Decoding steps per dispatch at most (a request's tokens come back that many at a time).

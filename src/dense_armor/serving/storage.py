@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..nn.kernels.paged import kernel_fits
 from ..nn.layers.language import ids_checked
 from ..nn.models.language_model import TransformerLM
 from ..nn.penalties import Penalties
@@ -243,6 +244,19 @@ def shareable(cache: Any) -> bool:
     return all(isinstance(n, kinds) for n in nodes)
 
 
+def _reads_in_place(cache: Any, width: int, read: str) -> bool:
+    """Whether every paged layer of `cache` (one stream's) decodes through the kernel that reads
+    the pages in place, at a table of `width` pages (`kernels.paged.kernel_fits`)."""
+    nodes = jax.tree.leaves(cache, is_leaf=lambda n: isinstance(n, PagedKVCache))
+    paged = [n for n in nodes if isinstance(n, PagedKVCache)]
+
+    def fits(node: PagedKVCache) -> bool:
+        pool = jax.ShapeDtypeStruct(node.keys.shape[-4:], node.keys.dtype)
+        return kernel_fits(pool, width, 1, node.key_scale is not None, read)
+
+    return bool(paged) and all(map(fits, paged))
+
+
 class PagedSlots:
     """Every slot's keys and values in pages of one pool per layer (`pages` pages of
     `page_size` positions; `PageBook` keeps the accounts); `share`: full pages of prompt tokens
@@ -250,14 +264,17 @@ class PagedSlots:
 
     def __init__(
         self, model: TransformerLM, slots: int, capacity: int, kv_dtype: Any, chunk: int,
-        top: int | None, pages: int, page_size: int, share: bool | None,
+        top: int | None, pages: int, page_size: int, share: bool | None, read: str = "auto",
     ) -> None:  # fmt: skip
         self.model, self.slots, self.chunk = model, slots, chunk
         self.top, self.scoring = top or 0, top is not None
         self.prompt_scores: dict[int, PromptScores] = {}  # by slot, until the engine takes them
         self.width = -(-capacity // page_size)
         one = model.init_cache(capacity, on_overflow="nan", kv_dtype=kv_dtype)
-        one = paged_cache(one, pages, page_size, self.width)
+        one = paged_cache(one, pages, page_size, self.width, read)
+        # A tick that reads the pages in place (the TPU's kernel) costs the same at any table
+        # width (it copies only the pages in use): one width, and a fifth of the compilations.
+        self.one_width = _reads_in_place(one, self.width, read)
         if share and not shareable(one):
             raise ValueError(
                 "Server: `share_prefixes=True` needs a model whose every state is its keys and "
@@ -296,7 +313,7 @@ class PagedSlots:
         self.tables[i] = 0  # unused entries: the null page (a step past the pages writes there)
         self.tables[i, : len(plan.pages)] = plan.pages
         own = start_stream(self.fresh, self.tables[i], np.int32(plan.start))
-        table = self.tables[i, : bucket(len(plan.pages), self.width)]
+        table = self.tables[i, : self._width(len(plan.pages))]
         if draw.prompt_scored:
             own = self._prefill_scored(i, context, own, table)
         else:
@@ -339,7 +356,7 @@ class PagedSlots:
         slot's steps past its pages (past its request's end) write into the null page."""
         idle = [i for i in range(self.slots) if i not in busy]
         rows = np.array((busy + idle)[: bucket(len(busy), self.slots)], np.int32)
-        width = bucket(max(len(self.held[i]) for i in busy), self.width)
+        width = self._width(max(len(self.held[i]) for i in busy))
         with ids_checked():  # prompts were checked by `submit`; the rest are sampled ids
             chosen, (self.pools, self.own, self.penalised.past) = paged_tick(
                 self.model, (self.pools, self.own, self.penalised.past), shape, rows,
@@ -354,7 +371,7 @@ class PagedSlots:
         compilation. Each call reads and writes only the null page (all-zero tables), and the
         idle slots' states it steps are replaced when a request is admitted (`arrays`: the
         tick's arrays of idle slots)."""
-        widths = sorted({bucket(k, self.width) for k in range(1, self.width + 1)})
+        widths = sorted({self._width(k) for k in range(1, self.width + 1)})
         sizes = sorted(set(prefill_pieces(2 * self.chunk - 1, self.chunk)))
         counts = sorted({bucket(k, self.slots) for k in range(1, self.slots + 1)})
         null = np.zeros(self.width, np.int32)
@@ -378,6 +395,11 @@ class PagedSlots:
                         np.zeros((count, width), np.int32), *(a[rows] for a in arrays),
                     )  # fmt: skip
         self.pools = copy_page(self.pools, np.int32(0), np.int32(0))
+
+    def _width(self, pages: int) -> int:
+        """The table width a call over `pages` pages runs at: the next power of two (the whole
+        table at most), or the whole table where every width costs the same (`one_width`)."""
+        return self.width if self.one_width else bucket(pages, self.width)
 
     def release(self, i: int, written: np.ndarray | None = None) -> None:
         if self.share and written is not None:  # its full pages, kept by key for its return

@@ -18,8 +18,9 @@ from jaxtyping import Array, PRNGKeyArray
 
 from ..core import CannotStream, Layer, Param, require_bool, require_positive, sees
 from ..kernels.blocked import blocked_attention
-from ..kernels.choice import _dot_product_attention, choose_kernel, older_spelling
+from ..kernels.choice import _dot_product_attention, choose_kernel, is_exporting, older_spelling
 from ..kernels.materialised import _attention, attention_weights, scaled_cache_attention
+from ..kernels.paged import kernel_fits, paged_decode, rotation_tables
 from ..kernels.rotary import Rotary
 from ..layers.language import RMSNorm
 
@@ -238,6 +239,24 @@ class MultiHeadAttention(Layer):
             positions = (jnp.arange(q.shape[-2]), jnp.arange(keys.shape[-2]))
         return rotary(q, positions[0]), rotary(keys, positions[1])
 
+    def _paged(self, x: Array, pages: tuple, positions: tuple[Array, Array]) -> Array | None:
+        """One step's attention over a paged cache's pool read in place by the TPU kernel
+        (`kernels.paged`), joined and projected; `None` where the kernel does not apply here (the
+        caller reads the gathered view). Keys are rotated in the kernel by the view's positions
+        (`positions[1]`, `0..width * page_size - 1`)."""
+        pool_keys, pool_values, table, window, read = pages
+        if is_exporting() or self.implementation in ("xla", "cudnn"):
+            return None
+        if not kernel_fits(pool_keys, table.shape[-1], x.shape[0], False, read):
+            return None
+        length = table.shape[-1] * pool_keys.shape[2]
+        q, _ = self._query_heads(x, jnp.zeros((self.n_kv_heads, 0, self.d_head), x.dtype),
+                                 (positions[0], positions[1][:0]))  # fmt: skip
+        rotation = rotation_tables(self.rotary, length, self.d_head)
+        out = paged_decode(q[:, 0], pool_keys, pool_values, table, positions[0][0], rotation,
+                           window, self.logit_softcap)  # fmt: skip
+        return self._output(out[:, None], x)
+
     def _output(self, out: Array, x: Array) -> Array:
         """Heads `(n_heads, T, d_head)` joined to `(T, d_model)`, gated by `sigmoid(x W_G)` where
         the layer has an output gate (Qwen3.5's), and projected by `W_O`."""
@@ -256,12 +275,18 @@ class MultiHeadAttention(Layer):
         positions: tuple[Array, Array] | None = None,
         hidden_zeros: bool = False,
         scales: tuple[Array, Array] | None = None,
+        pages: tuple | None = None,
     ) -> Array:
         """The queries of `x (T, d_model)` against `keys` and `values` already in heads
         `(n_kv_heads, S, d_head)` (a cache's), under `mask (T, S)`, with the materialised scores
         or `jax.nn.dot_product_attention` (`hidden_zeros`: see `materialised._attention`). An
         int8 cache's `scales` (keys', values', `(n_kv_heads, S)` each) go to
-        `scaled_cache_attention`."""
+        `scaled_cache_attention`; a paged cache's `pages` (`KVUpdate.pages`) to the TPU's paged
+        kernel where it applies (`_paged`)."""
+        if pages is not None and positions is not None:
+            out = self._paged(x, pages, positions)
+            if out is not None:
+                return out
         # Cached keys and values may be stored wider than the compute dtype (float32 for bfloat16).
         keys, values = keys.astype(x.dtype), values.astype(x.dtype)
         q, keys = self._query_heads(x, keys, positions)

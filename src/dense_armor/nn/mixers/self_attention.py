@@ -386,6 +386,7 @@ class MultiHeadSelfAttention(MultiHeadAttention):
         if update.key_scales is not None and update.value_scales is not None:  # an int8 cache
             scales = (update.key_scales, update.value_scales)
         y = self.attend_heads(
-            x, update.keys, update.values, update.visible, positions, update.hidden_zeros, scales
-        )
+            x, update.keys, update.values, update.visible, positions, update.hidden_zeros, scales,
+            update.pages,
+        )  # fmt: skip
         return update.cache.guard(y, update.fits), update.cache

@@ -95,6 +95,9 @@ class KVUpdate(NamedTuple):
     # to the scores), value `l` likewise (applied to the attention weights); None for a float one.
     key_scales: Array | None = None
     value_scales: Array | None = None
+    # A paged cache's `(keys pool, values pool, table, window, read)` after the write, for a
+    # kernel that reads the pages in place (`kernels.paged`) instead of `keys` and `values`.
+    pages: tuple[Array, Array, Array, int | None, str] | None = None
 
 
 class KeyValueCache(eqx.Module):

@@ -41,7 +41,14 @@ from .cache import Counted, FixedKVCache, KeyValueCache, KVUpdate, RingKVCache
 from .counter import Counter
 from .rows import _quantized
 
-__all__ = ["PagedKVCache", "copy_page", "paged_cache", "paged_streams", "stream_axes"]
+__all__ = ["READS", "PagedKVCache", "copy_page", "paged_cache", "paged_streams", "stream_axes"]
+
+#: How a paged cache's decode step reads its pages (`PagedKVCache.read`, a static field: part of
+#: what a compiled step is): `"auto"` the Pallas kernel on a TPU (`nn.kernels.paged`) and the
+#: gather elsewhere, `"kernel"` the kernel everywhere (Pallas's interpret mode off a TPU: slow, for
+#: checking it), `"gather"` the gather everywhere. A prefill, an int8 cache and an exported step
+#: always gather.
+READS = ("auto", "kernel", "gather")
 
 
 @custom_vmap
@@ -102,6 +109,7 @@ class PagedKVCache(KeyValueCache, Counted):
     counter: Counter
     key_scale: Float[Array, "pages n_heads page_size 1"] | None = None
     value_scale: Float[Array, "pages n_heads page_size 1"] | None = None
+    read: str = eqx.field(static=True, default="auto")
 
     fixed_shape: ClassVar[bool] = True
 
@@ -130,7 +138,7 @@ class PagedKVCache(KeyValueCache, Counted):
         key_positions = jnp.arange(self.table.shape[0] * self.page_size, dtype=positions.dtype)
         cache = PagedKVCache(
             keys=pool_keys, values=pool_values, table=self.table, counter=counter,
-            key_scale=key_scale, value_scale=value_scale,
+            key_scale=key_scale, value_scale=value_scale, read=self.read,
         )  # fmt: skip
         return KVUpdate(
             _view(pool_keys, self.table),
@@ -142,6 +150,7 @@ class PagedKVCache(KeyValueCache, Counted):
             key_positions,
             key_scales=None if scales is None else scales[0],
             value_scales=None if scales is None else scales[1],
+            pages=None if scales else (pool_keys, pool_values, self.table, window, self.read),
         )
 
     def guard(self, y: Array, fits: Array) -> Array:
@@ -152,13 +161,15 @@ def _is_paged_source(node: Any) -> bool:
     return isinstance(node, FixedKVCache | RingKVCache)
 
 
-def paged_cache(cache: Any, pages: int, page_size: int, width: int) -> Any:
+def paged_cache(cache: Any, pages: int, page_size: int, width: int, read: str = "auto") -> Any:
     """One stream's fixed cache (`init_cache(capacity, kv_dtype=...)`) with every key/value cache
     (fixed or ring) turned into a `PagedKVCache` over a pool of `pages` pages of `page_size`
     positions and a table of `width` pages (all the null page); the other states (positions'
-    counters, recurrent states) as they are."""
+    counters, recurrent states) as they are. `read`: how a decode step reads its pages (`READS`)."""
     require_int(1, caller="paged_cache", page_size=page_size, width=width)
     require_int(2, caller="paged_cache", pages=pages)
+    if read not in READS:
+        raise ValueError(f"paged_cache: `read` must be one of {READS}; received `read={read!r}`.")
 
     def one(node: Any) -> Any:
         if not _is_paged_source(node):
@@ -174,7 +185,7 @@ def paged_cache(cache: Any, pages: int, page_size: int, width: int) -> Any:
         table = jnp.zeros((*depth, width), jnp.int32)
         return PagedKVCache(
             keys=zeros, values=zeros.copy(), table=table, counter=counter, key_scale=scales,
-            value_scale=_copy(scales),
+            value_scale=_copy(scales), read=read,
         )  # fmt: skip
 
     return jax.tree.map(one, cache, is_leaf=_is_paged_source)
@@ -248,7 +259,7 @@ def copy_page(cache: Any, source: ArrayLike, target: ArrayLike) -> Any:
         scales = [None if p is None else copied(p) for p in (node.key_scale, node.value_scale)]
         return PagedKVCache(
             keys=copied(node.keys), values=copied(node.values), table=node.table,
-            counter=node.counter, key_scale=scales[0], value_scale=scales[1],
+            counter=node.counter, key_scale=scales[0], value_scale=scales[1], read=node.read,
         )  # fmt: skip
 
     return jax.tree.map(one, cache, is_leaf=lambda n: isinstance(n, PagedKVCache))
