@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 import urllib.error
 import urllib.request
 
@@ -242,6 +243,40 @@ def test_a_chat_is_rendered_as_transformers_renders_it(served, reference):
         assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_response_format_gives_the_constrained_greedy_text_valid_for_its_schema(served, reference):
+    """A chat answer under a JSON schema, streamed or not: the constrained greedy decoding of the
+    rendered prompt (tests/test_structured.py's, from the full logits), valid for the schema; the
+    client's `parse` with a Pydantic model reads it; `json_object` gives an object."""
+    pydantic = pytest.importorskip("pydantic", reason="the openai client installs pydantic")
+    jsonschema = pytest.importorskip("jsonschema", reason="the test extra installs jsonschema")
+    from test_structured import SCHEMA, constrained_greedy
+
+    url, _ = served
+    client = _client(url)
+    case = json.loads((CHAT / "golden.json").read_text())["renders"][0]
+    model, tokenizer = reference
+    want = tokenizer.decode(constrained_greedy(model, list(case["text"].encode()), SCHEMA, 40))
+    form = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA}}
+    asked = dict(model=NAME, messages=case["messages"], max_tokens=40, temperature=0)
+    answer = client.chat.completions.create(**asked, response_format=form)
+    assert answer.choices[0].message.content == want
+    assert answer.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(want), SCHEMA)
+    chunks = list(client.chat.completions.create(**asked, response_format=form, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+
+    class Verdict(pydantic.BaseModel):
+        answer: typing.Literal["yes", "no"]
+        sure: bool
+
+    parsed = client.chat.completions.parse(**asked, response_format=Verdict)
+    assert isinstance(parsed.choices[0].message.parsed, Verdict)
+    anything = client.chat.completions.create(**asked, response_format={"type": "json_object"})
+    text = anything.choices[0].message.content
+    assert text.startswith("{") and (anything.choices[0].finish_reason == "length" or
+                                      isinstance(json.loads(text), dict))  # fmt: skip
+
+
 def test_penalties_and_logit_bias_give_generates_text(served, reference):
     """OpenAI's `presence_penalty`, `frequency_penalty` and `logit_bias` and vLLM's
     `repetition_penalty` through the official client: `generate`'s text with the same
@@ -314,6 +349,19 @@ BAD = [  # (request body, status, the field named)
     ({"model": NAME, "prompt": "x", "presence_penalty": -2.5}, 400, "presence_penalty"),
     ({"model": NAME, "prompt": "x", "max_token": 3}, 400, "max_token"),  # a misspelt field
     ({"model": NAME, "prompt": "x", "modalities": ["audio"]}, 400, "modalities"),
+    ({"model": NAME, "prompt": "x", "response_format": {"type": "yaml"}}, 400, "response_format"),
+    (  # a schema the grammar engine cannot compile
+        {
+            "model": NAME,
+            "prompt": "x",
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "s", "schema": {"type": "frob"}},
+            },
+        },
+        400,
+        "response_format",
+    ),
     ({"model": "gpt-9", "prompt": "x"}, 404, "model"),
     ({"prompt": "x"}, 400, "model"),
     ([1, 2], 400, None),

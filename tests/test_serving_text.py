@@ -157,12 +157,20 @@ def test_the_protocol_reads_openais_defaults_and_chat_fields():
         256,
     )
     assert chat.messages[0]["content"] == "ab" and chat.max_tokens == 5
-    with pytest.raises(ApiError, match="response_format"):
-        parse_chat(
-            {
-                "model": "m",
-                "messages": [{"role": "user", "content": "x"}],
-                "response_format": {"type": "json_object"},
-            },
-            256,
-        )
+    assert chat.response_format is None  # text
+    asked = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    json_object = {"type": "json_object"}
+    assert parse_chat({**asked, "response_format": json_object}, 256).response_format == (
+        "json_object",
+    )
+    schema = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "string"}}}
+    parsed = parse_chat({**asked, "response_format": schema}, 256).response_format
+    assert parsed == ("json_schema", {"type": "string"}, True)
+    bad_forms = (
+        {"type": "xml"}, "json", {"type": "json_schema", "json_schema": {"schema": 3}},
+        {"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}},
+    )  # fmt: skip
+    for bad in bad_forms:
+        with pytest.raises(ApiError, match="response_format") as caught:
+            parse_chat({**asked, "response_format": bad}, 256)
+        assert caught.value.param == "response_format"

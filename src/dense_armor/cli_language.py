@@ -286,6 +286,7 @@ def _serve_http(args: argparse.Namespace, model: Any, tokenizer: Any, defaults: 
         server = Server(
             model, args.slots, args.capacity, jax.random.PRNGKey(args.seed),
             chunk=args.chunk, kv_dtype=args.kv_dtype, max_queue=args.max_queue, **_paging(args),
+            structured=importlib.util.find_spec("llguidance") is not None,  # response_format
         )  # fmt: skip
     except (ValueError, TypeError) as error:
         raise UsageError(str(error)) from None

@@ -30,7 +30,9 @@ __all__ = [
     "check_penalties",
     "counted",
     "history",
+    "allowed_tokens",
     "history_row",
+    "mask_words",
     "penalised",
 ]
 
@@ -124,23 +126,41 @@ class History(NamedTuple):
     """What the penalties of `S` streams read, on the device: `counts (S, vocab)` each token's
     count in a stream's output, `seen (S, vocab)` whether it is in its prompt, `bias (S, vocab)`
     its logit bias, `settings (S, 3)` its presence, frequency and repetition penalties, and
-    `active (S,)` whether it has any (a row without them is left bit for bit as it was)."""
+    `active (S,)` whether it has any (a row without them is left bit for bit as it was); and
+    where a grammar constrains a stream's next token (a server's history only), `allowed (S,
+    ceil(vocab / 32))` int32, bit `t % 32` of word `t // 32` set for each token it allows, and
+    `masked (S,)` whether it has one (a token it does not allow gets a logit of `-inf`)."""
 
     counts: Array
     seen: Array
     bias: Array
     settings: Array
     active: Array
+    allowed: Array | None = None
+    masked: Array | None = None
 
 
 def history(streams: int, vocab: int) -> History:
-    """The history of `streams` streams without penalties."""
+    """The history of `streams` streams without penalties or grammars."""
     return History(
         jnp.zeros((streams, vocab), jnp.int32), jnp.zeros((streams, vocab), bool),
         jnp.zeros((streams, vocab), jnp.float32),
         jnp.tile(jnp.array([0.0, 0.0, 1.0], jnp.float32), (streams, 1)),
+        jnp.zeros((streams,), bool), jnp.full((streams, mask_words(vocab)), -1, jnp.int32),
         jnp.zeros((streams,), bool),
     )  # fmt: skip
+
+
+def mask_words(vocab: int) -> int:
+    """The int32 words of a token mask over `vocab` tokens (32 tokens a word)."""
+    return -(-vocab // 32)
+
+
+def allowed_tokens(words: Array, vocab: int) -> Array:
+    """The tokens a mask's `words (..., ceil(vocab / 32))` allow, `(..., vocab)` bool."""
+    shifts = jnp.arange(32, dtype=jnp.int32).reshape((1,) * words.ndim + (32,))
+    bits = (words[..., None] >> shifts) & 1
+    return bits.reshape(*words.shape[:-1], -1)[..., :vocab].astype(bool)
 
 
 def history_row(
@@ -160,8 +180,21 @@ def history_row(
 
 def penalised(logits: Float[Array, "B vocab"], past: History, rows: Any) -> Array:
     """The logits `(B, vocab)`, float32, of the streams `rows (B,)` of `past` after their
-    penalties (the module's formulas); computed only when one of them has any."""
-    logits = logits.astype(jnp.float32)
+    penalties (the module's formulas), then their grammars' masks; each computed only when one
+    of them has any."""
+    logits = _penalties(logits.astype(jnp.float32), past, rows)
+    if past.allowed is None or past.masked is None:
+        return logits
+    allowed, masked = past.allowed, past.masked
+
+    def mask(logits: Array) -> Array:
+        hidden = masked[rows][:, None] & ~allowed_tokens(allowed[rows], logits.shape[-1])
+        return jnp.where(hidden, -jnp.inf, logits)
+
+    return jax.lax.cond(jnp.any(masked[rows]), mask, lambda x: x, logits)
+
+
+def _penalties(logits: Array, past: History, rows: Any) -> Array:
 
     def apply(logits: Array) -> Array:
         counts, active = past.counts[rows], past.active[rows][:, None]

@@ -6,7 +6,7 @@ choices' chunks in the order they arrive, each with its `index`."""
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import jax
@@ -150,10 +150,11 @@ class Answer:
 
 def submit_choices(
     ask: Ask, prompts: list[list[int]], rules: list[Any], stops: list[int], engine: Engine,
-    tokenizer: Any, texts: TokenText,
+    tokenizer: Any, texts: TokenText, constrain: Callable[[], Any] | None = None,
 ) -> list[Choice]:  # fmt: skip
     """Each prompt's `n` choices queued as requests of their own (a choice `j > 0` of a request
-    with a seed draws with `fold_in(key, j)`); on a refusal the ones queued are cancelled."""
+    with a seed draws with `fold_in(key, j)`), each with its own grammar from `constrain` if
+    given; on a refusal the ones queued are cancelled."""
     choices: list[Choice] = []
     single = len(prompts) * ask.n == 1
     try:
@@ -166,6 +167,7 @@ def submit_choices(
                 queue = engine.submit(
                     request_id, prompt, max_new, sampling, own, stops, logprobs=ask.logprobs,
                     prompt_logprobs=ask.logprobs is not None and ask.echo,
+                    **({} if constrain is None else {"constraint": constrain()}),
                 )  # fmt: skip
                 scores = None
                 if ask.logprobs is not None:

@@ -36,6 +36,7 @@ from ..nn.core import require_int, require_key
 from ..nn.models.generation import _prompts, check_kv_dtype, check_stop_tokens
 from ..nn.models.language_model import TransformerLM
 from ..nn.penalties import check_penalties
+from .grammar import Constraint
 from .records import (
     Completion,
     Event,
@@ -87,7 +88,8 @@ class Server:
     for that many tokens; a request's tokens come back that many at a time, the steps past its
     end dropped; default 1), `max_logprobs` (requests may ask for their tokens' scores, with up
     to that many alternatives each: computed in the tick only when a request asks, and a
-    prompt's by its prefill; default None: no scores).
+    prompt's by its prefill; default None: no scores), `structured` (requests may carry a
+    grammar, `submit(constraint=)`: structured output, see `serving.grammar`; default False).
 
     `warm_up()` compiles every function serving runs before the first request; `submit(prompt,
     max_new_tokens)` queues a request (its own `sampling`, `key` and
@@ -117,6 +119,7 @@ class Server:
         paged_attention: str = "auto",
         decode_steps: int | None = None,
         max_logprobs: int | None = None,
+        structured: bool = False,
     ) -> None:
         if not isinstance(model, TransformerLM):
             raise TypeError(
@@ -138,6 +141,9 @@ class Server:
         if max_logprobs is not None:
             require_int(0, caller="Server", max_logprobs=max_logprobs)
         self.max_logprobs = max_logprobs
+        if not isinstance(structured, bool):
+            raise TypeError(f"Server: `structured` must be True or False; received {structured!r}.")
+        self.structured = structured
         self.stop_tokens = check_stop_tokens("Server", model, stop_tokens)
         self.key = key_data(jax.random.PRNGKey(0) if key is None else key)
         self._queue: collections.deque[_Request] = collections.deque()
@@ -160,6 +166,7 @@ class Server:
         stop_tokens: Sequence[int] | None = None,
         logprobs: int | None = None,
         prompt_logprobs: bool = False,
+        constraint: Constraint | None = None,
     ) -> Any:
         """Queue a request; its `id` (default: its number in the order of submission). Its own
         `sampling` rules, `key` (its tokens those of `generate([prompt], key=key)`) and
@@ -167,7 +174,9 @@ class Server:
         token's log-probability under the model and that many alternatives' (`Event.logprob`,
         `Completion.logprobs`) on a server made with `max_logprobs`; `prompt_logprobs` too: each
         prompt token's after those before it (`Completion.prompt_logprobs`; the prompt is then
-        computed whole, not taken from shared pages)."""
+        computed whole, not taken from shared pages); `constraint` (a `grammar.Constraint`, on a
+        server made with `structured=True`): a grammar its tokens follow, the request ended
+        when it is complete."""
         (padded,), lengths = _prompts(self.model, [prompt], caller="Server.submit")
         require_int(1, caller="Server.submit", max_new_tokens=max_new_tokens)
         check_room(int(lengths[0]), max_new_tokens, self.capacity, self._paging)
@@ -179,6 +188,11 @@ class Server:
         if key is not None:
             require_key(key)
         check_scores(logprobs, prompt_logprobs, self.max_logprobs)
+        if constraint is not None and not self.structured:
+            raise ValueError(
+                "Server.submit: a `constraint` needs a server made with `structured=True` (its "
+                "warm-up compiles the one-step tick constrained requests decode with)."
+            )
         with self._lock:
             if self.max_queue is not None and len(self._queue) >= self.max_queue:
                 raise QueueFull(
@@ -191,7 +205,7 @@ class Server:
             request = _Request(
                 number if id is None else id, number, padded, int(max_new_tokens),
                 time.perf_counter(), rules, np.asarray(request_key(base, index)),
-                frozenset(stops), logprobs, bool(prompt_logprobs), penalties,
+                frozenset(stops), logprobs, bool(prompt_logprobs), penalties, constraint,
             )  # fmt: skip
             self._queue.append(request)
         return request.id
@@ -257,6 +271,16 @@ class Server:
         two-token requests of zeros; later requests are numbered as if it had not."""
         if not self.idle:
             raise ValueError("Server.warm_up: call it before submitting requests.")
+        if self.structured and self.decode_steps > 1:  # the one-step tick of constrained ones
+            steps, self.decode_steps = self.decode_steps, 1
+            try:
+                self._warm()
+            finally:
+                self.decode_steps = steps
+        self._warm()
+
+    def _warm(self) -> None:
+        """`warm_up`'s work at the server's `decode_steps`."""
         # prompts of pieces of every size (chunk, ..., 2, 1), and the longer ones' rests too
         n = min(2 * self.chunk - 1, (self.longest_request - 2) // 2)
         if n < 1:
@@ -315,8 +339,10 @@ class Server:
 
     @property
     def _shape(self) -> tuple[int, int]:
-        """The tick's static shape: decoding steps, and the alternatives scored."""
-        return self.decode_steps, self.max_logprobs or 0
+        """The tick's static shape: decoding steps (one while a constrained request decodes: the
+        next step's mask waits for this one's token), and the alternatives scored."""
+        constrained = any(s is not None and s.request.constraint for s in self._active)
+        return 1 if constrained else self.decode_steps, self.max_logprobs or 0
 
     def _admit(self, store: FixedSlots | PagedSlots) -> None:
         """Queued requests into the free slots, the oldest first; it waits for pages if it
@@ -337,8 +363,9 @@ class Server:
             scored = request.logprobs is not None
             prompt = request.prompt_logprobs and (slot is None or slot.prompt_scores is None)
             draw = Draw(
-                request.key, request.rules, scored, prompt, request.penalties, len(request.prompt)
-            )
+                request.key, request.rules, scored, prompt, request.penalties,
+                len(request.prompt), request.constraint,
+            )  # fmt: skip
             start = store.admit(i, context, draw)
             if slot is None:
                 slot = _Slot(request, 0, time.perf_counter(), cached=start)
@@ -405,6 +432,7 @@ class Server:
         slot, self._active[i] = self._active[i], None
         if self._store is not None and slot is not None:
             self._store.release(i, slot.context()[: slot.position()])
+            self._store.penalised.constrain(i, None)  # an idle slot costs no mask
 
     def _advance(self, ticked: Ticked, now: float) -> list[Event]:
         """The tick's tokens `(decode_steps, slots)`: a new token for each slot past its prompt
@@ -440,6 +468,12 @@ class Server:
             k = r.logprobs
             top = list(zip(scores.ids[:k].tolist(), scores.values[:k].tolist(), strict=True))
         stopped = token in r.stop_tokens
+        if r.constraint is not None and not stopped:
+            r.constraint.advance(token)
+            stopped = r.constraint.finished  # complete: the end is all that may follow
+            if not stopped and len(slot.tokens) < r.max_new_tokens:
+                store = self._slots()
+                store.penalised.constrain(i, store.penalised.mask(r.constraint))
         done = None
         if stopped or len(slot.tokens) == r.max_new_tokens:
             self._free(i)

@@ -7,15 +7,30 @@ from typing import Any
 import equinox as eqx
 import numpy as np
 
-from ..nn.penalties import History, Penalties, history, history_row
+from ..nn.penalties import History, Penalties, history, history_row, mask_words
 
-__all__ = ["Penalised", "history_off", "set_history"]
+__all__ = ["Penalised", "history_off", "set_history", "set_mask"]
 
 
 @eqx.filter_jit(donate="all-except-first")
 def set_history(row: tuple[Any, ...], past: History, slot: Any) -> History:
-    """`past` with slot `slot`'s row replaced by `row` (`nn.penalties.history_row`'s), in place."""
-    return History(*(a.at[slot].set(r) for a, r in zip(past, row, strict=True)))
+    """`past` with slot `slot`'s penalties replaced by `row` (`nn.penalties.history_row`'s), in
+    place."""
+    counts, seen, bias, settings, active = (
+        a.at[slot].set(r) for a, r in zip(past[:5], row, strict=True)
+    )
+    return past._replace(counts=counts, seen=seen, bias=bias, settings=settings, active=active)
+
+
+@eqx.filter_jit(donate="all-except-first")
+def set_mask(row: tuple[Any, Any], past: History, slot: Any) -> History:
+    """`past` with slot `slot`'s grammar mask replaced by `row` (its words, and whether it has
+    one), in place."""
+    words, on = row
+    assert past.allowed is not None and past.masked is not None
+    return past._replace(
+        allowed=past.allowed.at[slot].set(words), masked=past.masked.at[slot].set(on)
+    )
 
 
 @eqx.filter_jit(donate="all-except-first")
@@ -32,6 +47,8 @@ class Penalised:
 
     def __init__(self, slots: int, vocab: int) -> None:
         self.past, self.vocab, self.on = history(slots, vocab), vocab, set[int]()
+        self.masks = set[int]()  # the slots whose grammar mask is on
+        self._all = np.full(mask_words(vocab), -1, np.int32)  # every token allowed
 
     def admit(self, i: int, context: np.ndarray, draw: Any) -> None:
         """Slot `i`'s row for a request of `context` (`draw`: its `storage.Draw`, its penalties
@@ -44,10 +61,29 @@ class Penalised:
         elif i in self.on:
             self.on.discard(i)
             self.past = history_off(None, self.past, np.int32(i))
+        self.constrain(i, None if draw.constraint is None else self.mask(draw.constraint))
+
+    def mask(self, constraint: Any) -> np.ndarray:
+        """The words of `constraint`'s mask of its next token (`grammar.Constraint.fill`)."""
+        words = np.empty(mask_words(self.vocab), np.int32)
+        constraint.fill(words)
+        return words
+
+    def constrain(self, i: int, words: np.ndarray | None) -> None:
+        """Slot `i`'s grammar mask: `words` (int32, `mask_words(vocab)` of them) for its next
+        token, or `None`: none (only a slot that had one costs a call)."""
+        if words is not None:
+            self.masks.add(i)
+            self.past = set_mask((words, np.True_), self.past, np.int32(i))
+        elif i in self.masks:
+            self.masks.discard(i)
+            self.past = set_mask((self._all, np.False_), self.past, np.int32(i))
 
     def warm(self) -> None:
-        """Compile the two calls that set a row (slot 0's, left off)."""
+        """Compile the calls that set a row (slot 0's, left off)."""
         row = history_row(Penalties(), self.vocab, [])
         self.past = set_history(row, self.past, np.int32(0))
         self.past = history_off(None, self.past, np.int32(0))
         self.on.discard(0)
+        self.constrain(0, self._all)
+        self.constrain(0, None)

@@ -21,6 +21,7 @@ import jax
 from .answers import Answer, Choice, submit_choices
 from .chat import ChatError, ChatTemplate
 from .engine import QueueFull, Sampling, Server
+from .grammar import GrammarError, Grammars
 from .logprobs import TokenText
 from .metrics import Metrics
 from .protocol import (
@@ -89,6 +90,7 @@ class _Routes:
         self.vocab, self.ends = server.model.vocab, list(eos or [])
         self.defaults = Defaults() if defaults is None else defaults
         self.texts = TokenText(tokenizer)
+        self.grammars = _grammars(server, tokenizer, self.ends)
 
     def failure(self, error: ApiError) -> Any:
         from starlette.responses import JSONResponse
@@ -104,7 +106,10 @@ class _Routes:
         rules = [_rules(ask, len(p), _limit(server), self.defaults) for p in prompts]
         stops = sorted(set(self.ends + ask.stop_token_ids))
         texts, tokenizer = self.texts, self.tokenizer
-        return ask, submit_choices(ask, prompts, rules, stops, self.engine, tokenizer, texts)
+        constrain = _constraints(ask, self.grammars)
+        return ask, submit_choices(
+            ask, prompts, rules, stops, self.engine, tokenizer, texts, constrain
+        )
 
     async def complete(self, request: Any, chat: bool) -> Any:
         from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -244,6 +249,43 @@ def _parse(raw: bytes, chat: bool, vocab: int, name: str, most: int | None) -> A
             "model_not_found",
         )
     return ask
+
+
+def _grammars(server: Server, tokenizer: Any, ends: list[int]) -> Grammars | None:
+    """The grammars of `response_format` where the server takes constraints (`structured`) and
+    the grammar engine is installed; None elsewhere (such a request is refused by name)."""
+    if not server.structured:
+        return None
+    try:
+        return Grammars(tokenizer, server.model.vocab, ends)
+    except ImportError:
+        return None
+
+
+def _constraints(ask: Ask, grammars: Grammars | None) -> Callable[[], Any] | None:
+    """A maker of `ask`'s `response_format` grammar for each of its choices (its schema compiled
+    once, now, so that a bad one is refused before anything is queued); None for text."""
+    form = ask.response_format
+    if form is None:
+        return None
+    if grammars is None:
+        raise ApiError(
+            "`response_format` json_object and json_schema need a server started with structured "
+            "output (`Server(structured=True)` and the grammar engine: pip install "
+            "'dense_armor[structured]').", "response_format",
+        )  # fmt: skip
+
+    def make() -> Any:
+        assert grammars is not None and form is not None
+        return (
+            grammars.json_object() if form[0] == "json_object" else grammars.json_schema(*form[1:])
+        )
+
+    try:
+        make()
+    except GrammarError as error:
+        raise ApiError(str(error), error.field) from None
+    return make
 
 
 def _prompt_ids(ask: Ask, tokenizer: Any, template: ChatTemplate | None) -> list[list[int]]:

@@ -3,8 +3,9 @@ response, chunk and error objects.
 
 Every field a request may hold is checked by type and range, and a bad one is an `ApiError`
 naming it (`param`), which the HTTP application answers with OpenAI's error object and a 400.
-What is not built is refused the same way, never ignored: `n` above 1, `best_of` above 1,
-penalties, `logit_bias`, `suffix`, tools and non-text response formats. A
+What is not built is refused the same way, never ignored: `n` above `MAX_N`, `best_of` above 1,
+`suffix` and tools. `response_format` (`json_object`, `json_schema`) is read where the server
+has a grammar engine (`grammar.Grammars`), and refused by name where it has not. A
 field that changes nothing an answer holds (`INERT`: `user`, `metadata`, `store`, ...) is
 accepted and ignored, as OpenAI's server does; any other field a request sets is refused by
 name (a peer's extension such as `repetition_penalty` would otherwise be silently without
@@ -98,6 +99,7 @@ class Ask:
     logprobs: int | None = None  # alternatives with each token's score; None: no scores
     echo: bool = False  # a completion's text and scores begin with its prompt's
     penalties: Penalties = dataclasses.field(default_factory=Penalties)
+    response_format: tuple[Any, ...] | None = None  # `_response_format`'s: None for text
     id: str = dataclasses.field(default_factory=lambda: secrets.token_hex(12))
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -149,12 +151,11 @@ READ = frozenset({
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
     "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "stream", "stream_options",
     "logprobs", "top_logprobs", "echo", "n", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "logit_bias",
+    "repetition_penalty", "logit_bias", "response_format",
 })  # fmt: skip
 # ... those whose features are refused unless at their default (`_refused`) ...
 NOT_BUILT = frozenset({
-    "best_of", "suffix", "tools", "tool_choice", "response_format", "functions",
-    "function_call", "modalities",
+    "best_of", "suffix", "tools", "tool_choice", "functions", "function_call", "modalities",
 })  # fmt: skip
 # ... and those that change nothing an answer holds (bookkeeping, caching hints, a choice that
 # only matters with tools), accepted and ignored as OpenAI's server does.
@@ -188,9 +189,31 @@ def _refused(body: Mapping[str, Any]) -> None:
             raise ApiError(
                 f"`{name}={value!r}` is not supported by this server (only the default).", name
             )
+
+
+def _response_format(body: Mapping[str, Any]) -> tuple[Any, ...] | None:
+    """`response_format`: None for text, `("json_object",)`, or `("json_schema", schema,
+    strict)` (its `json_schema.schema`, an object; `strict` true unless false)."""
     form = body.get("response_format")
-    if form is not None and (not isinstance(form, Mapping) or form.get("type") != "text"):
-        raise ApiError('only `response_format` {"type": "text"} is supported.', "response_format")
+    kind = form.get("type") if isinstance(form, Mapping) else None
+    if form is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return ("json_object",)
+    if kind != "json_schema":
+        raise ApiError(
+            '`response_format` must be {"type": "text"}, {"type": "json_object"} or {"type": '
+            '"json_schema", "json_schema": {"name": ..., "schema": {...}}}.', "response_format",
+        )  # fmt: skip
+    spec = form.get("json_schema")
+    schema = spec.get("schema", {}) if isinstance(spec, Mapping) else None
+    strict = spec.get("strict") if isinstance(spec, Mapping) else None
+    if not isinstance(schema, Mapping) or not isinstance(strict, bool | None):
+        raise ApiError(
+            "`response_format.json_schema` must be an object with a `schema` object (and a "
+            "boolean `strict`).", "response_format",
+        )  # fmt: skip
+    return ("json_schema", dict(schema), strict is not False)
 
 
 def _stops(body: Mapping[str, Any], vocab: int) -> tuple[list[str], list[int]]:
@@ -248,6 +271,7 @@ def _common(body: Any, chat: bool, vocab: int) -> dict[str, Any]:
         include_usage=usage,
         n=n,
         penalties=_penalties(body, vocab),
+        response_format=_response_format(body),
     )
 
 

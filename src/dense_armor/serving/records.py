@@ -97,6 +97,7 @@ class _Request:
     logprobs: int | None = None  # alternatives wanted with each token's score (None: no score)
     prompt_logprobs: bool = False  # the prompt's scores too
     penalties: Penalties = dataclasses.field(default_factory=Penalties)
+    constraint: Any = None  # a `grammar.Constraint` on its tokens, or None
 
 
 @dataclasses.dataclass

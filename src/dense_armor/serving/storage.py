@@ -65,6 +65,7 @@ class Draw(NamedTuple):
     prompt_scored: bool
     penalties: Penalties = Penalties()
     prompt: int = 0
+    constraint: Any = None  # a `grammar.Constraint` on its tokens
 
 
 def prefill_pieces(n: int, chunk: int) -> list[int]:
