@@ -472,8 +472,7 @@ class Server:
             r.constraint.advance(token)
             stopped = r.constraint.finished  # complete: the end is all that may follow
             if not stopped and len(slot.tokens) < r.max_new_tokens:
-                store = self._slots()
-                store.penalised.constrain(i, store.penalised.mask(r.constraint))
+                self._slots().penalised.constrain(i, r.constraint)
         done = None
         if stopped or len(slot.tokens) == r.max_new_tokens:
             self._free(i)
