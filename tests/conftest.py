@@ -43,6 +43,8 @@ LONGEST_FIRST = [  # worker-seconds of each file with empty caches (2026-12-06, 
     "test_export.py",  # 92
     "test_precision.py",  # 71
     "test_paged_kernel.py",  # 70 (the TPU's kernel in Pallas's interpret mode)
+    "test_structured.py",  # 40
+    "test_tools.py",  # 20
     "test_bad_inputs.py",  # 66
     "test_sequences.py",  # 57
     "test_serving.py",  # 52

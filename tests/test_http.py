@@ -277,6 +277,40 @@ def test_response_format_gives_the_constrained_greedy_text_valid_for_its_schema(
                                       isinstance(json.loads(text), dict))  # fmt: skip
 
 
+def test_a_demanded_tool_call_comes_back_as_the_clients_tool_calls(served):
+    """`tools` with `tool_choice` required or a named function: the call the grammar enforces
+    (tests/test_tools.py checks it against the constrained greedy decoding), read by the
+    official client's types, streamed or not, its arguments valid for the function; a choice
+    that names no tool is refused naming `tool_choice`. (Short names: a byte is a token, and
+    the context is 148.)"""
+    jsonschema = pytest.importorskip("jsonschema", reason="the test extra installs jsonschema")
+
+    small = {"type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"],
+             "additionalProperties": False}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": n, "parameters": small}} for n in "fg"]
+    client = _client(served[0])
+    messages = [{"role": "user", "content": "Go"}]
+    asked = dict(model=NAME, messages=messages, max_tokens=64, temperature=0, tools=tools,
+                 parallel_tool_calls=False)  # fmt: skip
+    for choice in ("required", {"type": "function", "function": {"name": "g"}}):
+        answer = client.chat.completions.create(**asked, tool_choice=choice)
+        (call,) = answer.choices[0].message.tool_calls
+        assert answer.choices[0].finish_reason == "tool_calls" and call.type == "function"
+        assert call.function.name == "g" or choice == "required"
+        jsonschema.validate(json.loads(call.function.arguments), small)
+        chunks = list(client.chat.completions.create(**asked, tool_choice=choice, stream=True))
+        streamed = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+        assert [(d.function.name, d.function.arguments) for d in streamed] == [
+            (call.function.name, call.function.arguments)
+        ]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            **asked, tool_choice={"type": "function", "function": {"name": "nope"}}
+        )
+    assert caught.value.body["param"] == "tool_choice"
+
+
 def test_penalties_and_logit_bias_give_generates_text(served, reference):
     """OpenAI's `presence_penalty`, `frequency_penalty` and `logit_bias` and vLLM's
     `repetition_penalty` through the official client: `generate`'s text with the same

@@ -21,7 +21,8 @@ dense-armor serve CHECKPOINT_DIR [--input FILE] [--slots 8] [--capacity N] [--ch
                   [--tokenizer tokenizer.json] [--max-new-tokens 32] [--temperature 0]
                   [--top-k K] [--top-p P] [--min-p P] [--stop 2,...] [--seed 0]
                   [--kv-dtype int8]
-                  [--http [--host 127.0.0.1] [--port 8000] [--max-queue 64] [--name NAME]]
+                  [--http [--host 127.0.0.1] [--port 8000] [--max-queue 64] [--name NAME]
+                          [--tool-parser hermes|llama3|mistral]]
 
 `serve`'s sampling flags and --max-new-tokens are the defaults of the requests that set none
 (over HTTP, OpenAI's defaults where a flag is not given: temperature 1, the room left in the

@@ -139,6 +139,11 @@ def _add_serve(commands: Any) -> None:
     http.add_argument("--port", type=int, default=8000, help="the port (0: a free one)")
     http.add_argument("--max-queue", type=int, default=64, help="requests waiting at most (503)")
     http.add_argument("--name", help="the model's name in requests (default: the directory's)")
+    http.add_argument(
+        "--tool-parser", choices=("hermes", "llama3", "mistral"), help="how the model writes "
+        "tool calls (default: by its tokenizer's special tokens: Mistral's [TOOL_CALLS], Llama "
+        "3's <|python_tag|>, else Hermes' and Qwen's <tool_call>)",
+    )  # fmt: skip
     se.add_argument(
         "--compile-cache", help="JAX's persistent compilation cache, where a restarted server "
         "finds its compiled functions (default: $JAX_COMPILATION_CACHE_DIR if set, else "
@@ -271,6 +276,7 @@ def _serve_http(args: argparse.Namespace, model: Any, tokenizer: Any, defaults: 
     from .serving import Server
     from .serving.chat import ChatError, ChatTemplate
     from .serving.http import create_app, serve_http
+    from .serving.tools import format_of
 
     if tokenizer is None:
         raise UsageError(
@@ -292,9 +298,10 @@ def _serve_http(args: argparse.Namespace, model: Any, tokenizer: Any, defaults: 
         raise UsageError(str(error)) from None
     server.warm_up()  # every compilation now, before the first client waits for one
     name = args.name or args.checkpoint.resolve().name
+    tool_format = args.tool_parser or format_of(tokenizer)
     app = create_app(
         server, tokenizer, name, template, _eos(args.checkpoint) + list(args.stop),
-        defaults,
+        defaults, tool_format,
     )  # fmt: skip
     try:
         serve_http(

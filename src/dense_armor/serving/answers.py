@@ -15,6 +15,7 @@ from .logprobs import ScoreLog, TokenText
 from .metrics import Metrics
 from .protocol import ApiError, Ask, choice, chunk, error_body, response
 from .text import TextStream
+from .tools import parse_calls
 from .worker import Engine, Failed
 
 __all__ = ["Answer", "Choice", "submit_choices"]
@@ -58,8 +59,14 @@ class Choice:
 class Answer:
     """A request's choices, whole (`whole`) or as server-sent events (`events`)."""
 
-    def __init__(self, ask: Ask, choices: list[Choice], engine: Engine, metrics: Metrics):
+    def __init__(
+        self, ask: Ask, choices: list[Choice], engine: Engine, metrics: Metrics,
+        tool_format: str = "hermes",
+    ) -> None:  # fmt: skip
         self.ask, self.choices, self.engine, self.metrics = ask, choices, engine, metrics
+        tools = ask.tools
+        # a chat whose tools it may call: its text read for calls when it ends (`tools`)
+        self.tools = None if tools is None or tools.choice == "none" else (tools, tool_format)
         self.started = time.perf_counter()
         self._first_seen = False
 
@@ -86,7 +93,15 @@ class Answer:
             parts.append(piece)
             reason = end or reason
         logprobs = None if c.scores is None else c.scores.whole()
-        return choice(self.ask, c.index, "".join(parts), reason, logprobs)
+        text, calls = self._calls("".join(parts))
+        return choice(self.ask, c.index, text, reason, logprobs, calls)
+
+    def _calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """A chat's text as its content and tool calls (none without tools)."""
+        if self.tools is None:
+            return text, []
+        tools, form = self.tools
+        return parse_calls(text, form, tools)
 
     async def whole(self, request: Any) -> dict[str, Any] | ApiError | None:
         """The whole answer; None if the client disconnected first."""
@@ -109,12 +124,18 @@ class Answer:
                 await out.put(chunk(ask, None, role=True, index=c.index))
             if c.echo:
                 await out.put(chunk(ask, c.echo, index=c.index))
+            held = []  # with tools, the text held to its end, where its calls are read
             async for piece, reason, scored in c.pieces(self.engine, self.metrics):
                 self._seen(c)
-                if piece or scored is not None:
+                if self.tools is not None:
+                    held.append(piece)
+                elif piece or scored is not None:
                     await out.put(chunk(ask, piece, logprobs=scored, index=c.index))
-                if reason is not None:
+                if reason is not None and self.tools is None:
                     await out.put(chunk(ask, None, reason, index=c.index))
+                elif reason is not None:
+                    text, calls = self._calls("".join(held))
+                    await out.put(chunk(ask, text, reason, index=c.index, calls=calls))
             await out.put(None)
         except Exception as error:  # a failed generation: the stream's error event
             await out.put(error)

@@ -155,7 +155,7 @@ class ChatTemplate:
             return str(
                 self.template.render(
                     messages=chat,
-                    tools=None,
+                    tools=variables.pop("tools", None),
                     documents=None,
                     add_generation_prompt=add_generation_prompt,
                     **{**self.special_tokens, **variables},

@@ -84,6 +84,20 @@ class Grammars:
         self._tokenizer = llguidance.LLTokenizer(given, n_vocab=self.vocab, eos_token=eos)
         self.compiled: dict[str, str] = {}
 
+    def lark(self, grammar: str, field: str = "response_format") -> Constraint:
+        """Text of a Lark grammar (llguidance's dialect: `%json {schema}` inline), `field` the
+        API field its refusal names."""
+        compiled = self.compiled.get(grammar)
+        if compiled is None:
+            compiled = self._llg.LLMatcher.grammar_from_lark(grammar)
+            failed, messages = self._llg.LLMatcher.validate_grammar_with_warnings(
+                compiled, self._tokenizer
+            )
+            if failed:
+                raise GrammarError(f"the grammar cannot be compiled: {messages[0]}", field)
+            self.compiled[grammar] = compiled
+        return _Matcher(self._llg.LLMatcher(self._tokenizer, compiled, log_level=0), self.vocab)
+
     def json_object(self) -> Constraint:
         """Any JSON object (OpenAI's `{"type": "json_object"}`)."""
         return self.json_schema({"type": "object"})

@@ -32,6 +32,7 @@ from .protocol import (
     parse_chat,
     parse_completion,
 )  # fmt: skip
+from .tools import FORMATS, call_grammar
 from .worker import Engine
 
 __all__ = ["create_app", "serve_http"]
@@ -47,16 +48,22 @@ def create_app(
     chat_template: ChatTemplate | None = None,
     eos: list[int] | None = None,
     defaults: Defaults | None = None,
+    tool_format: str = "hermes",
 ) -> Any:
     """The ASGI application serving `server`'s model as `name` (see the module); `tokenizer`
     decodes and encodes text, `chat_template` renders chats (none: the chat endpoint answers
     400), `eos` the token ids that end every request (with each request's `stop_token_ids`),
     `defaults` what a request that leaves out `temperature`, `top_k`, `top_p`, `min_p` or
-    `max_tokens` gets (OpenAI's defaults unless given)."""
+    `max_tokens` gets (OpenAI's defaults unless given), `tool_format` how the model writes tool
+    calls (`tools.FORMATS`)."""
+    if tool_format not in FORMATS:
+        raise ValueError(
+            f"create_app: `tool_format` is one of {FORMATS}; received {tool_format!r}."
+        )
     from starlette.applications import Starlette
     from starlette.routing import Route
 
-    routes = _Routes(server, tokenizer, name, chat_template, eos, defaults)
+    routes = _Routes(server, tokenizer, name, chat_template, eos, defaults, tool_format)
     table = [
         Route("/tokenize", routes.tokenize, methods=["POST"]),
         Route("/detokenize", routes.detokenize, methods=["POST"]),
@@ -82,7 +89,7 @@ class _Routes:
 
     def __init__(
         self, server: Server, tokenizer: Any, name: str, template: ChatTemplate | None,
-        eos: list[int] | None, defaults: Defaults | None,
+        eos: list[int] | None, defaults: Defaults | None, tool_format: str,
     ) -> None:  # fmt: skip
         self.server, self.tokenizer, self.name, self.template = server, tokenizer, name, template
         self.engine = Engine(server)
@@ -91,6 +98,7 @@ class _Routes:
         self.defaults = Defaults() if defaults is None else defaults
         self.texts = TokenText(tokenizer)
         self.grammars = _grammars(server, tokenizer, self.ends)
+        self.tool_format = tool_format
 
     def failure(self, error: ApiError) -> Any:
         from starlette.responses import JSONResponse
@@ -106,7 +114,7 @@ class _Routes:
         rules = [_rules(ask, len(p), _limit(server), self.defaults) for p in prompts]
         stops = sorted(set(self.ends + ask.stop_token_ids))
         texts, tokenizer = self.texts, self.tokenizer
-        constrain = _constraints(ask, self.grammars)
+        constrain = _constraints(ask, self.grammars, self.tool_format)
         return ask, submit_choices(
             ask, prompts, rules, stops, self.engine, tokenizer, texts, constrain
         )
@@ -120,7 +128,7 @@ class _Routes:
             return self.failure(error)
         except QueueFull as error:
             return self.failure(ApiError(str(error), None, 503, "server_overloaded", "queue_full"))
-        answer = Answer(ask, choices, self.engine, self.metrics)
+        answer = Answer(ask, choices, self.engine, self.metrics, self.tool_format)
         if ask.stream:
             return StreamingResponse(answer.events(), media_type="text/event-stream")
         whole = await answer.whole(request)
@@ -262,10 +270,19 @@ def _grammars(server: Server, tokenizer: Any, ends: list[int]) -> Grammars | Non
         return None
 
 
-def _constraints(ask: Ask, grammars: Grammars | None) -> Callable[[], Any] | None:
-    """A maker of `ask`'s `response_format` grammar for each of its choices (its schema compiled
-    once, now, so that a bad one is refused before anything is queued); None for text."""
+def _constraints(ask: Ask, grammars: Grammars | None, tool_format: str) -> Callable[[], Any] | None:
+    """A maker of `ask`'s grammar for each of its choices, its `response_format`'s or the tool
+    calls its `tool_choice` demands (in `tool_format`; compiled once, now, so that a bad one is
+    refused before anything is queued); None for free text."""
     form = ask.response_format
+    lark = None if ask.tools is None else call_grammar(ask.tools, tool_format)
+    if lark is not None:
+        if form is not None:
+            raise ApiError(
+                "`tool_choice` demands tool calls: `response_format` cannot be asked with it.",
+                "response_format",
+            )
+        form = ("lark", lark)
     if form is None:
         return None
     if grammars is None:
@@ -277,9 +294,11 @@ def _constraints(ask: Ask, grammars: Grammars | None) -> Callable[[], Any] | Non
 
     def make() -> Any:
         assert grammars is not None and form is not None
-        return (
-            grammars.json_object() if form[0] == "json_object" else grammars.json_schema(*form[1:])
-        )
+        if form[0] == "json_object":
+            return grammars.json_object()
+        if form[0] == "lark":
+            return grammars.lark(form[1], "tool_choice")
+        return grammars.json_schema(*form[1:])
 
     try:
         make()
@@ -294,7 +313,8 @@ def _prompt_ids(ask: Ask, tokenizer: Any, template: ChatTemplate | None) -> list
         if template is None:
             raise ApiError("this model has no chat template: use /v1/completions.", "messages")
         try:
-            text = template.render(ask.messages or [], add_generation_prompt=True)
+            tools = None if ask.tools is None else ask.tools.specs
+            text = template.render(ask.messages or [], add_generation_prompt=True, tools=tools)
         except ChatError as error:
             raise ApiError(str(error), "messages") from None
         return [list(tokenizer.encode(text, add_special_tokens=False).ids)]

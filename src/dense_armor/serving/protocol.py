@@ -100,6 +100,7 @@ class Ask:
     echo: bool = False  # a completion's text and scores begin with its prompt's
     penalties: Penalties = dataclasses.field(default_factory=Penalties)
     response_format: tuple[Any, ...] | None = None  # `_response_format`'s: None for text
+    tools: Any = None  # a chat's `tools.Tools`, or None
     id: str = dataclasses.field(default_factory=lambda: secrets.token_hex(12))
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -151,17 +152,17 @@ READ = frozenset({
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
     "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "stream", "stream_options",
     "logprobs", "top_logprobs", "echo", "n", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "logit_bias", "response_format",
+    "repetition_penalty", "logit_bias", "response_format", "tools", "tool_choice",
+    "parallel_tool_calls",
 })  # fmt: skip
 # ... those whose features are refused unless at their default (`_refused`) ...
 NOT_BUILT = frozenset({
-    "best_of", "suffix", "tools", "tool_choice", "functions", "function_call", "modalities",
+    "best_of", "suffix", "functions", "function_call", "modalities",
 })  # fmt: skip
 # ... and those that change nothing an answer holds (bookkeeping, caching hints, a choice that
 # only matters with tools), accepted and ignored as OpenAI's server does.
 INERT = frozenset({
     "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-    "parallel_tool_calls",
 })  # fmt: skip
 
 
@@ -177,8 +178,6 @@ def _refused(body: Mapping[str, Any]) -> None:
     neutral: dict[str, tuple[Any, ...]] = {
         "best_of": (None, 1),
         "suffix": (None, ""),
-        "tools": (None, []),
-        "tool_choice": (None, "none"),
         "functions": (None, []),
         "function_call": (None, "none"),
         "modalities": (None, ["text"]),
@@ -327,6 +326,9 @@ def parse_completion(body: Any, vocab: int, most: int | None = None) -> Ask:
     alternatives a request may ask with its scores (None: no scores)."""
     fields = _common(body, False, vocab)
     fields.update(_scores(body, False, most))
+    for name in ("tools", "tool_choice", "parallel_tool_calls"):
+        if body.get(name) not in (None, []):
+            raise ApiError(f"`{name}` is a chat field (/v1/chat/completions).", name)
     prompts = _prompts(body.get("prompt"), vocab)
     if len(prompts) * fields["n"] > MAX_CHOICES:
         raise ApiError(
@@ -364,7 +366,10 @@ def parse_chat(body: Any, vocab: int, most: int | None = None) -> Ask:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError("`messages` must be a non-empty list of messages.", "messages")
-    return Ask(prompts=None, messages=[_message(m, i) for i, m in enumerate(messages)], **fields)
+    from .tools import check_tools
+
+    chat = [_message(m, i) for i, m in enumerate(messages)]
+    return Ask(prompts=None, messages=chat, tools=check_tools(body), **fields)
 
 
 def _message(message: Any, i: int) -> dict[str, Any]:
@@ -394,10 +399,18 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
-def choice(ask: Ask, index: int, text: str, reason: str, logprobs: Any = None) -> dict[str, Any]:
-    """One choice of a whole answer: its `text`, why it ended, its `logprobs` object if asked."""
-    body = {"message": {"role": "assistant", "content": text}} if ask.chat else {"text": text}
-    return {"index": index, **body, "logprobs": logprobs, "finish_reason": reason}
+def choice(
+    ask: Ask, index: int, text: str | None, reason: str, logprobs: Any = None,
+    calls: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """One choice of a whole answer: its `text`, why it ended, its `logprobs` object if asked;
+    a chat's tool `calls` if it made any (its finish reason then "tool_calls")."""
+    if not ask.chat:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"], reason = calls, "tool_calls"
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
 
 def response(ask: Ask, choices: list[dict[str, Any]], counts: Sequence[int]) -> dict[str, Any]:
@@ -424,15 +437,19 @@ def chunk(
     counts: Sequence[int] | None = None,
     logprobs: Any = None,
     index: int = 0,
+    calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One streamed chunk of choice `index`: new `text` (and its tokens' `logprobs` object if
     asked), or the role (a chat's first), or the end (`reason`), or the usage alone (`counts`,
-    no choices)."""
+    no choices); a chat's tool `calls`, whole, with its end."""
     if ask.chat:
         head = {"id": f"chatcmpl-{ask.id}", "object": "chat.completion.chunk"}
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
         if text:
             delta["content"] = text
+        if calls:
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+            reason = "tool_calls"
         part: dict[str, Any] = {"delta": delta}
     else:
         head = {"id": f"cmpl-{ask.id}", "object": "text_completion"}
