@@ -311,6 +311,56 @@ def test_a_demanded_tool_call_comes_back_as_the_clients_tool_calls(served):
     assert caught.value.body["param"] == "tool_choice"
 
 
+def test_lm_evaluation_harness_scores_a_shipped_task_as_the_model_does(
+    served, reference, tmp_path, monkeypatch
+):
+    """lm-evaluation-harness's `local-completions` (tokenizing through the server: `/tokenize`,
+    `/detokenize`, `/tokenizer_info`) on tests/data/lm_eval's multiple-choice task: each
+    choice's log-likelihood equals the model's own (float64 log-softmax of its logits here),
+    and its accuracy that of choosing by them."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    lm_eval = pytest.importorskip("lm_eval", reason="the test extra installs lm-eval")
+    from lm_eval.tasks import TaskManager
+
+    data = DATA / "lm_eval" / "code_endings.jsonl"
+    (tmp_path / "task.yaml").write_text(
+        "task: code_endings\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+        "output_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\ntarget_delimiter: ''\n"
+        "metric_list:\n  - metric: acc\n"
+    )
+    url, _ = served
+    arguments = (f"model={NAME},base_url={url}/v1/completions,tokenizer_backend=remote,"
+                 "tokenized_requests=True,num_concurrent=1,max_retries=1,timeout=120")  # fmt: skip
+    found = lm_eval.simple_evaluate(
+        model="local-completions", model_args=arguments, tasks=["code_endings"],
+        task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True,
+    )  # fmt: skip
+    model, _ = reference
+    right = []
+    for sample in found["samples"]["code_endings"]:
+        doc = sample["doc"]
+        ours = [_loglikelihood(model, doc["question"], c) for c in doc["choices"]]
+        theirs = [float(r[0]) for (r,) in sample["resps"]]
+        np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=1e-5)
+        right.append(int(np.argmax(ours)) == doc["answer"])
+    assert found["results"]["code_endings"]["acc,none"] == pytest.approx(np.mean(right))
+
+
+def _loglikelihood(model, context, continuation):
+    """The log-probability of `continuation`'s bytes after `context`'s, float64 log-softmax, the
+    request split as the harness splits it (a context's trailing whitespace scored with the
+    continuation)."""
+    kept = context.rstrip()
+    ids, first = list((context + continuation).encode()), len(kept.encode())
+    logits = np.asarray(model(jax.numpy.asarray(ids)), np.float64)[first - 1 : len(ids) - 1]
+    logits -= logits.max(axis=-1, keepdims=True)
+    scores = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+    return float(sum(scores[k, t] for k, t in enumerate(ids[first:])))
+
+
 def test_penalties_and_logit_bias_give_generates_text(served, reference):
     """OpenAI's `presence_penalty`, `frequency_penalty` and `logit_bias` and vLLM's
     `repetition_penalty` through the official client: `generate`'s text with the same

@@ -67,6 +67,7 @@ def create_app(
     table = [
         Route("/tokenize", routes.tokenize, methods=["POST"]),
         Route("/detokenize", routes.detokenize, methods=["POST"]),
+        Route("/tokenizer_info", routes.tokenizer_info, methods=["GET"]),
         Route("/v1/completions", routes.completions, methods=["POST"]),
         Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
         Route("/v1/models", routes.models, methods=["GET"]),
@@ -171,6 +172,18 @@ class _Routes:
             return self.failure(error)
         count, most = len(ids), self.server.capacity
         return JSONResponse({"count": count, "max_model_len": most, "tokens": ids})
+
+    async def tokenizer_info(self, request: Any) -> Any:
+        """vLLM's `/tokenizer_info`: the end-of-sequence token's text (the first of the ends), the
+        context; what a client that tokenizes through the server (lm-evaluation-harness's
+        remote tokenizer) reads besides `/tokenize` and `/detokenize`."""
+        from starlette.responses import JSONResponse
+
+        eos = self.tokenizer.id_to_token(self.ends[0]) if self.ends else None
+        return JSONResponse({
+            "eos_token": eos, "bos_token": None, "pad_token": None,
+            "model_max_length": self.server.capacity, "tokenizer_class": "tokenizers.Tokenizer",
+        })  # fmt: skip
 
     async def detokenize(self, request: Any) -> Any:
         from starlette.responses import JSONResponse
