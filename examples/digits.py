@@ -34,7 +34,7 @@ import optax
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
-from dense_armor.checkpoint import ModelConfig, load_checkpoint
+from dense_armor.checkpoints import ModelConfig, load_checkpoint
 from dense_armor.plots import plot_attention
 from dense_armor.training import evaluate, fit
 from dense_armor.utility.neural import attention_maps

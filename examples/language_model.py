@@ -27,11 +27,10 @@ import matplotlib
 import numpy as np
 import optax
 
-from dense_armor.checkpoint import ModelConfig, save_checkpoint
+from dense_armor.checkpoints import ModelConfig, save_checkpoint
 from dense_armor.export import export_model, load
 from dense_armor.nn.models.generation import generate
-from dense_armor.train_step import next_token_loss
-from dense_armor.training import evaluate, fit
+from dense_armor.training import evaluate, fit, next_token_loss
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt

@@ -3,10 +3,11 @@
     python checkpoint_killer.py SOURCE RUNS PAIRS_JSON
 
 SOURCE holds three complete checkpoints, v0, v1 and v2. For the n-th pair `(first, second)` of
-PAIRS_JSON (steps of `dense_armor.checkpoint.WRITE_STEPS`, or "never"), RUNS/n/ckpt starts as a copy
-of v0; a forked writer saves v1 there and is killed with SIGKILL as the save completes step
-`first`, then another writer saves v2 and is killed at `second`. Prints the writers' exit statuses
-(-9 when killed) as JSON. The writers fork before any JAX computation and only write files.
+PAIRS_JSON (steps of `dense_armor.checkpoints.atomic.WRITE_STEPS`, or "never"), RUNS/n/ckpt
+starts as a copy of v0; a forked writer saves v1 there and is killed with SIGKILL as the save
+completes step `first`, then another writer saves v2 and is killed at `second`. Prints the
+writers' exit statuses (-9 when killed) as JSON. The writers fork before any JAX computation and
+only write files.
 """
 
 import json
@@ -19,7 +20,8 @@ import traceback
 
 from safetensors.numpy import load_file
 
-from dense_armor import _atomic, checkpoint
+from dense_armor.checkpoints import atomic as _atomic
+from dense_armor.checkpoints import single as checkpoint
 
 
 def write(source: pathlib.Path, target: pathlib.Path, version: int, kill_at: str) -> int:

@@ -85,6 +85,47 @@ NOT_QUICK_TESTS = {
     "test_an_artifact_samples_in_the_graph_as_generate_does",
     "test_cudnn_needs_a_gpu_but_exports_as_xla",
     "test_decoder_with_cross_attention_exports_forward_init_and_step",
+    # artifacts through JAX are made by test_export.py in the quick tier; the other files'
+    # exports of one configuration each wait for the whole gate
+    "test_export_of_a_pre_ln_windowed_encoder",
+    "test_export_of_a_bfloat16_encoder",
+    "test_export_of_a_pre_ln_windowed_decoder",
+    "test_checkpoints_convert_both_ways_and_export_works",
+    "test_export_of_a_mixed_stack_matches_its_python_model",
+    "test_a_multi_query_decoder_exports_and_matches_its_python_model",
+    "test_a_grouped_rotary_windowed_model_exports_past_max_len",
+    "test_import_torch_from_the_command_line_then_export",
+    "test_non_causal_model_exports_the_step_of_its_causal_form",
+    "test_float32_products_are_exported_at_full_precision",
+    # one server's count of compilations after warm_up runs quick (test_logprobs.py's); these
+    # loads of every kind, and the TPU kernel's whole server in Pallas's interpreter (its steps
+    # against the gather path run quick), wait for the whole gate
+    "test_nothing_compiles_after_warm_up_with_constrained_requests",
+    "test_nothing_compiles_after_warm_up_whatever_the_load",
+    "test_a_paged_server_through_the_kernel_gives_solo_greedy_tokens",
+    # the precisions' end-to-end runs (their layers' checks run quick)
+    "test_the_trained_byte_model_keeps_its_predictions_in_every_precision",
+    "test_an_imported_checkpoint_keeps_its_predictions_in_every_precision",
+    "test_a_quantized_bfloat16_model_saves_loads_generates_and_serves_alike",
+    # the tool calls' grammar-forced decoding (the parsers and `auto` run quick), and the server
+    # with a grammar (its masks against a constrained decoding from the full logits run quick)
+    "test_a_demanded_call_is_the_constrained_greedy_one_and_valid",
+    "test_constrained_tokens_are_the_constrained_greedy_decoding",
+    # the server's other end-to-end runs: the command line's, the penalties' (against the NumPy
+    # sampler through `generate` quick), a hybrid's and an int8 import's
+    "test_the_cli_serves_json_lines_and_text_as_they_finish",
+    "test_the_server_applies_penalties_as_generate_does",
+    "test_a_hybrid_serves_from_pages_with_its_states_beside_them",
+    "test_the_command_line_imports_low_and_decodes_with_an_int8_cache",
+    # more of one kind: a narrow cache per family, a scanned twin, a long stream, a CPU budget
+    "test_a_narrow_model_s_cache_is_in_its_dtype_and_loses_nothing",
+    "test_a_scanned_model_quantizes_as_its_unrolled_twin",
+    "test_a_rope_encoder_streams_like_its_forward",
+    "test_a_huge_capacity_exports_with_a_bounded_golden_stream",
+    "test_the_limit_is_the_smallest_counter_limit_and_a_ring_has_none",
+    "test_a_mixture_of_experts_model_trains_with_its_balance_term",
+    "test_checkpoints_and_artifacts_get_the_usual_permissions",
+    "test_a_large_step_on_the_cpu_runs_in_micro_batches_with_the_whole_batch_gradient",
 }
 
 

@@ -62,7 +62,7 @@ def _built(factory: str, arguments: dict[str, Any]) -> Callable[[], tuple[Any, A
     def build() -> tuple[Any, Any]:
         import jax
 
-        from dense_armor.checkpoint import ModelConfig
+        from dense_armor.checkpoints import ModelConfig
 
         config = ModelConfig(factory, arguments)
         return config.build(jax.random.PRNGKey(3)), config
@@ -72,7 +72,7 @@ def _built(factory: str, arguments: dict[str, Any]) -> Callable[[], tuple[Any, A
 
 def _imported(name: str) -> Callable[[], tuple[Any, Any]]:
     def build() -> tuple[Any, Any]:
-        from dense_armor.checkpoint import ModelConfig
+        from dense_armor.checkpoints import ModelConfig
         from dense_armor.huggingface import import_hf
 
         model, arguments = import_hf(HF / name)

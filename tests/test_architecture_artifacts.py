@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from dense_armor.checkpoint import ModelConfig, save_checkpoint
+from dense_armor.checkpoints import ModelConfig, save_checkpoint
 from dense_armor.export import export_checkpoint, load
 from dense_armor.export.iree import compile_artifact
 from dense_armor.export.standalone import (

@@ -24,17 +24,17 @@ import optax
 import pytest
 from jax.sharding import Mesh
 
-from dense_armor import checkpoint
-from dense_armor.checkpoint import (
-    WRITE_STEPS,
+from dense_armor.checkpoints import (
     CheckpointError,
     ModelConfig,
     load_checkpoint,
     save_checkpoint,
     tree_arrays,
 )
+from dense_armor.checkpoints import single as checkpoint
+from dense_armor.checkpoints.atomic import WRITE_STEPS
+from dense_armor.checkpoints.sharded import ShardedCheckpoints, to_safetensors
 from dense_armor.cli import main as cli
-from dense_armor.data import ArraySource, ShardSource
 from dense_armor.distributed import data_mesh, device_mesh, initialize, partition_specs
 from dense_armor.export import ArtifactError, check_golden, export_model, load
 from dense_armor.export.iree import compile_artifact, host_cpu, target_flags
@@ -42,7 +42,6 @@ from dense_armor.export.standalone import build_runner, check_iree, run_pjrt
 from dense_armor.export.standalone import main as run_py
 from dense_armor.huggingface import HuggingFaceError, import_hf
 from dense_armor.interop import InteropError, import_torch
-from dense_armor.losses import next_token_loss_balanced
 from dense_armor.nn import precision
 from dense_armor.nn.layers.experts import MixtureOfExperts
 from dense_armor.nn.layers.language import (
@@ -59,9 +58,16 @@ from dense_armor.nn.models.language_model import TransformerLM
 from dense_armor.nn.penalties import Penalties
 from dense_armor.nn.sampling import greedy, sample
 from dense_armor.serving import QueueFull, Sampling, Server
-from dense_armor.sharded_checkpoint import ShardedCheckpoints, to_safetensors
-from dense_armor.train_step import Loss, make_train_step, next_token_loss
-from dense_armor.training import evaluate, fit
+from dense_armor.training import (
+    ArraySource,
+    Loss,
+    ShardSource,
+    evaluate,
+    fit,
+    make_train_step,
+    next_token_loss,
+    next_token_loss_balanced,
+)
 from dense_armor.utility.neural import (
     GRU,
     LSTM,
@@ -146,7 +152,7 @@ def int8_stored_as_float(tmp):
     the file's sha256 updated: the structure check must catch it)."""
     from safetensors.numpy import load_file, save_file
 
-    from dense_armor._atomic import sha256
+    from dense_armor.checkpoints.atomic import sha256
 
     config = ModelConfig("transformer_lm", {**LM_CONFIG.arguments, "quantize": "int8"})
     save_checkpoint(tmp / "q", config.build(KEY), config)
@@ -207,7 +213,7 @@ def sharded_store(tmp, **options):
 def orbax_not_installed(tmp):
     """`checkpoint_format="orbax"` where orbax-checkpoint cannot be imported."""
     hidden = {name: sys.modules.pop(name) for name in list(sys.modules)
-              if name == "dense_armor.sharded_checkpoint" or name.startswith("orbax")}  # fmt: skip
+              if name == "dense_armor.checkpoints.sharded" or name.startswith("orbax")}  # fmt: skip
     sys.modules["orbax"] = None  # type: ignore[assignment]
     try:
         fit_with(checkpoint_dir=tmp / "run", config=CONFIG, checkpoint_format="orbax")

@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from dense_armor.checkpoint import load_checkpoint
+from dense_armor.checkpoints import load_checkpoint
 from environment import CACHE_SETTINGS, child_env
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from dense_armor.checkpoint import CheckpointError, ModelConfig, save_checkpoint
+from dense_armor.checkpoints import CheckpointError, ModelConfig, save_checkpoint
 from dense_armor.cli import main as cli
 from dense_armor.export import ArtifactError, check_golden, export_model, load, standalone
 from dense_armor.export.standalone import sha256

@@ -24,11 +24,11 @@ from dense_armor.huggingface import (
     export_hf,
     import_hf,
 )
-from dense_armor.losses import next_token_loss_balanced
 from dense_armor.nn.layers.experts import MixtureOfExperts, balance_loss
 from dense_armor.nn.layers.language import ids_checked
 from dense_armor.nn.models.language_model import TransformerLM
 from dense_armor.nn.models.stack import scanned
+from dense_armor.training import next_token_loss_balanced
 from test_language_models import batch_of_prompts
 
 DATA = pathlib.Path(__file__).parent / "data" / "hf"
@@ -429,7 +429,7 @@ def test_a_longrope_model_streams_to_its_pretrained_length_and_no_further(tmp_pa
     """Phi-4-mini's LongRoPE is built within its pretrained length (48 positions here): a stream
     fills it, the step past it is a NaN row with the overflow flag set (or raises), and neither
     a longer forward nor an artifact whose cache passes it is made."""
-    from dense_armor.checkpoint import ModelConfig
+    from dense_armor.checkpoints import ModelConfig
     from dense_armor.export import ArtifactError, export_model
 
     model, arguments = import_hf(DATA / "phi4_mini")

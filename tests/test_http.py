@@ -28,7 +28,7 @@ import pytest
 
 openai = pytest.importorskip("openai", reason="the test extra installs the openai client")
 
-from dense_armor.checkpoint import load_checkpoint  # noqa: E402
+from dense_armor.checkpoints import load_checkpoint  # noqa: E402
 from dense_armor.huggingface import load_tokenizer  # noqa: E402
 from dense_armor.nn.models.generation import generate  # noqa: E402
 from dense_armor.nn.penalties import Penalties  # noqa: E402
@@ -801,13 +801,13 @@ def test_serve_http_refuses_a_bad_setup_in_one_line(capsys, extra, words):
 def test_serve_http_refuses_a_bad_default_before_reading_the_model(
     monkeypatch, capsys, extra, words
 ):
-    from dense_armor import cli_language
     from dense_armor.cli import main as cli
+    from dense_armor.cli import serve as cli_serve
 
     def never(args):
         raise AssertionError("the model was read")
 
-    monkeypatch.setattr(cli_language, "_language_model", never)
+    monkeypatch.setattr(cli_serve, "language_model", never)
     assert cli(["serve", str(BYTES), "--http", "--tokenizer", str(CHAT), *extra]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and re.search(words, err), err
@@ -819,8 +819,8 @@ def test_serve_http_without_the_extra_says_so_before_reading_the_model(
 ):
     import importlib.util
 
-    from dense_armor import cli_language
     from dense_armor.cli import main as cli
+    from dense_armor.cli import serve as cli_serve
 
     find = importlib.util.find_spec
     monkeypatch.setattr(
@@ -830,7 +830,7 @@ def test_serve_http_without_the_extra_says_so_before_reading_the_model(
     def never(args):
         raise AssertionError("the model was read")
 
-    monkeypatch.setattr(cli_language, "_language_model", never)
+    monkeypatch.setattr(cli_serve, "language_model", never)
     assert cli(["serve", str(BYTES), "--http", "--tokenizer", str(CHAT)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and missing in err and "pip install 'dense-armor[serve]'" in err

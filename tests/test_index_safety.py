@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from dense_armor.checkpoint import ModelConfig
+from dense_armor.checkpoints import ModelConfig
 from dense_armor.export import export_model, load
 from dense_armor.export.iree import compile_artifact
 from dense_armor.export.lowering import Lowering

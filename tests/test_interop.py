@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from dense_armor.checkpoint import ModelConfig, load_checkpoint
+from dense_armor.checkpoints import ModelConfig, load_checkpoint
 from dense_armor.cli import main as cli
 from dense_armor.export import check_golden, export_checkpoint, load
 from dense_armor.interop import InteropError, import_torch

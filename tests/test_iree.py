@@ -12,7 +12,7 @@ import sys
 import jax
 import pytest
 
-from dense_armor.checkpoint import ModelConfig
+from dense_armor.checkpoints import ModelConfig
 from dense_armor.cli import main as cli
 from dense_armor.export import ArtifactError, export_model, load
 from dense_armor.export.iree import compile_artifact, host_cpu, target_flags

@@ -16,7 +16,7 @@ import optax
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from dense_armor.checkpoint import ModelConfig, load_checkpoint
+from dense_armor.checkpoints import ModelConfig, load_checkpoint
 from dense_armor.cli import main as cli
 from dense_armor.export import export_model
 from dense_armor.export.standalone import check_golden, load
@@ -27,8 +27,7 @@ from dense_armor.nn.models.generation import generate, stream_tokens
 from dense_armor.nn.models.language_model import TransformerLM
 from dense_armor.nn.models.stack import scanned as stacked
 from dense_armor.nn.state.streams import reset
-from dense_armor.train_step import next_token_loss
-from dense_armor.training import evaluate, fit
+from dense_armor.training import evaluate, fit, next_token_loss
 
 DATA = pathlib.Path(__file__).parent / "data" / "hf"
 # transformers' tiny random models (tests/torch_reference/make_hf_golden.py): the four lineages

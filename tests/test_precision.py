@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from dense_armor.checkpoint import ModelConfig, load_checkpoint, save_checkpoint
+from dense_armor.checkpoints import ModelConfig, load_checkpoint, save_checkpoint
 from dense_armor.cli import main as cli
 from dense_armor.export import export_model, load
 from dense_armor.export.iree import compile_artifact

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from dense_armor.checkpoint import CheckpointError, ModelConfig, load_checkpoint, save_checkpoint
+from dense_armor.checkpoints import CheckpointError, ModelConfig, load_checkpoint, save_checkpoint
 from dense_armor.export import check_golden, export_model, load
 from dense_armor.export.golden import GOLDEN_STEPS
 from dense_armor.utility.neural import (

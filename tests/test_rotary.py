@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dense_armor.checkpoint import ModelConfig
+from dense_armor.checkpoints import ModelConfig
 from dense_armor.export import check_golden, export_model, load
 from dense_armor.nn.kernels.rotary import rotate
 from dense_armor.utility.neural import (

@@ -13,7 +13,7 @@ import subprocess
 import jax
 import pytest
 
-from dense_armor.checkpoint import ModelConfig
+from dense_armor.checkpoints import ModelConfig
 from dense_armor.cli import main as cli
 from dense_armor.export import export_model
 from dense_armor.export.standalone import (

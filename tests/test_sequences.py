@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from dense_armor.checkpoint import ModelConfig
+from dense_armor.checkpoints import ModelConfig
 from dense_armor.export import check_golden, export_model, load
 from dense_armor.plots import plot_attention
 from dense_armor.utility.neural import (

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax import monitoring
 
-from dense_armor.checkpoint import ModelConfig, save_checkpoint
+from dense_armor.checkpoints import ModelConfig, save_checkpoint
 from dense_armor.cli import main as cli
 from dense_armor.huggingface import import_hf
 from dense_armor.nn.models.generation import generate

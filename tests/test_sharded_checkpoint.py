@@ -8,10 +8,9 @@ import numpy as np
 import optax
 import pytest
 
-from dense_armor.checkpoint import ModelConfig, load_checkpoint, tree_arrays
-from dense_armor.data import ArraySource, ShardSource, process_rows
-from dense_armor.sharded_checkpoint import ShardedCheckpoints, from_safetensors, to_safetensors
-from dense_armor.training import fit, make_train_step
+from dense_armor.checkpoints import ModelConfig, load_checkpoint, tree_arrays
+from dense_armor.checkpoints.sharded import ShardedCheckpoints, from_safetensors, to_safetensors
+from dense_armor.training import ArraySource, ShardSource, fit, make_train_step, process_rows
 
 pytestmark = pytest.mark.optax
 
@@ -127,8 +126,8 @@ def test_resume_false_starts_a_sharded_run_over(tmp_path):
 
 TRUNCATED = """
 import pathlib, sys
-from dense_armor.checkpoint import CheckpointError, ModelConfig
-from dense_armor.sharded_checkpoint import ShardedCheckpoints
+from dense_armor.checkpoints import CheckpointError, ModelConfig
+from dense_armor.checkpoints.sharded import ShardedCheckpoints
 config = ModelConfig.from_json({"format": "dense_armor.checkpoint", "version": 1,
     "factory": "transformer_encoder", "arguments": %r})
 root = pathlib.Path(sys.argv[1])
@@ -234,8 +233,8 @@ def test_an_optimizer_state_that_cannot_be_mapped_is_replicated_with_a_warning()
 WRITER = """
 import sys
 import jax
-from dense_armor.checkpoint import ModelConfig
-from dense_armor.sharded_checkpoint import ShardedCheckpoints
+from dense_armor.checkpoints import ModelConfig
+from dense_armor.checkpoints.sharded import ShardedCheckpoints
 config = ModelConfig("transformer_encoder", {"n_in": 3, "d_model": 256, "n_heads": 8,
     "d_ff": 1024, "depth": 2, "n_out": 2, "max_len": 6})
 model = config.build()

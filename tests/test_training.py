@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from dense_armor.checkpoint import ModelConfig, load_checkpoint, tree_arrays
+from dense_armor.checkpoints import ModelConfig, load_checkpoint, tree_arrays
 from dense_armor.training import cross_entropy_loss, evaluate, fit, make_train_step
 
 pytestmark = pytest.mark.optax
@@ -178,7 +178,7 @@ def test_accumulated_micro_batches_train_like_the_whole_batch():
 def tiny_budget(monkeypatch):
     """`make_train_step`'s CPU budget for a step's temporaries lowered to 64 KiB, so that the
     small models of these tests take the path of a large step."""
-    from dense_armor import train_step
+    from dense_armor.training import step as train_step
 
     monkeypatch.setattr(train_step, "CPU_STEP_BYTES", 64 * 2**10)
 
@@ -215,7 +215,7 @@ def test_a_large_step_on_the_cpu_runs_in_micro_batches_with_the_whole_batch_grad
         grad = tree_arrays(expected)[path]
         np.testing.assert_allclose(before - tree_arrays(new)[path], grad, atol=2e-6, err_msg=path)
     # the whole batch under the default budget: one step of 24
-    from dense_armor import train_step
+    from dense_armor.training import step as train_step
 
     assert train_step.CPU_STEP_BYTES == 64 * 2**10
     whole = make_train_step(optimizer, accumulate=1)(model, opt_state, xs, labels, None)
@@ -226,7 +226,7 @@ def test_a_small_step_and_a_loss_of_unknown_form_run_whole(tiny_budget, monkeypa
     """The whole batch where the step fits the budget, where the loss does not say it is a mean
     over samples (a `Loss(function)` may weigh its samples unequally), for one sample, and
     inside another trace; a loss that says so is cut."""
-    from dense_armor import train_step
+    from dense_armor.training import step as train_step
 
     xs, labels = toy_data(24)
     model = CONFIG.build(jax.random.PRNGKey(0))
@@ -261,7 +261,7 @@ def test_a_small_step_and_a_loss_of_unknown_form_run_whole(tiny_budget, monkeypa
 def test_a_batch_size_with_no_fitting_divisor_runs_one_sample_at_a_time(monkeypatch):
     """A prime batch of 7 whose step exceeds the budget (one byte) however it is cut: 7
     micro-batches of one, and still the mean loss of the 7."""
-    from dense_armor import train_step
+    from dense_armor.training import step as train_step
 
     monkeypatch.setattr(train_step, "CPU_STEP_BYTES", 1)
     xs, labels = toy_data(7)

@@ -26,11 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import ModelConfig
-from .families import FAMILIES
+from .checkpoints.families import FAMILIES
+from .checkpoints.single import ModelConfig
+from .checkpoints.trees import CheckpointError, fill_tree, skeleton, slots
 from .nn.blocks.transformer_block import TransformerBlock
 from .nn.layers.basic import Dense, LayerNorm
-from .trees import CheckpointError, fill_tree, skeleton, slots
 
 __all__ = ["InteropError", "import_torch", "read_state_dict"]
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dense_armor.checkpoint import ModelConfig
+from dense_armor.checkpoints import ModelConfig
 from dense_armor.export import export_model, load
 from dense_armor.export.iree import compile_artifact
 from dense_armor.export.standalone import build_runner, default_plugin

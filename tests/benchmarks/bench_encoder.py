@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from dense_armor.checkpoint import ModelConfig, fill_tree, tree_arrays
+from dense_armor.checkpoints import ModelConfig, fill_tree, tree_arrays
 from dense_armor.export import export_model, load
-from dense_armor.train_step import make_train_step
+from dense_armor.training import make_train_step
 from dense_armor.utility.neural import sinusoidal_positions
 
 from .harness import interleaved, record, table

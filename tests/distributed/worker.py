@@ -41,11 +41,14 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from dense_armor import train_step  # noqa: E402
-from dense_armor.checkpoint import ModelConfig, fill_tree, tree_arrays  # noqa: E402
-from dense_armor.data import ShardSource  # noqa: E402
+from dense_armor.checkpoints import ModelConfig, fill_tree, tree_arrays  # noqa: E402
 from dense_armor.distributed import data_mesh, device_mesh, place  # noqa: E402
-from dense_armor.training import evaluate, fit  # noqa: E402
+from dense_armor.training import (  # noqa: E402
+    ShardSource,
+    evaluate,
+    fit,
+)
+from dense_armor.training import step as train_step  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from environment import collect_garbage_less_often, share_one_mlir_context  # noqa: E402

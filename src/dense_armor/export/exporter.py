@@ -1,6 +1,6 @@
 """Lower a model and its streaming functions to StableHLO artifacts with `jax.export`.
 
-Every family in `dense_armor.families` exports (`transformer_encoder`, `kind: encoder`;
+Every family in `dense_armor.checkpoints.families` exports (`transformer_encoder`, `kind: encoder`;
 `transformer_decoder`, `kind: decoder`, which attends to a context; and `transformer_lm`,
 `kind: language_model`, whose inputs are int32 token ids: `x (B, T)`, `x_t (B,)`, and whose
 outputs are the next token's logits at every step, `(B, T, vocab)` and `(B, vocab)`). An artifact
@@ -44,9 +44,9 @@ from typing import Any
 
 import jax
 
-from .. import _atomic
-from .._tensors import write_safetensors
-from ..checkpoint import (
+from ..checkpoints import atomic
+from ..checkpoints.families import FAMILIES
+from ..checkpoints.single import (
     ModelConfig,
     check_fits,
     fill_tree,
@@ -54,7 +54,7 @@ from ..checkpoint import (
     skeleton,
     tree_arrays,
 )
-from ..families import FAMILIES
+from ..checkpoints.tensors import write_safetensors
 from ..nn.core import require_bool, require_int
 from ..nn.kernels.choice import exporting
 from ..nn.models.generation import check_kv_dtype
@@ -142,49 +142,70 @@ def export_model(
     sampling = _check_sampling(config, sampling)
     _check_kv_dtype(config, kv_dtype)
     check_fits(config, tree_arrays(model))  # the config and the weights must agree
-    causal_config = config.causal()
-    causal_model = (
-        model if causal_config == config else fill_tree(skeleton(causal_config), tree_arrays(model))
-    )
-    # cuDNN's attention lowers as XLA's (jax.export refuses its custom call); every product
-    # traced (and so written into the modules) at `matmul_precision`
+    # cuDNN's attention lowers as XLA's (jax.export refuses its custom call), the golden outputs
+    # too; every product traced (and so written into the modules) at `matmul_precision`
     with exporting(), jax.default_matmul_precision(matmul_precision):
-        lowering = Lowering(model, causal_model, config, capacity, sampling, kv_dtype)
+        lowering = Lowering(model, _causal(model, config), config, capacity, sampling, kv_dtype)
         functions = lowering.functions(platforms)
-    summary: dict[str, Any] = {}
+        plan = _Plan(lowering, functions, config, platforms, shapes, seed, matmul_precision)
+        atomic.write_directory(target, plan.fill)
+    files = {str(p.relative_to(target)): p.stat().st_size for p in target.rglob("*") if p.is_file()}
+    return ExportSummary(target, files, time.perf_counter() - started, plan.manifest)
 
-    def fill(tmp: pathlib.Path) -> None:
+
+def _causal(model: Any, config: ModelConfig) -> Any:
+    """The model's causal form (the streaming functions'): itself, or its weights in the causal
+    form of its family."""
+    causal_config = config.causal()
+    if causal_config == config:
+        return model
+    return fill_tree(skeleton(causal_config), tree_arrays(model))
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What an export writes into its directory, from its lowering: the portable and static
+    modules, the weights, the golden cases, the standalone runners and the manifest."""
+
+    lowering: Lowering
+    functions: Any
+    config: ModelConfig
+    platforms: Sequence[str]
+    shapes: Any
+    seed: int
+    matmul_precision: str
+    manifest: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def fill(self, tmp: pathlib.Path) -> None:
+        """Write the artifact's files into `tmp` (renamed into place once whole)."""
+        lowering, functions, platforms = self.lowering, self.functions, self.platforms
         exported, stripped = write_portable(tmp, functions, platforms)
-        static_entries, static_stripped = write_static(tmp, functions, lowering, platforms, shapes)
+        static_entries, static_stripped = write_static(
+            tmp, functions, lowering, platforms, self.shapes
+        )
         write_safetensors(
             dict(zip(lowering.names, lowering.weights, strict=True)), tmp / "weights.safetensors"
         )
-        golden_arrays, golden_plan = golden(lowering, seed, functions, static_entries)
+        golden_arrays, golden_plan = golden(lowering, self.seed, functions, static_entries)
         write_safetensors(golden_arrays, tmp / "golden.safetensors")
         (tmp / "run.py").write_text(pathlib.Path(standalone.__file__).read_text())
         pjrt = write_runner(tmp)
         manifest = describe(
-            lowering, functions, exported, config, causal_config, platforms, static_entries
-        )
-        manifest["golden"] = golden_plan
+            lowering, functions, exported, self.config, self.config.causal(), platforms,
+            static_entries,
+        )  # fmt: skip
         precision = manifest["precision"]
         precision["tolerance"] = half_tolerance(precision, golden_arrays)
         precision["accelerator_tolerance"] = accelerator_tolerance(
-            precision, golden_arrays, matmul_precision
+            precision, golden_arrays, self.matmul_precision
         )
-        manifest["pjrt"] = pjrt
-        manifest["matmul_precision"] = matmul_precision
-        manifest["debug_locations"] = "stripped" if stripped and static_stripped else "kept"
+        manifest.update(
+            golden=golden_plan, pjrt=pjrt, matmul_precision=self.matmul_precision,
+            debug_locations="stripped" if stripped and static_stripped else "kept",
+        )  # fmt: skip
         manifest["files"] = standalone.file_table(tmp)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        summary["manifest"] = manifest
-
-    # the golden outputs too: a cuDNN model computes them as XLA's; every product traced (and
-    # so written into the modules) at `matmul_precision`
-    with exporting(), jax.default_matmul_precision(matmul_precision):
-        _atomic.write_directory(target, fill)
-    files = {str(p.relative_to(target)): p.stat().st_size for p in target.rglob("*") if p.is_file()}
-    return ExportSummary(target, files, time.perf_counter() - started, summary["manifest"])
+        self.manifest = manifest
 
 
 def _check_export(

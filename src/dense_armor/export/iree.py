@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from .. import _atomic
+from ..checkpoints import atomic
 from ..nn.core import require_int
 from .standalone import MANIFEST, ArtifactError, file_table, read_manifest, verify_files
 
@@ -172,7 +172,7 @@ def compile_artifact(
         require_int(1, caller="compile_artifact (or None)", error=ArtifactError, jobs=jobs)
     work = _Work(tools, manifest, modules, flags, int(jobs or os.cpu_count() or 1))
     store = _compile_cache(cache)
-    _atomic.write_directory(target, lambda tmp: _fill(target, tmp, work, store))
+    atomic.write_directory(target, lambda tmp: _fill(target, tmp, work, store))
     written = read_manifest(target)["compiled"]
     files = {
         c["file"]: (target / c["file"]).stat().st_size for c in written if c["target"] in flags

@@ -33,10 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import export
+from jax.tree_util import GetAttrKey
 
-from ..checkpoint import ModelConfig
+from ..checkpoints.families import FAMILIES
+from ..checkpoints.single import ModelConfig
 from ..distributed import gather_to_host
-from ..families import FAMILIES
 from ..nn import precision
 from ..nn.sampling import draw_tokens
 from ..nn.state.counter import Counter
@@ -197,32 +198,41 @@ class Lowering:
         self.vocab = self.family.vocabulary(arguments)
         self.width = self.family.context_width(arguments)
         self.capacity = capacity
+        self._take_weights(model, causal_model)
+        self._input_specs()
+        self._cache_specs()
+
+    def _take_weights(self, model: Any, causal_model: Any) -> None:
+        """The model's arrays as named host copies (a model trained sharded exports exactly as
+        its single-device twin), its structure, and the causal model over those copies (the
+        Python model the golden data runs)."""
         params, self.static = eqx.partition(model, eqx.is_array)
         paths_and_leaves = jax.tree_util.tree_leaves_with_path(params)
         self.names = [jax.tree_util.keystr(path) for path, _ in paths_and_leaves]
-        # Host copies: a model trained sharded exports exactly as its single-device twin.
         self.weights = [jnp.asarray(gather_to_host(leaf)) for _, leaf in paths_and_leaves]
         self.treedef = jax.tree_util.tree_structure(params)
         causal_params, self.causal_static = eqx.partition(causal_model, eqx.is_array)
         self.causal_treedef = jax.tree_util.tree_structure(causal_params)
-        # The Python model the golden data runs, on the host copies too.
         self.causal_model = self._model(self.weights, causal=True)
 
-        f32 = jnp.float32
-        dtype, self.step_shape = self.family.input_spec(arguments)
+    def _input_specs(self) -> None:
+        """The specs of the functions' inputs: a sequence, a step, the streams' flags, a key, and
+        a decoder's context with its mask."""
+        dtype, self.step_shape = self.family.input_spec(self.arguments)
         self.x = spec("x", "input", dtype, ["B", "T", *self.step_shape])
         self.x_t = spec("x_t", "input", dtype, ["B", *self.step_shape])
         self.streams = spec("streams", "streams", bool, ["B"])
         self.key = spec("key", "key", np.uint32, [2])
-        self.context = (
-            []
-            if self.width is None
-            else [
-                spec("context", "context", f32, ["B", "S", self.width]),
+        self.context = []
+        if self.width is not None:
+            self.context = [
+                spec("context", "context", jnp.float32, ["B", "S", self.width]),
                 spec("context_mask", "context", bool, ["B", "S"]),
             ]
-        )
-        # The cache's structure and shapes (symbolic in S for a context), read from the model.
+
+    def _cache_specs(self) -> None:
+        """The cache's structure and shapes (symbolic in S for a context), read from the model;
+        which of its arrays are the overflow flags, and each stream's count of steps."""
         (s_dim,) = export.symbolic_shape("S")
         one_context = [
             jax.ShapeDtypeStruct(concrete(s["shape"][1:], {"S": s_dim}), s["dtype"])
@@ -231,28 +241,20 @@ class Lowering:
         cache_shape = jax.eval_shape(lambda *c: self.start(self.causal_model, c), *one_context)
         self.cache_treedef = jax.tree_util.tree_structure(cache_shape)
         self.cache_layout = describe_cache(cache_shape)
+        leaves = jax.tree_util.tree_leaves(cache_shape)
         self.cache = [
             spec(entry["path"], "cache", leaf.dtype, ["B", *leaf.shape])
-            for entry, leaf in zip(
-                self.cache_layout, jax.tree_util.tree_leaves(cache_shape), strict=True
-            )
+            for entry, leaf in zip(self.cache_layout, leaves, strict=True)
         ]
         for entry, s in zip(self.cache_layout, self.cache, strict=True):
             entry.update(dtype=s["dtype"], shape=s["shape"])
-        # The overflow flags are those of the cache's counters, found by type.
+        # The overflow flags are those of the cache's counters, found by type; a stream's count
+        # of steps (the position of its next token) is the first counter's.
         counters = jax.tree_util.tree_flatten_with_path(cache_shape, is_leaf=_is_counter)[0]
-        flags = {
-            "cache" + jax.tree_util.keystr((*path, jax.tree_util.GetAttrKey("overflow")))
-            for path, node in counters
-            if _is_counter(node)
-        }
+        paths = [path for path, node in counters if _is_counter(node)]
+        flags = {"cache" + jax.tree_util.keystr((*p, GetAttrKey("overflow"))) for p in paths}
+        indices = ["cache" + jax.tree_util.keystr((*p, GetAttrKey("index"))) for p in paths]
         self.overflow_flags = [i for i, s in enumerate(self.cache) if s["name"] in flags]
-        # Each stream's count of steps (the position of its next token): the first counter's.
-        indices = [
-            "cache" + jax.tree_util.keystr((*path, jax.tree_util.GetAttrKey("index")))
-            for path, node in counters
-            if _is_counter(node)
-        ]
         self.position_index = next(
             (i for i, s in enumerate(self.cache) if s["name"] in indices[:1]), None
         )

@@ -14,7 +14,7 @@ import numpy as np
 from jax import export
 
 from .. import __version__
-from ..checkpoint import ModelConfig
+from ..checkpoints.single import ModelConfig
 from .lowering import Function, Lowering, spec
 from .standalone import FORMAT, FORMAT_VERSION, ArtifactError
 

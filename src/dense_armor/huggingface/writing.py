@@ -19,8 +19,8 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 
-from .._atomic import write_directory
-from .._tensors import write_safetensors
+from ..checkpoints.atomic import write_directory
+from ..checkpoints.tensors import write_safetensors
 from ..nn.models.language_model import TransformerLM
 from ..nn.models.sequential import Sequential
 from ..nn.models.stack import Stack
@@ -207,6 +207,48 @@ def _differences(a: Any, b: Any, where: str = "") -> list[str]:
 PRECISION = ("param_dtype", "compute_dtype", "quantize", "quantize_embeddings")
 
 
+def _check_writable(model: Any, architecture: Any) -> None:
+    """`export_hf`'s model and architecture: a `TransformerLM`, a text model's architecture."""
+    from . import FAMILIES, WRAPPERS
+
+    if isinstance(architecture, str) and architecture in WRAPPERS:
+        raise HuggingFaceError(
+            f"a {architecture} holds another modality's model beside the text model; export_hf "
+            f"writes the text model: pass `architecture={WRAPPERS[architecture][0]!r}`."
+        )
+    if not isinstance(architecture, str) or architecture not in FAMILIES:
+        raise HuggingFaceError(
+            f"`architecture` must be one of {tuple(FAMILIES)}; received {architecture!r}."
+        )
+    if not isinstance(model, TransformerLM):
+        raise HuggingFaceError(
+            f"export_hf writes a TransformerLM; received {type(model).__name__}."
+        )
+
+
+def _read_back(
+    config: dict[str, Any], arguments: Mapping[str, Any], architecture: str
+) -> dict[str, Any]:
+    """The arguments the importer reads from `config`, refused unless they are the model's own:
+    a config that cannot say the model is never written."""
+    from . import FAMILIES
+
+    try:
+        read_back = read_arguments(
+            FAMILIES[architecture], json.loads(json.dumps(config)), architecture
+        )
+    except HuggingFaceError as error:
+        raise HuggingFaceError(
+            f"a {architecture} config cannot say this model's arguments: {error}"
+        ) from None
+    differences = _differences(_comparable(arguments), _comparable(read_back))
+    if differences:
+        raise HuggingFaceError(
+            f"a {architecture} config cannot say this model's arguments: {differences[:4]}."
+        )
+    return read_back
+
+
 def export_hf(
     model: TransformerLM,
     arguments: Mapping[str, Any],
@@ -223,39 +265,15 @@ def export_hf(
     Hugging Face checkpoint holds no int8 of ours) as `model.safetensors`, and the tokenizer
     files of the directory `tokenizer` (those of `TOKENIZER_FILES` it has). Returns the
     directory."""
-    from . import FAMILIES, WRAPPERS, full_table
+    from . import full_table
 
-    if isinstance(architecture, str) and architecture in WRAPPERS:
-        raise HuggingFaceError(
-            f"a {architecture} holds another modality's model beside the text model; export_hf "
-            f"writes the text model: pass `architecture={WRAPPERS[architecture][0]!r}`."
-        )
-    if not isinstance(architecture, str) or architecture not in FAMILIES:
-        raise HuggingFaceError(
-            f"`architecture` must be one of {tuple(FAMILIES)}; received {architecture!r}."
-        )
-    if not isinstance(model, TransformerLM):
-        raise HuggingFaceError(
-            f"export_hf writes a TransformerLM; received {type(model).__name__}."
-        )
+    _check_writable(model, architecture)
     dtype = str(arguments.get("param_dtype") or "float32")
     arguments = {k: v for k, v in arguments.items() if k not in PRECISION}
     config = {k: source[k] for k in KEPT if source and k in source}
     config.update(hf_config(arguments, architecture))
     config.update(architectures=[architecture], model_type=MODEL_TYPES[architecture], dtype=dtype)
-    try:
-        read_back = read_arguments(
-            FAMILIES[architecture], json.loads(json.dumps(config)), architecture
-        )
-    except HuggingFaceError as error:
-        raise HuggingFaceError(
-            f"a {architecture} config cannot say this model's arguments: {error}"
-        ) from None
-    differences = _differences(_comparable(arguments), _comparable(read_back))
-    if differences:
-        raise HuggingFaceError(
-            f"a {architecture} config cannot say this model's arguments: {differences[:4]}."
-        )
+    read_back = _read_back(config, arguments, architecture)
     tensors = gather(_unrolled(model), full_table(read_back, architecture))
     tensors = {name: t.astype(jnp.dtype(dtype), copy=False) for name, t in tensors.items()}
 

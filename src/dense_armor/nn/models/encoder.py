@@ -1,5 +1,22 @@
 """The encoder factory, `transformer_encoder`: a `Sequential` of an input projection, positions,
-blocks (attention, recurrent or both) and a pooled output; and `attention_maps`."""
+blocks (attention, recurrent or both) and a pooled output; and `attention_maps`.
+
+`transformer_encoder`'s options: `causal=False` (every block causal, so the encoder streams),
+`positions` (`"sinusoidal"`: `AddPositions(max_len)`; `"learned"`: `LearnedPositions`; `"rope"`:
+rotary positions inside every attention, base `rope_base`, no bound at `max_len`; `"none"`),
+`compute_dtype=None` (e.g. `"bfloat16"`: a `Cast` in front, parameters stay float32),
+`scan_layers=False` (the blocks in one `Stack`, applied by one `jax.lax.scan`: the block compiles
+once whatever the depth, the same outputs as unrolled), and `mixers="attention"`: what mixes the
+steps in each block, `"attention"` (a `TransformerBlock`), `"gru"`, `"lstm"` or `"mingru"` (a
+`RecurrentBlock`), for every block or one name per block (a mixed stack, e.g.
+`("mingru", "attention")`; a recurrent stack is causal whatever `causal` says, and with
+`positions="none"` streams without end in constant memory). Every block takes `dropout`, `gate`
+(a `Gate` for every residual addition), `norm_first` (pre-LN blocks and a final `LayerNorm`),
+`remat`, `activation` (PyTorch's `"relu"` or `"gelu"`) and `layer_norm_eps` (see
+`TransformerBlock`); every other keyword is an option of every attention (`**attention`, see
+`MultiHeadSelfAttention`): `window` (needs `causal=True`; the encoder then streams forever),
+`implementation`, `n_kv_heads` (grouped-query attention), `use_bias`, `attention_dropout`.
+"""
 
 from collections.abc import Sequence
 from typing import Any
@@ -65,71 +82,25 @@ def transformer_encoder(
     """A sequence-to-vector encoder: `(T, n_in) -> (n_out,)`.
 
     `Sequential(Dense(n_in, d_model), positions, depth x TransformerBlock(d_model, n_heads, d_ff),
-    MeanOverTime(d_model), Dense(d_model, n_out))`.
-
-    **Arguments:** in order `n_in`, `d_model`, `n_heads`, `d_ff`, `depth`, `n_out`, `key`,
-    `max_len`; then `causal=False` (makes every block causal, so the encoder streams),
-    `dropout=0.0` (of every block) and `positions`: `"sinusoidal"` (`AddPositions(max_len)`, no
-    parameters), `"learned"` (`LearnedPositions(max_len, d_model, key)`) or `"rope"` (rotary
-    positions inside every attention, no positional layer and no bound at `max_len`; their base
-    is `rope_base=10000.0`; or `"none"`, no positions at all), and `gate=False`
-    (a `Gate` in place of every residual addition), `norm_first=False` (pre-LN blocks, followed by
-    a final `LayerNorm` before the mean), `compute_dtype=None` (e.g. `"bfloat16"`: a `Cast` in
-    front runs the model in that dtype, parameters stay float32), `scan_layers=False` (the
-    blocks in one `Stack`: their parameters stacked on a leading depth axis and applied by one
-    `jax.lax.scan`, so the block compiles once whatever the depth; the same outputs as the
-    unrolled model with the same weights) and `remat=None` (`"block"` or `"attention"`:
-    recompute those activations in the backward pass; see `TransformerBlock`), the options of
-    PyTorch's `nn.TransformerEncoderLayer` `activation="relu"` (or `"gelu"`) and
-    `layer_norm_eps=1e-5` (every LayerNorm's), and `mixers="attention"`: what mixes the steps
-    in each block, one of `"attention"` (a `TransformerBlock`), `"gru"`, `"lstm"` or `"mingru"`
-    (a `RecurrentBlock` around that recurrent layer, with the same residuals, LayerNorms and
-    feed-forward), for every block or as a sequence of `depth` names, one per block (a mixed
-    stack, e.g. `("mingru", "attention")`). A stack of recurrent blocks is causal whatever
-    `causal` says; `positions="none"` leaves out the positional layer (a recurrent block knows
-    the order of the steps), and such a model streams without end in constant memory.
-
-    Every other keyword is an option of every attention (`**attention`; see `TransformerBlock`
-    and `MultiHeadSelfAttention`): `window=None` (sliding-window attention in every block; needs
-    `causal=True`; the sinusoidal positions are then unbounded, so the encoder streams forever),
-    `implementation=None` and its older spelling `memory_efficient=None` (blocked attention from
-    `BLOCKED_MIN_LENGTH` steps on, or always, or never), `n_kv_heads=None` (grouped-query
-    attention: `n_kv_heads` key/value heads, each shared by `n_heads / n_kv_heads` query heads;
-    1 is multi-query; the caches hold only the key/value heads), `use_bias=False` (attention
-    projection biases) and `attention_dropout=0.0` (on the attention weights, in training).
-
-    `forward(x, mask=None)`, `mask` the padding mask of `Layer`.
+    MeanOverTime(d_model), Dense(d_model, n_out))`; `forward(x, mask=None)`, `mask` the padding
+    mask of `Layer`. **Arguments:** in order `n_in`, `d_model`, `n_heads`, `d_ff`, `depth`,
+    `n_out`, `key`, `max_len`; then the options of this module's docstring (`causal`,
+    `positions`, `compute_dtype`, `scan_layers`, `mixers`), the blocks' (`dropout`, `gate`,
+    `norm_first`, `remat`, `activation`, `layer_norm_eps`) and the attention's (`**attention`).
     """
     require_key(key)
-    require_positive(
-        n_in=n_in, d_model=d_model, d_ff=d_ff, depth=depth, n_out=n_out, max_len=max_len
-    )
+    require_positive(n_in=n_in, d_model=d_model, d_ff=d_ff, depth=depth, n_out=n_out,
+                     max_len=max_len)  # fmt: skip
     require_bool(scan_layers=scan_layers)
     options = attention_options("transformer_encoder", attention)
     options["rope_base"] = _rope_base(positions, rope_base)
     in_key, pos_key, out_key, *block_keys = jr.split(key, 3 + depth)
     common: dict[str, Any] = dict(  # what every block takes
-        dropout=dropout,
-        gate=gate,
-        norm_first=norm_first,
-        remat=remat,
-        activation=activation,
+        dropout=dropout, gate=gate, norm_first=norm_first, remat=remat, activation=activation,
         layer_norm_eps=layer_norm_eps,
-    )
-    blocks = [
-        RecurrentBlock(d_model, d_ff, k, kind, **common)
-        if kind != "attention"
-        else TransformerBlock(
-            d_model,
-            n_heads,
-            d_ff,
-            k,
-            causal=causal,
-            **common,
-            **options,
-        )
-        for kind, k in zip(_mixers(mixers, depth, scan_layers), block_keys, strict=True)
-    ]
+    )  # fmt: skip
+    kinds = _mixers(mixers, depth, scan_layers)
+    blocks = _blocks(d_model, n_heads, d_ff, block_keys, kinds, causal, common, options)
     position_layer = _positions(positions, max_len, d_model, pos_key, attention.get("window"))
     return Sequential(
         *([Cast(compute_dtype)] if compute_dtype is not None else []),
@@ -140,6 +111,27 @@ def transformer_encoder(
         MeanOverTime(d_model),
         Dense(d_model, n_out, out_key),
     )
+
+
+def _blocks(
+    d_model: int,
+    n_heads: int,
+    d_ff: int,
+    keys: Sequence[PRNGKeyArray],
+    kinds: Sequence[str],
+    causal: bool,
+    common: dict[str, Any],
+    options: dict[str, Any],
+) -> list[TransformerBlock | RecurrentBlock]:
+    """The encoder's blocks, one per mixer name: a `TransformerBlock` with the attention's
+    options, or a `RecurrentBlock` around that recurrent layer; the same residuals, norms and
+    feed-forward in both."""
+    return [
+        TransformerBlock(d_model, n_heads, d_ff, k, causal=causal, **common, **options)
+        if kind == "attention"
+        else RecurrentBlock(d_model, d_ff, k, kind, **common)
+        for kind, k in zip(kinds, keys, strict=True)
+    ]
 
 
 def attention_maps(

@@ -10,7 +10,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from .distributed import gather_to_host, is_slot
+from ..distributed import gather_to_host, is_slot
 
 __all__ = [
     "CheckpointError",

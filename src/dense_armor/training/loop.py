@@ -1,7 +1,7 @@
 """Training with optax on Equinox models: a jitted train step, evaluation, and a resumable fit loop.
 
 The fit loop is reproducible from its seed: batch `s` and its dropout key are functions of
-`(seed, s)` alone (`dense_armor.data`), so a run resumed from a checkpoint continues exactly as an
+`(seed, s)` alone (`training.data`), so a run resumed from a checkpoint continues exactly as an
 uninterrupted one. It reads its data through one protocol, a `BatchSource`; it places the model on
 a mesh through `dense_armor.distributed`; it checkpoints to a single safetensors file
 (`save_checkpoint`) or, sharded, with Orbax (`ShardedCheckpoints`).
@@ -21,14 +21,14 @@ import optax
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from .checkpoint import (
+from ..checkpoints.single import (
     ModelConfig,
 )
+from ..distributed import check_mesh, global_batch, place, place_optimizer_state
+from ..nn.core import require_bool, require_int
 from .data import ArraySource, BatchSource, process_rows
-from .distributed import check_mesh, global_batch, place, place_optimizer_state
-from .nn.core import require_bool, require_int
 from .run_checkpoints import CHECKPOINT_FORMATS, RunCheckpoints
-from .train_step import (
+from .step import (
     Loss,
     LossFn,
     as_loss,
@@ -128,34 +128,23 @@ def fit(
     checkpoint_format: str = "safetensors",
 ) -> FitResult:
     """Train `model` for `steps` optimizer steps on `train`: `(xs, labels)`, or a `BatchSource`
-    (`dense_armor.data`) that gives this process's rows of each step's global batch of
-    `batch_size` rows (its own part of the data, e.g. `ShardSource`).
+    (`training.data`, e.g. `ShardSource`) that gives this process's rows of each step's global
+    batch of `batch_size` rows. Every `eval_every` steps (and at the end) it records the mean
+    training loss since the last record and, with `valid`, the validation loss and accuracy.
 
-    Every `eval_every` steps (and at the end) it records the mean training loss since the last
-    record and, with `valid`, the validation loss and accuracy. With `checkpoint_dir` (and the
-    model's `config`), it saves `checkpoint_dir/last` (model, optimizer state, step, history) at
-    each record and `checkpoint_dir/best` whenever the validation accuracy improves (the training
-    loss without `valid`), and with `resume=True` it continues from `last` if present.
-    `checkpoint_format`: `"safetensors"` (one file, gathered; for small models and export) or
-    `"orbax"`: `checkpoint_dir/sharded`, a `ShardedCheckpoints` keeping the latest step and the
-    best one (its `best_step()`), each process writing its own shards in the background; it
-    resumes onto another mesh.
+    With `checkpoint_dir` (and the model's `config`) it saves `last` (model, optimizer state,
+    step, history) at each record and `best` whenever the validation accuracy improves (the
+    training loss without `valid`); `resume=True` continues from `last`. `checkpoint_format`:
+    `"safetensors"` (one file, gathered) or `"orbax"` (`checkpoint_dir/sharded`, each process its
+    own shards, in the background; it resumes onto another mesh). A progress bar shows the loss
+    and the samples per second on a terminal (tqdm's rule); `progress=False` turns it off.
 
-    A progress bar shows the loss and the throughput (samples per second) when standard error is
-    a terminal (tqdm's rule: a log file or a pipe gets no bar); `progress=False` turns it off.
-
-    With a `mesh` (`dense_armor.distributed.data_mesh()` or `device_mesh(model=...)`), each batch
-    is split over its `"data"` axis; each model's heads and feed-forward units over its `"model"`
-    axis, if it has one; the other arrays are replicated, or split over `"data"` too with
-    `shard_params=True`. The losses are those of the single-device run, to float32 round-off.
-    With several processes, every process calls `fit` with the same arguments, and each feeds
-    its own rows of each global batch (from the whole data, or from its source).
-
-    `accumulate=k` splits each batch into `k` micro-batches and accumulates their gradients
-    before one optimizer update (`make_train_step`): the same training as the whole batch, with
-    the activations of one micro-batch in memory at a time. `accumulate=None` (the default)
-    leaves `k` to `make_train_step`: 1, or on one CPU device as many as keep the step's
-    temporary memory where the allocator reuses it.
+    With a `mesh` (`data_mesh()` or `device_mesh(model=...)`), each batch is split over its
+    `"data"` axis, heads and feed-forward units over its `"model"` axis, the other arrays
+    replicated (or split over `"data"` with `shard_params=True`): the losses of one device, to
+    float32 round-off; with several processes, each calls `fit` alike and feeds its own rows.
+    `accumulate=k` accumulates the gradients of `k` micro-batches before one update (the same
+    training, one micro-batch's activations in memory); `None` leaves `k` to `make_train_step`.
     """
     objective = as_loss(loss_fn)
     source, rows = _check_fit(
@@ -166,44 +155,82 @@ def fit(
     if checkpoint_dir is not None and config is not None:
         checkpoints = RunCheckpoints.open(checkpoint_dir, config, checkpoint_format)
     model, opt_state, run = _start(model, optimizer, mesh, shard_params, checkpoints, resume)
-    # a source's labels are checked batch by batch (arrays were checked whole, in `_source`)
-    check_source = not isinstance(source, ArraySource)
-    check_batch = None
-    train_step = make_train_step(optimizer, objective, accumulate)
-    root_key = jax.random.PRNGKey(seed)
-    bar = tqdm(
-        total=steps, initial=run.start,
-        disable=None if progress and jax.process_index() == 0 else True,  # None: on a terminal
-        unit="step", dynamic_ncols=True,
-    )  # fmt: skip
-    run.tick = time.perf_counter()
+    plan = _Plan(steps, batch_size, seed, valid, eval_every, mesh, objective, source, rows)
+    bar = _progress_bar(steps, run.start, progress)
     try:
-        for step in range(run.start, steps):
-            xs, labels = _checked_batch(source, step, rows)
-            if check_source:
-                check_batch = check_batch or objective.batch_checker(model, xs)
-                if check_batch is not None:
-                    check_batch("fit (data source)", xs, labels, rows, f" at step {step}")
-            xb, yb = _placed(mesh, xs, labels)
-            with objective.checked_inputs():  # every batch was checked: arrays whole, above
-                model, opt_state, loss = train_step(
-                    model, opt_state, xb, yb, jax.random.fold_in(root_key, step)
-                )
-            run.losses.append(loss)
-            bar.update(1)
-            done = step + 1
-            run.check_previous(done)
-            if done % eval_every and done != steps:
-                continue
-            score, improved = run.record(done, batch_size, model, valid, mesh, objective, bar)
-            if checkpoints is not None:
-                state = {"step": done, "history": run.history, "best": run.best, "seed": seed}
-                checkpoints.save(model, opt_state, state, score, improved)
+        step = make_train_step(optimizer, objective, accumulate)
+        model, opt_state = _steps(plan, step, model, opt_state, run, bar, checkpoints)
     finally:
         bar.close()
         if checkpoints is not None:
             checkpoints.close()
     return FitResult(model, opt_state, run.history, run.best)
+
+
+def _progress_bar(steps: int, start: int, progress: bool) -> Any:
+    """`fit`'s progress bar, on the first process, where standard error is a terminal."""
+    return tqdm(
+        total=steps, initial=start,
+        disable=None if progress and jax.process_index() == 0 else True,  # None: on a terminal
+        unit="step", dynamic_ncols=True,
+    )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What a `fit` does at each step, checked: its settings, its loss, where its batches come
+    from and how many rows of each this process feeds."""
+
+    steps: int
+    batch_size: int
+    seed: int
+    valid: Any
+    eval_every: int
+    mesh: Mesh | None
+    objective: Loss
+    source: BatchSource
+    rows: int
+
+    def batch(self, step: int, model: Any, check: Any) -> tuple[Any, Any, Any]:
+        """Step `step`'s batch on the devices, and the checker of a source's batches (arrays
+        were checked whole, in `_source`; a source's labels are checked batch by batch)."""
+        xs, labels = _checked_batch(self.source, step, self.rows)
+        if not isinstance(self.source, ArraySource):
+            check = check or self.objective.batch_checker(model, xs)
+            if check is not None:
+                check("fit (data source)", xs, labels, self.rows, f" at step {step}")
+        xb, yb = _placed(self.mesh, xs, labels)
+        return xb, yb, check
+
+
+def _steps(
+    plan: _Plan, train_step: Any, model: Any, opt_state: Any, run: "_Run", bar: Any,
+    checkpoints: "RunCheckpoints | None",
+) -> tuple[Any, Any]:  # fmt: skip
+    """`fit`'s steps from where `run` starts: each a batch and an update, a record every
+    `eval_every` steps and at the end, saved with the optimizer state where there are
+    checkpoints."""
+    root_key, check = jax.random.PRNGKey(plan.seed), None
+    run.tick = time.perf_counter()
+    for step in range(run.start, plan.steps):
+        xb, yb, check = plan.batch(step, model, check)
+        with plan.objective.checked_inputs():  # every batch was checked: arrays whole, above
+            model, opt_state, loss = train_step(
+                model, opt_state, xb, yb, jax.random.fold_in(root_key, step)
+            )
+        run.losses.append(loss)
+        bar.update(1)
+        done = step + 1
+        run.check_previous(done)
+        if done % plan.eval_every and done != plan.steps:
+            continue
+        score, improved = run.record(
+            done, plan.batch_size, model, plan.valid, plan.mesh, plan.objective, bar
+        )
+        if checkpoints is not None:
+            state = {"step": done, "history": run.history, "best": run.best, "seed": plan.seed}
+            checkpoints.save(model, opt_state, state, score, improved)
+    return model, opt_state
 
 
 def _check_fit(

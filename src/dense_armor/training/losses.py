@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .nn.core import require_bool
-from .nn.layers.language import ids_checked
+from ..nn.core import require_bool
+from ..nn.layers.language import ids_checked
 
 __all__ = [
     "CrossEntropy",
@@ -201,7 +201,7 @@ class NextTokenBalanced(NextToken):
     def _balanced(
         self, model: Any, xs: jax.Array, labels: jax.Array, key: jax.Array | None = None
     ) -> jax.Array:
-        from .nn.layers.experts import balance_loss
+        from ..nn.layers.experts import balance_loss
 
         logits, routers = jax.vmap(model.forward_routed)(xs)
         cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()

@@ -1,6 +1,6 @@
 """The pieces of training with optax on Equinox models: a jitted train step (with gradient
 accumulation, and micro-batches chosen by its size on a CPU) and evaluation (data-parallel on a
-mesh); the losses are `dense_armor.losses`'s, re-exported here. `fit` (training.py) drives
+mesh); the losses are `training.losses`'s, re-exported here. `fit` (`training.loop`) drives
 them."""
 
 import functools
@@ -14,8 +14,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from ..distributed import check_mesh, global_batch, global_replicated
+from ..nn.core import require_int
 from .data import process_rows
-from .distributed import check_mesh, global_batch, global_replicated
 from .losses import (
     CrossEntropy,
     Loss,
@@ -28,7 +29,6 @@ from .losses import (
     cross_entropy_loss,
     next_token_loss,
 )
-from .nn.core import require_int
 
 __all__ = [
     "CrossEntropy",

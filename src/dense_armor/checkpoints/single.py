@@ -32,12 +32,12 @@ from jax.experimental import multihost_utils
 from safetensors import SafetensorError
 from safetensors.numpy import load_file
 
-from . import _atomic
-from ._atomic import WRITE_STEPS, sha256
-from ._tensors import write_safetensors
+from ..nn.core import is_integer, python_scalar, require_bool
+from ..nn.models.stack import stack_layers, unstack_layers
+from . import atomic
+from .atomic import WRITE_STEPS, sha256
 from .families import FAMILIES
-from .nn.core import is_integer, python_scalar, require_bool
-from .nn.models.stack import stack_layers, unstack_layers
+from .tensors import write_safetensors
 from .trees import (
     CheckpointError,
     check_arrays,
@@ -245,11 +245,11 @@ def _write_checkpoint(
             write_safetensors(state_arrays, tmp / "state.safetensors")
         if state is not None:
             _write_json(tmp / "state.json", dict(state))
-        _atomic.reached("files written")
+        atomic.reached("files written")
         files = {f.name: sha256(f) for f in sorted(tmp.iterdir())}
         _write_json(tmp / "config.json", {**config.to_json(), "files": files})  # written last
 
-    return _atomic.write_directory(target, fill)
+    return atomic.write_directory(target, fill)
 
 
 def _read_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
@@ -295,7 +295,7 @@ def load_checkpoint(
     or unrolled blocks if it was saved the other way, and its config with it; the weights and
     the outputs are the same. `None` (default): as saved."""
     path = pathlib.Path(directory)
-    previous = _atomic.previous_copy(path)
+    previous = atomic.previous_copy(path)
     if not path.exists() and previous.is_dir():
         path = previous  # a replacement was interrupted between its two renames
     if not path.is_dir():

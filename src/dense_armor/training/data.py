@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .nn.core import require_int
+from ..nn.core import require_int
 
 __all__ = ["ArraySource", "BatchSource", "ShardSource", "process_rows"]
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from .checkpoint import (
+from ..checkpoints.single import (
     CheckpointError,
     ModelConfig,
     fill_tree,
@@ -15,7 +15,7 @@ from .checkpoint import (
     save_checkpoint,
     tree_arrays,
 )
-from .distributed import place, place_optimizer_state
+from ..distributed import place, place_optimizer_state
 
 __all__ = ["CHECKPOINT_FORMATS", "OrbaxCheckpoints", "RunCheckpoints", "SingleFiles"]
 
@@ -126,7 +126,7 @@ class OrbaxCheckpoints(RunCheckpoints):
     def __init__(self, directory: Any, config: ModelConfig):
         super().__init__(directory, config)
         try:
-            from .sharded_checkpoint import ShardedCheckpoints
+            from ..checkpoints.sharded import ShardedCheckpoints
         except ImportError as error:
             raise ImportError(
                 'fit: `checkpoint_format="orbax"` needs Orbax: pip install '

@@ -1,10 +1,10 @@
 """Sharded checkpoints with Orbax: each process writes the shards its devices hold, in the
 background, and a checkpoint restores onto any mesh.
 
-`save_checkpoint` (checkpoint.py) gathers the whole model and optimizer state onto every process
-and writes one safetensors file: right for small models and for export, wrong for a model that
-does not fit one host. `ShardedCheckpoints(directory)` keeps a directory of sharded checkpoints,
-one per saved step, through Orbax's `CheckpointManager` (no format of our own):
+`save_checkpoint` (`checkpoints.single`) gathers the whole model and optimizer state onto every
+process and writes one safetensors file: right for small models and for export, wrong for a
+model that does not fit one host. `ShardedCheckpoints(directory)` keeps a directory of sharded
+checkpoints, one per saved step, through Orbax's `CheckpointManager` (no format of our own):
 
 - `save(step, model, config, opt_state=..., state=...)`: every process calls it; each writes its
   own shards (Orbax's OCDBT/Zarr layout), the config and the training state as JSON. With
@@ -30,7 +30,9 @@ import optax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from .checkpoint import (
+from ..distributed import check_mesh, is_slot, optimizer_shardings, shardings
+from ..nn.core import require_bool, require_int
+from .single import (
     CheckpointError,
     ModelConfig,
     check_fits,
@@ -40,8 +42,6 @@ from .checkpoint import (
     skeleton,
     tree_arrays,
 )
-from .distributed import check_mesh, is_slot, optimizer_shardings, shardings
-from .nn.core import require_bool, require_int
 
 __all__ = ["ShardedCheckpoints", "ShardedRestore", "from_safetensors", "to_safetensors"]
 

@@ -12,9 +12,9 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .nn.models.decoder import transformer_decoder
-from .nn.models.encoder import transformer_encoder
-from .nn.models.language_model import TransformerLM, longrope_limit
+from ..nn.models.decoder import transformer_decoder
+from ..nn.models.encoder import transformer_encoder
+from ..nn.models.language_model import TransformerLM, longrope_limit
 
 __all__ = ["FAMILIES", "Family", "family"]
 

@@ -1,45 +1,15 @@
-"""The `dense-armor` command.
-
-dense-armor export CHECKPOINT_DIR --out DIR [--static B,T[,S] ...] [--capacity N]
-                   [--platforms cpu,cuda,tpu] [--force] [--temperature T] [--top-k K]
-                   [--top-p P] [--min-p P] [--kv-dtype int8]
-dense-armor compile DIR [--target llvm-cpu[,cuda,vulkan-spirv]] [--cpu host] [--cuda-arch sm_80]
-                    [--functions init_cache,sample_prefill,sample_step]
-dense-armor runner DIR [--plugin PLUGIN.so] [--steps N] [--repeat R] [--tolerance T] [--cc CC]
-dense-armor inspect DIR
-dense-armor import-torch STATE.safetensors --config CONFIG.json --out CHECKPOINT_DIR
-                         [--embed NAME] [--head NAME]
-dense-armor import-hf HF_MODEL_DIR --out CHECKPOINT_DIR [--dtype bfloat16] [--quantize int8]
-                      [--quantize-embeddings]
-dense-armor export-hf CHECKPOINT_DIR --out HF_MODEL_DIR [--architecture Qwen3ForCausalLM]
-dense-armor generate CHECKPOINT_DIR (--prompt TEXT | --ids 1,2,3) [--tokenizer tokenizer.json]
-                     [--max-new-tokens 32] [--temperature 0] [--top-k K] [--top-p P]
-                     [--min-p P] [--stop 2,...] [--seed 0] [--kv-dtype int8]
-dense-armor serve CHECKPOINT_DIR [--input FILE] [--slots 8] [--capacity N] [--chunk 16]
-                  [--pages N] [--page-size 16] [--share-prefixes | --no-share-prefixes]
-                  [--decode-steps K] [--max-logprobs 20]
-                  [--tokenizer tokenizer.json] [--max-new-tokens 32] [--temperature 0]
-                  [--top-k K] [--top-p P] [--min-p P] [--stop 2,...] [--seed 0]
-                  [--kv-dtype int8]
-                  [--http [--host 127.0.0.1] [--port 8000] [--max-queue 64] [--name NAME]
-                          [--tool-parser hermes|llama3|mistral]]
-
-`serve`'s sampling flags and --max-new-tokens are the defaults of the requests that set none
-(over HTTP, OpenAI's defaults where a flag is not given: temperature 1, the room left in the
-context); --capacity defaults to the checkpoint's context (`max_len`, an imported model's
-max_position_embeddings), bounded by memory.
-"""
+"""The `dense-armor` commands of artifacts: `export` (a checkpoint to StableHLO), `compile` (its
+static modules by IREE), `runner` (its C runner on a PJRT plugin), `inspect`, and `import-torch`
+(a PyTorch encoder's state dict into a checkpoint)."""
 
 import argparse
 import datetime
 import json
 import pathlib
 import sys
-from collections.abc import Sequence
 from typing import Any
 
-from .cli_language import COMMANDS as LANGUAGE_COMMANDS
-from .cli_language import UsageError, add_commands, add_kv_dtype
+from .common import add_kv_dtype
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -57,7 +27,7 @@ def _platforms(text: str) -> list[str]:
 
 
 def _read_config(path: pathlib.Path) -> dict:
-    from .interop import InteropError
+    from ..interop import InteropError
 
     try:
         data = json.loads(path.read_text())
@@ -69,7 +39,7 @@ def _read_config(path: pathlib.Path) -> dict:
 
 
 def _inspect(directory: pathlib.Path) -> str:
-    from .export.standalone import load
+    from ..export.standalone import load
 
     manifest = load(directory).manifest  # the sha256 of every file, and the manifest's claims
     model = manifest["model"]
@@ -118,16 +88,13 @@ def _inspect(directory: pathlib.Path) -> str:
     return "\n".join(lines)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dense-armor", description="dense_armor tools")
-    commands = parser.add_subparsers(dest="command", required=True)
+def add_commands(commands: Any) -> None:
+    """The artifact commands' parsers: `export`, `compile`, `runner`, `import-torch`, `inspect`."""
     _add_export(commands)
     _add_compile(commands)
     _add_runner(commands)
     _add_import_torch(commands)
-    add_commands(commands)  # import-hf, export-hf, generate, serve
     _add_inspect(commands)
-    return parser
 
 
 def _add_export(commands: Any) -> None:
@@ -218,7 +185,7 @@ def _add_inspect(commands: Any) -> None:
 
 
 def _export(args: argparse.Namespace) -> None:
-    from .export import export_checkpoint
+    from ..export import export_checkpoint
 
     summary = export_checkpoint(
         args.checkpoint,
@@ -245,8 +212,8 @@ def _export_sampling(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def _compile(args: argparse.Namespace) -> None:
-    from .export.iree import compile_artifact
-    from .export.standalone import check_iree_with
+    from ..export.iree import compile_artifact
+    from ..export.standalone import check_iree_with
 
     print(
         compile_artifact(
@@ -265,7 +232,7 @@ def _compile(args: argparse.Namespace) -> None:
 
 
 def _runner(args: argparse.Namespace) -> int:
-    from .export.standalone import run_pjrt
+    from ..export.standalone import run_pjrt
 
     done = run_pjrt(
         args.directory, args.plugin, args.steps, args.repeat, args.tolerance, cc=args.cc
@@ -276,8 +243,8 @@ def _runner(args: argparse.Namespace) -> int:
 
 
 def _import_torch(args: argparse.Namespace) -> None:
-    from .checkpoint import CheckpointError, ModelConfig, save_checkpoint
-    from .interop import InteropError, import_torch
+    from ..checkpoints.single import CheckpointError, ModelConfig, save_checkpoint
+    from ..interop import InteropError, import_torch
 
     data = _read_config(args.config)
     missing = [key for key in ("factory", "arguments") if key not in data]
@@ -295,39 +262,9 @@ def _import_torch(args: argparse.Namespace) -> None:
 
 
 COMMANDS = {
-    **LANGUAGE_COMMANDS,
     "export": _export,
     "compile": _compile,
     "runner": _runner,
     "import-torch": _import_torch,
     "inspect": lambda args: print(_inspect(args.directory)),
 }
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """The command line: `dense-armor export | compile | runner | import-torch | import-hf |
-    generate | serve | inspect`; exit 2 with one line naming the error for what a user can fix
-    (`runner`: the C runner's own status, 1 for errors beyond the tolerance)."""
-    args = _parser().parse_args(argv)
-    from .checkpoint import CheckpointError
-    from .export import ArtifactError
-    from .huggingface import HuggingFaceError
-    from .interop import InteropError
-
-    try:
-        status = COMMANDS[args.command](args)
-    except (
-        ArtifactError,
-        CheckpointError,
-        InteropError,
-        HuggingFaceError,
-        UsageError,
-        OSError,
-    ) as error:
-        print(f"dense-armor {args.command}: error: {error}", file=sys.stderr)
-        return 2
-    return status or 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
