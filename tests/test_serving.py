@@ -309,3 +309,34 @@ def test_serves_compilation_cache_defaults_to_the_users_cache_directory(monkeypa
     assert compile_cache_dir(None) == tmp_path / "own"  # the user's JAX setting wins
     assert compile_cache_dir("none") is None and compile_cache_dir("NONE") is None
     assert compile_cache_dir(str(tmp_path / "given")) == tmp_path / "given"
+
+
+def test_compile_now_compiles_in_threads_what_the_calls_then_run_as_traced_here():
+    """`compile_now` (what a paged `warm_up` compiles with, several at once): each function at
+    each shape compiled once, in threads, traced with the caller's context variables (as
+    `ids_checked` is); the calls after it compile nothing and compute what they would have."""
+    import contextvars
+
+    import equinox as eqx
+
+    from dense_armor.serving.compiled import compile_now
+
+    offset = contextvars.ContextVar("offset", default=0.0)
+
+    @eqx.filter_jit
+    def shifted(x, scale):
+        return x * scale + offset.get()  # read at trace time: part of the compiled function
+
+    xs = [np.arange(n, dtype=np.float32) for n in (1, 2, 3, 5, 8)]
+    token = offset.set(7.0)
+    try:
+        with Traces() as traces:
+            compile_now([(shifted, (x, 2)) for x in xs], threads=3)
+        assert traces.count == len(xs)
+        with Traces() as traces:
+            got = [np.asarray(shifted(x, 2)) for x in xs]
+        assert traces.count == 0
+    finally:
+        offset.reset(token)
+    for x, y in zip(xs, got, strict=True):
+        np.testing.assert_array_equal(y, x * 2 + 7.0)  # by hand: the caller's offset, not 0

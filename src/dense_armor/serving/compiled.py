@@ -3,6 +3,12 @@ streams: `prefill_rows`), a slot's admission (of one stream, or of rows of a bat
 `admit_rows`), the tick (of fixed slots, or of paged ones: `paged_tick`), a paged stream's
 start."""
 
+import contextlib
+import contextvars
+import os
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import equinox as eqx
@@ -19,6 +25,7 @@ from ..nn.state.streams import reset
 
 __all__ = [
     "admit",
+    "compile_now",
     "admit_rows",
     "first_tokens",
     "fresh_rows",
@@ -34,6 +41,75 @@ __all__ = [
     "tick",
     "tick_rows",
 ]
+
+
+THREADS = 4  # `compile_now`'s default: compiles at once, at most
+
+
+def compile_now(
+    calls: Sequence[tuple[Callable[..., Any], tuple[Any, ...]]], threads: int | None = None
+) -> None:
+    """Compile each `(function, arguments)` of `calls` now, up to `threads` at once (default:
+    `THREADS` or the machine's cores, the fewer; XLA compiles outside Python's lock, each compile
+    holding its own memory), so that calling them later finds
+    their executables in the jit caches. Each is traced as it would be here: in a copy of this
+    thread's context variables (`ids_checked`) and under this thread's own JAX options (a
+    context manager's `numpy_dtype_promotion`, ...: part of a compiled function's key). Where
+    those options cannot be carried to a thread, nothing is compiled ahead: the calls compile
+    as they come. Nothing runs."""
+    count = max(1, min(len(calls), threads or min(THREADS, os.cpu_count() or 1)))
+    contexts = [contextvars.copy_context() for _ in calls]
+    options, key = _jax_options()
+
+    def one(i: int) -> None:
+        function, arguments = calls[i]
+        with _jax_options_set(options):
+            if _trace_key() == key:  # else the executable would be another call's
+                contexts[i].run(lambda: function.lower(*arguments).compile())  # type: ignore[attr-defined]
+
+    with warnings.catch_warnings():  # (the filters are the process's: every thread's too)
+        # a donated argument no output can reuse, which Equinox's calls leave unsaid too
+        warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+        with ThreadPoolExecutor(count, thread_name_prefix="compile") as pool:
+            list(pool.map(one, range(len(calls))))
+
+
+def _trace_key() -> Any:
+    """The options of this thread that key a compiled function (JAX's trace context)."""
+    from jax._src import config
+
+    return config.trace_context()
+
+
+def _jax_options() -> tuple[list[tuple[Any, Any]], Any]:
+    """This thread's own values of JAX's options (those its context managers set), and its
+    trace key; no values where JAX's configuration is not as known here."""
+    try:
+        from jax._src import config
+
+        return [(s, s.get_local()) for s in config.config_states.values()], _trace_key()
+    except (ImportError, AttributeError):  # pragma: no cover - another JAX's internals
+        return [], None
+
+
+@contextlib.contextmanager
+def _jax_options_set(options: list[tuple[Any, Any]]) -> Iterator[None]:
+    """This thread under `options` (`_jax_options`'s), restored after, as JAX's own context
+    managers set and restore one (its hooks told)."""
+    from jax._src import config
+
+    def put(state: Any, value: Any) -> Any:
+        previous = state.swap_local(value)
+        if state._update_thread_local_hook:
+            state._update_thread_local_hook(None if value is config.config_ext.unset else value)
+        return previous
+
+    previous = [(state, put(state, value)) for state, value in options]
+    try:
+        yield
+    finally:
+        for state, value in reversed(previous):
+            put(state, value)
 
 
 def _prefill(model: TransformerLM, ids: Any, cache: Any) -> tuple[jax.Array, Any]:

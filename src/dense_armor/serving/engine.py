@@ -263,28 +263,33 @@ class Server:
         done = {c.id: c for c in self.run()}
         return [done[n] for n in numbers]
 
-    def warm_up(self) -> None:
+    def warm_up(self, threads: int | None = None) -> None:
         """Compile now what serving will run, so that no request waits for a compilation: every
         prefill piece, the batched prefill and admission of each batch size the slots allow
         (requests admitted in one round are prefilled together), and the tick; a paged server's
-        prefill pieces and ticks at every table width too (`PagedSlots.warm`). It serves a few
-        two-token requests of zeros; later requests are numbered as if it had not."""
+        prefill pieces and ticks at every table width too (`PagedSlots.warm`: compiled first,
+        `threads` at a time, default `compiled.THREADS` or the machine's cores, the fewer). It
+        serves a few two-token requests of zeros; later requests are numbered as if it had
+        not."""
         if not self.idle:
             raise ValueError("Server.warm_up: call it before submitting requests.")
         if self.structured and self.decode_steps > 1:  # the one-step tick of constrained ones
             steps, self.decode_steps = self.decode_steps, 1
             try:
-                self._warm()
+                self._warm(threads)
             finally:
                 self.decode_steps = steps
-        self._warm()
+        self._warm(threads)
 
-    def _warm(self) -> None:
+    def _warm(self, threads: int | None) -> None:
         """`warm_up`'s work at the server's `decode_steps`."""
         # prompts of pieces of every size (chunk, ..., 2, 1), and the longer ones' rests too
         n = min(2 * self.chunk - 1, (self.longest_request - 2) // 2)
         if n < 1:
             return
+        store = self._slots()
+        if isinstance(store, PagedSlots):  # every table width a longer request reaches, first
+            store.warm(tick_arrays(self._active), self._shape, threads)
         submitted = self._submitted
         for count in sorted({bucket(k, self.slots) for k in range(1, self.slots + 1)}):
             # two new tokens each: the first drawn from the prefill, the second by a tick
@@ -294,10 +299,7 @@ class Server:
                 self.submit([0] * length, 2, logprobs=0, prompt_logprobs=True)
             list(self.run())
         self._submitted = submitted
-        store = self._slots()
         store.penalised.warm()  # a request's penalties set into its slot's history
-        if isinstance(store, PagedSlots):  # and every table width a longer request reaches
-            store.warm(tick_arrays(self._active), self._shape)
 
     def run(self) -> Iterator[Completion]:
         """Serve the queue until it is empty and every slot idle, yielding each `Completion` as

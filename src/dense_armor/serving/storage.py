@@ -33,6 +33,7 @@ from ..nn.state.paged import PagedKVCache, copy_page, paged_cache, paged_streams
 from .compiled import (
     admit,
     admit_rows,
+    compile_now,
     first_tokens,
     fresh_rows,
     paged_prefill,
@@ -365,37 +366,55 @@ class PagedSlots:
             )  # fmt: skip
         return spread(chosen, rows, self.slots)
 
-    def warm(self, arrays: tuple[np.ndarray, ...], shape: tuple[int, int]) -> None:
+    def warm(
+        self, arrays: tuple[np.ndarray, ...], shape: tuple[int, int], threads: int | None = None
+    ) -> None:
         """Compile now, at every table width a request can reach (the powers of two up to the
         whole table), each prefill piece and the tick of every batch size, and the copy of a
         page: whatever its length, sharing or preemption, no later request waits for a
-        compilation. Each call reads and writes only the null page (all-zero tables), and the
-        idle slots' states it steps are replaced when a request is admitted (`arrays`: the
-        tick's arrays of idle slots)."""
+        compilation. They compile `threads` at a time (`compile_now`), then each runs once; a
+        call reads and writes only the null page (all-zero tables), and the idle slots' states
+        it steps are replaced when a request is admitted (`arrays`: the tick's arrays of idle
+        slots)."""
+        own = start_stream(self.fresh, np.zeros(self.width, np.int32), np.int32(0))
+        plan = self._warm_plan()
+        with ids_checked():
+            compile_now([self._warm_call(item, arrays, shape, own) for item in plan], threads)
+            for item in plan:  # each with the state the one before gave back
+                function, arguments = self._warm_call(item, arrays, shape, own)
+                if function is paged_tick:
+                    _, (self.pools, self.own, self.penalised.past) = function(*arguments)
+                else:
+                    self.pools, own = function(*arguments)[:2]
+        self.pools = copy_page(self.pools, np.int32(0), np.int32(0))
+
+    def _warm_plan(self) -> list[tuple[Any, int, int]]:
+        """`warm`'s calls: `(function, size, width)`, each prefill piece (and scored piece) of
+        `size` tokens and each tick of `size` slots, at every table `width`."""
         widths = sorted({self._width(k) for k in range(1, self.width + 1)})
         sizes = sorted(set(prefill_pieces(2 * self.chunk - 1, self.chunk)))
         counts = sorted({bucket(k, self.slots) for k in range(1, self.slots + 1)})
-        null = np.zeros(self.width, np.int32)
-        for width in widths:
-            own = start_stream(self.fresh, null, np.int32(0))
-            for size in sizes:
-                piece = np.zeros(size, np.int32)  # token 0: in every vocabulary
-                with ids_checked():
-                    self.pools, own = paged_prefill(
-                        self.model, piece, self.pools, own, null[:width]
-                    )
-                    if self.scoring:
-                        self.pools, own, _ = paged_prefill_scored(
-                            self.model, piece, self.pools, own, null[:width], piece, self.top
-                        )
-            for count in counts:
-                rows = np.arange(count, dtype=np.int32)
-                with ids_checked():
-                    _, (self.pools, self.own, self.penalised.past) = paged_tick(
-                        self.model, (self.pools, self.own, self.penalised.past), shape, rows,
-                        np.zeros((count, width), np.int32), *(a[rows] for a in arrays),
-                    )  # fmt: skip
-        self.pools = copy_page(self.pools, np.int32(0), np.int32(0))
+        prefills = [paged_prefill, paged_prefill_scored] if self.scoring else [paged_prefill]
+        return [
+            *((f, size, width) for width in widths for size in sizes for f in prefills),
+            *((paged_tick, count, width) for width in widths for count in counts),
+        ]
+
+    def _warm_call(
+        self, item: tuple[Any, int, int], arrays: tuple[np.ndarray, ...],
+        shape: tuple[int, int], own: Any,
+    ) -> tuple[Any, tuple[Any, ...]]:  # fmt: skip
+        """One of `warm`'s calls on the null page, with the current pools and states."""
+        function, size, width = item
+        table = np.zeros(width, np.int32)
+        if function is paged_tick:
+            rows = np.arange(size, dtype=np.int32)
+            state = (self.pools, self.own, self.penalised.past)
+            tables = np.zeros((size, width), np.int32)
+            return function, (self.model, state, shape, rows, tables, *(a[rows] for a in arrays))
+        piece = np.zeros(size, np.int32)  # token 0: in every vocabulary
+        scored = (piece, self.top) if function is paged_prefill_scored else ()
+        return function, (self.model, piece, self.pools, own, table, *scored)
 
     def _width(self, pages: int) -> int:
         """The table width a call over `pages` pages runs at: the next power of two (the whole
