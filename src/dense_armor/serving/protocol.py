@@ -4,8 +4,9 @@ response, chunk and error objects.
 Every field a request may hold is checked by type and range, and a bad one is an `ApiError`
 naming it (`param`), which the HTTP application answers with OpenAI's error object and a 400.
 What is not built is refused the same way, never ignored: `n` above `MAX_N`, `best_of` above 1,
-`suffix` and tools. `response_format` (`json_object`, `json_schema`) is read where the server
-has a grammar engine (`grammar.Grammars`), and refused by name where it has not. A
+`suffix`, the deprecated `functions`, and tools on the completions endpoint (the chat endpoint
+serves them). `response_format` (`json_object`, `json_schema`) is read where the server has a
+grammar engine (`grammar.Grammars`), and refused by name where it has not. A
 field that changes nothing an answer holds (`INERT`: `user`, `metadata`, `store`, ...) is
 accepted and ignored, as OpenAI's server does; any other field a request sets is refused by
 name (a peer's extension such as `repetition_penalty` would otherwise be silently without
