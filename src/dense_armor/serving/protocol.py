@@ -21,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..nn.penalties import Penalties, PenaltyError, check_penalties
+from .errors import ApiError, error_body
+from .tools import check_tools
 
 __all__ = [
     "ApiError", "Ask", "Defaults", "choice", "chunk", "error_body", "parse_chat",
@@ -29,39 +31,6 @@ __all__ = [
 
 MAX_STOPS = 16  # stop strings per request (OpenAI allows 4; vLLM more)
 MAX_N, MAX_CHOICES = 16, 64  # choices per prompt (`n`), and in all (prompts times `n`)
-
-
-class ApiError(Exception):
-    """A request refused: the HTTP `status`, OpenAI's error `type`, the field (`param`)."""
-
-    def __init__(
-        self,
-        message: str,
-        param: str | None = None,
-        status: int = 400,
-        kind: str = "invalid_request_error",
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message, self.param, self.status, self.kind, self.code = (
-            message,
-            param,
-            status,
-            kind,
-            code,
-        )
-
-
-def error_body(error: ApiError) -> dict[str, Any]:
-    """OpenAI's error object for `error`."""
-    return {
-        "error": {
-            "message": error.message,
-            "type": error.kind,
-            "param": error.param,
-            "code": error.code,
-        }
-    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,8 +336,6 @@ def parse_chat(body: Any, vocab: int, most: int | None = None) -> Ask:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError("`messages` must be a non-empty list of messages.", "messages")
-    from .tools import check_tools
-
     chat = [_message(m, i) for i, m in enumerate(messages)]
     return Ask(prompts=None, messages=chat, tools=check_tools(body), **fields)
 

@@ -23,7 +23,7 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
-from .protocol import ApiError
+from .errors import ApiError
 
 __all__ = ["FORMATS", "Tools", "call_grammar", "check_tools", "format_of", "parse_calls"]
 
