@@ -873,6 +873,8 @@ BAD = [
     # continuous batching
     ("server-not-a-language-model", lambda: Server(MODEL), TypeError, r"Server: `model` must be a TransformerLM; received Sequential"),
     ("server-zero-slots", lambda: Server(TINY_LM, slots=0), ValueError, r"`slots` must be a positive integer"),
+    ("server-warm-up-threads-a-string", lambda: Server(TINY_LM, capacity=8).warm_up(threads="4"), (TypeError, ValueError), r"Server.warm_up: `threads` must be a positive integer; received `threads='4'`"),
+    ("server-warm-up-zero-threads", lambda: Server(TINY_LM, capacity=8).warm_up(threads=0), ValueError, r"Server.warm_up: `threads` must be a positive integer; received `threads=0`"),
     ("server-chunk-a-string", lambda: Server(TINY_LM, chunk="4"), (TypeError, ValueError), r"`chunk` must be a positive integer"),
     ("server-capacity-past-learned-positions", lambda: Server(TINY_GPT, capacity=9), ValueError, r"`capacity=9` passes the model's context of 8 positions \(`max_len`"),
     ("server-capacity-past-a-rotary-context", lambda: Server(TINY_LM, capacity=9), ValueError, r"`capacity=9` passes the model's context of 8 positions \(`max_len`: an imported checkpoint's max_position_embeddings"),

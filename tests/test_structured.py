@@ -109,6 +109,22 @@ def test_a_schema_the_engine_cannot_compile_and_a_server_without_grammars_are_re
         Server(model, 2, 64, structured="yes")
 
 
+def test_ever_new_schemas_keep_only_the_latest_compiled_and_each_still_works(model, monkeypatch):
+    from dense_armor.serving import grammar
+
+    monkeypatch.setattr(grammar, "COMPILED_KEPT", 2)
+    grammars = Grammars(TOKENIZER, model.vocab)
+    schemas = [{"type": "integer", "maximum": n} for n in (1, 2, 3)]
+    for schema in schemas:
+        grammars.json_schema(schema)
+    assert len(grammars.compiled) == 2  # the first one let go
+    words = np.zeros(mask_words(model.vocab), np.int32)
+    grammars.json_schema(schemas[0]).fill(words)  # compiled again: a mask of its own
+    assert words.any() and len(grammars.compiled) == 2
+    with pytest.raises(GrammarError, match="the grammar cannot be compiled"):
+        grammars.lark("start: undefined_rule")
+
+
 def test_nothing_compiles_after_warm_up_with_constrained_requests(model):
     from test_serving import Traces
 

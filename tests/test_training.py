@@ -7,7 +7,7 @@ import optax
 import pytest
 
 from dense_armor.checkpoints import ModelConfig, load_checkpoint, tree_arrays
-from dense_armor.training import cross_entropy_loss, evaluate, fit, make_train_step
+from dense_armor.training import Loss, cross_entropy_loss, evaluate, fit, make_train_step
 
 pytestmark = pytest.mark.optax
 
@@ -239,7 +239,7 @@ def test_a_small_step_and_a_loss_of_unknown_form_run_whole(tiny_budget, monkeypa
         return cross_entropy_loss(m, xs, labels, key)
 
     assert make_train_step(optimizer, mean_loss).micro_batches(*args) == 1
-    declared = train_step.Loss(mean_loss, averages_samples=True)
+    declared = Loss(mean_loss, averages_samples=True)
     assert make_train_step(optimizer, declared).micro_batches(*args) > 1
     assert make_train_step(optimizer).micro_batches(model, opt_state, xs[:1], labels[:1]) == 1
     monkeypatch.setattr(train_step, "CPU_STEP_BYTES", 2**30)
@@ -255,7 +255,7 @@ def test_a_small_step_and_a_loss_of_unknown_form_run_whole(tiny_budget, monkeypa
         float(inside(*args)), float(cross_entropy_loss(model, xs, labels)), rtol=1e-6
     )
     with pytest.raises(ValueError, match=r"`averages_samples` must be True or False"):
-        train_step.Loss(mean_loss, averages_samples="yes")
+        Loss(mean_loss, averages_samples="yes")
 
 
 def test_a_batch_size_with_no_fitting_divisor_runs_one_sample_at_a_time(monkeypatch):

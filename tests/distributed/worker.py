@@ -47,6 +47,7 @@ from dense_armor.training import (  # noqa: E402
     ShardSource,
     evaluate,
     fit,
+    next_token_loss,
 )
 from dense_armor.training import step as train_step  # noqa: E402
 
@@ -219,7 +220,7 @@ def train_lm(placement: str) -> dict:
             steps=6,
             batch_size=8,
             seed=1,
-            loss_fn=train_step.next_token_loss,
+            loss_fn=next_token_loss,
             progress=False,
             eval_every=3,
             mesh=MESHES[placement](),

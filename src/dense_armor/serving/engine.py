@@ -271,6 +271,8 @@ class Server:
         `threads` at a time, default `compiled.THREADS` or the machine's cores, the fewer). It
         serves a few two-token requests of zeros; later requests are numbered as if it had
         not."""
+        if threads is not None:
+            require_int(1, caller="Server.warm_up", threads=threads)
         if not self.idle:
             raise ValueError("Server.warm_up: call it before submitting requests.")
         if self.structured and self.decode_steps > 1:  # the one-step tick of constrained ones

@@ -12,6 +12,8 @@ its end may follow). While a constrained request decodes, every dispatch runs on
 of the second step depends on the first's token, which only the host's grammar can read).
 """
 
+import collections
+import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -20,7 +22,9 @@ import numpy as np
 
 from ..nn.penalties import mask_words
 
-__all__ = ["Constraint", "GrammarError", "Grammars"]
+__all__ = ["COMPILED_KEPT", "Constraint", "GrammarError", "Grammars"]
+
+COMPILED_KEPT = 256  # grammars a `Grammars` keeps compiled, the latest used
 
 
 class Constraint(Protocol):
@@ -82,21 +86,14 @@ class Grammars:
         # a `tokenizers.Tokenizer` (its JSON), or the path of a tokenizer.json
         given = tokenizer.to_str() if hasattr(tokenizer, "to_str") else os.fspath(tokenizer)
         self._tokenizer = llguidance.LLTokenizer(given, n_vocab=self.vocab, eos_token=eos)
-        self.compiled: dict[str, str] = {}
+        # the latest COMPILED_KEPT grammars, by their text: a client sending ever new schemas
+        # costs a compilation each, never memory without bound
+        self.compiled: collections.OrderedDict[str, str] = collections.OrderedDict()
 
     def lark(self, grammar: str, field: str = "response_format") -> Constraint:
         """Text of a Lark grammar (llguidance's dialect: `%json {schema}` inline), `field` the
         API field its refusal names."""
-        compiled = self.compiled.get(grammar)
-        if compiled is None:
-            compiled = self._llg.LLMatcher.grammar_from_lark(grammar)
-            failed, messages = self._llg.LLMatcher.validate_grammar_with_warnings(
-                compiled, self._tokenizer
-            )
-            if failed:
-                raise GrammarError(f"the grammar cannot be compiled: {messages[0]}", field)
-            self.compiled[grammar] = compiled
-        return _Matcher(self._llg.LLMatcher(self._tokenizer, compiled, log_level=0), self.vocab)
+        return self._matcher(grammar, "grammar", field, self._llg.LLMatcher.grammar_from_lark)
 
     def json_object(self) -> Constraint:
         """Any JSON object (OpenAI's `{"type": "json_object"}`)."""
@@ -106,25 +103,34 @@ class Grammars:
         """A JSON value valid for `schema` (OpenAI's `{"type": "json_schema", "json_schema":
         {"schema": ...}}`), compact (no whitespace between tokens of JSON); `strict=False`:
         keywords the engine does not implement are ignored instead of refused."""
-        import json
-
         if not isinstance(schema, Mapping):
             raise GrammarError("`json_schema.schema` must be a JSON object.")
+        options: Any = {"whitespace_flexible": False, "lenient": not strict}
+
+        def compile_schema(_: str) -> str:
+            return self._llg.LLMatcher.grammar_from_json_schema(dict(schema), options)
+
         key = json.dumps([schema, strict], sort_keys=True)
-        grammar = self.compiled.get(key)
+        return self._matcher(key, "JSON schema", "response_format", compile_schema)
+
+    def _matcher(self, key: str, what: str, field: str, compile_text: Any) -> Constraint:
+        """A request's matcher of the grammar `key` names, compiled (by `compile_text(key)`) and
+        checked against the tokenizer the first time, kept among the latest compiled."""
+        grammar = self.compiled.pop(key, None)
         if grammar is None:
-            options: Any = {"whitespace_flexible": False, "lenient": not strict}
             try:
-                grammar = self._llg.LLMatcher.grammar_from_json_schema(dict(schema), options)
+                grammar = compile_text(key)
             except ValueError as error:
-                raise GrammarError(f"the JSON schema cannot be compiled: {error}") from None
+                raise GrammarError(f"the {what} cannot be compiled: {error}", field) from None
             failed, messages = self._llg.LLMatcher.validate_grammar_with_warnings(
                 grammar, self._tokenizer
             )
             if failed:
-                raise GrammarError(f"the JSON schema cannot be compiled: {messages[0]}")
-            self.compiled[key] = grammar
+                raise GrammarError(f"the {what} cannot be compiled: {messages[0]}", field)
+        self.compiled[key] = grammar  # the most recent last
+        while len(self.compiled) > COMPILED_KEPT:
+            self.compiled.popitem(last=False)
         matcher = self._llg.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"the JSON schema cannot be compiled: {matcher.get_error()}")
+            raise GrammarError(f"the {what} cannot be compiled: {matcher.get_error()}", field)
         return _Matcher(matcher, self.vocab)

@@ -27,25 +27,11 @@ from ..checkpoints.single import (
 from ..distributed import check_mesh, global_batch, place, place_optimizer_state
 from ..nn.core import require_bool, require_int
 from .data import ArraySource, BatchSource, process_rows
+from .losses import Loss, LossFn, as_loss, cross_entropy_loss
 from .run_checkpoints import CHECKPOINT_FORMATS, RunCheckpoints
-from .step import (
-    Loss,
-    LossFn,
-    as_loss,
-    cross_entropy_loss,
-    evaluate,
-    evaluate_checked,
-    make_train_step,
-)
+from .step import evaluate_checked, make_train_step
 
-__all__ = [
-    "CHECKPOINT_FORMATS",
-    "FitResult",
-    "cross_entropy_loss",
-    "evaluate",
-    "fit",
-    "make_train_step",
-]
+__all__ = ["FitResult", "fit"]
 
 
 @dataclasses.dataclass

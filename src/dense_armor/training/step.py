@@ -1,7 +1,6 @@
 """The pieces of training with optax on Equinox models: a jitted train step (with gradient
 accumulation, and micro-batches chosen by its size on a CPU) and evaluation (data-parallel on a
-mesh); the losses are `training.losses`'s, re-exported here. `fit` (`training.loop`) drives
-them."""
+mesh) over the losses of `training.losses`. `fit` (`training.loop`) drives them."""
 
 import functools
 from collections.abc import Callable
@@ -17,33 +16,9 @@ from jax.sharding import Mesh
 from ..distributed import check_mesh, global_batch, global_replicated
 from ..nn.core import require_int
 from .data import process_rows
-from .losses import (
-    CrossEntropy,
-    Loss,
-    LossFn,
-    NextToken,
-    as_loss,
-    check_classification_data,
-    check_ids,
-    check_labels,
-    cross_entropy_loss,
-    next_token_loss,
-)
+from .losses import Loss, LossFn, as_loss, cross_entropy_loss
 
-__all__ = [
-    "CrossEntropy",
-    "Loss",
-    "LossFn",
-    "NextToken",
-    "as_loss",
-    "check_classification_data",
-    "check_ids",
-    "check_labels",
-    "cross_entropy_loss",
-    "evaluate",
-    "make_train_step",
-    "next_token_loss",
-]
+__all__ = ["CPU_STEP_BYTES", "evaluate", "evaluate_checked", "make_train_step"]
 
 #: The most temporary memory a training step on one CPU device takes before `make_train_step`
 #: splits its batch into micro-batches (see there): glibc's largest recycled block, 32 MiB, less
