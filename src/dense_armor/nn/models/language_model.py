@@ -14,16 +14,12 @@ import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .. import precision
-from ..blocks.mixer_block import Norm, make_norm
+from ..blocks.mixer_block import Norm
 from ..blocks.recurrent_block import RecurrentBlock
 from ..blocks.transformer_block import TransformerBlock
 from ..core import (
     Layer,
     python_scalar,
-    require_bool,
-    require_choice,
-    require_key,
-    require_positive,
     shape_checked,
 )
 from ..layers.language import Embedding, LMHead
@@ -37,108 +33,12 @@ from .language_options import (
     context_length,
     layer_options_checked,
     longrope_limit,
-    mixer_kinds,
 )  # fmt: skip
+from .language_parts import LM_POSITIONS, check_arguments, lm_blocks, lm_parts, stored
 from .sequential import Sequential
 from .stack import Stack, scanned
 
 __all__ = ["LM_POSITIONS", "TransformerLM", "longrope_limit"]
-
-LM_POSITIONS = ("rope", "learned")
-
-
-def _check_arguments(
-    key: Any,
-    vocab: int,
-    d_model: int,
-    depth: int,
-    max_len: int,
-    positions: str,
-    tie_embeddings: bool,
-    scan_layers: bool,
-    embed_scale: bool,
-    param_dtype: str,
-    compute_dtype: str | None,
-    quantize: str | None,
-    quantize_embeddings: bool,
-) -> None:
-    """`TransformerLM`'s own arguments (the blocks check theirs): sizes, flags, the positions,
-    dtypes and a quantization it knows, consistent."""
-    require_key(key)
-    require_positive(vocab=vocab, d_model=d_model, depth=depth, max_len=max_len)
-    require_bool(tie_embeddings=tie_embeddings, scan_layers=scan_layers, embed_scale=embed_scale)
-    require_choice("positions", positions, LM_POSITIONS)
-    require_choice("param_dtype", param_dtype, precision.PARAM_DTYPES)
-    if compute_dtype is not None:
-        require_choice("compute_dtype", compute_dtype, precision.PARAM_DTYPES)
-    if quantize is not None:
-        require_choice("quantize", quantize, precision.QUANTIZE)
-    require_bool(quantize_embeddings=quantize_embeddings)
-    if quantize_embeddings and quantize is None:
-        raise ValueError(
-            "`quantize_embeddings=True` quantizes the tables along with the projections: "
-            'pass `quantize="int8"` too.'
-        )
-
-
-def _blocks(
-    d_model: int,
-    n_heads: int,
-    d_ff: int,
-    keys: Sequence[PRNGKeyArray],
-    block: Mapping[str, Any],
-    options: Mapping[str, Any],
-    per_layer: Sequence[Mapping[str, Any]],
-    mixers: Sequence[str] | None,
-    mixer_options: Mapping[str, Mapping[str, Any]] | None,
-) -> tuple[TransformerBlock | RecurrentBlock, ...]:
-    """`TransformerLM`'s blocks, one per kind: attention with the model's options and its layer's
-    own (Gemma's alternating windows, ...), or a recurrent mixer with its options."""
-    kinds = mixer_kinds(mixers, mixer_options, len(keys), per_layer)
-    recurrent = {key: value for key, value in block.items() if key != "causal"}
-    return tuple(
-        TransformerBlock(d_model, n_heads, d_ff, k, **block, **{**options, **layer})
-        if kind == "attention"
-        else RecurrentBlock(
-            d_model, d_ff, k, kind, **recurrent, **dict((mixer_options or {}).get(kind, {}))
-        )
-        for k, layer, kind in zip(keys, per_layer, kinds, strict=True)
-    )
-
-
-def _stored(
-    parts: dict[str, Any], param_dtype: str, quantize: str | None, quantize_embeddings: bool
-) -> dict[str, Any]:
-    """The model's fields as stored: quantized (the projections, and the tables with
-    `quantize_embeddings`), the rest in `param_dtype`."""
-    if quantize is not None:
-        parts = precision.quantize(parts, quantize_embeddings)
-    return precision.cast(parts, param_dtype)
-
-
-def _parts(
-    vocab: int,
-    d_model: int,
-    max_len: int,
-    keys: tuple[PRNGKeyArray, PRNGKeyArray, PRNGKeyArray],
-    positions: str,
-    norm: str,
-    eps: float,
-    tie_embeddings: bool,
-    on_invalid: str,
-    blocks: Any,
-) -> dict[str, Any]:
-    """`TransformerLM`'s fields of arrays around its blocks: the table, GPT-2's learned positions
-    (None where they are rotary), the final norm and an untied head (None where tied)."""
-    embed_key, position_key, head_key = keys
-    learned = positions == "learned"
-    return dict(
-        embed=Embedding(vocab, d_model, embed_key, on_invalid=on_invalid),
-        positions=LearnedPositions(max_len, d_model, position_key) if learned else None,
-        blocks=blocks,
-        norm=make_norm(norm, d_model, eps),  # `norm` was checked by the blocks
-        head=None if tie_embeddings else LMHead(d_model, vocab, head_key),
-    )
 
 
 class TransformerLM(Layer):
@@ -222,9 +122,9 @@ class TransformerLM(Layer):
         mixer_options: Mapping[str, Mapping[str, Any]] | None = None,
         **attention: Any,
     ):
-        _check_arguments(key, vocab, d_model, depth, max_len, positions, tie_embeddings,
-                         scan_layers, embed_scale, param_dtype, compute_dtype, quantize,
-                         quantize_embeddings)  # fmt: skip
+        check_arguments(key, vocab, d_model, depth, max_len, positions, tie_embeddings,
+                        scan_layers, embed_scale, param_dtype, compute_dtype, quantize,
+                        quantize_embeddings)  # fmt: skip
         options = attention_options("TransformerLM", attention)
         options["rope_base"] = rope_base if positions == "rope" else None
         per_layer = layer_options_checked(layer_options, depth, positions)
@@ -234,13 +134,13 @@ class TransformerLM(Layer):
             norm=norm, feed_forward=feed_forward, norm_placement=norm_placement,
             n_experts=n_experts, top_k=top_k, normalize_top_k=normalize_top_k,
             shared_d_ff=shared_d_ff)  # fmt: skip
-        blocks = _blocks(d_model, n_heads, d_ff, block_keys, block, options, per_layer, mixers,
-                         mixer_options)  # fmt: skip
-        parts = _parts(
+        blocks = lm_blocks(d_model, n_heads, d_ff, block_keys, block, options, per_layer, mixers,
+                           mixer_options)  # fmt: skip
+        parts = lm_parts(
             vocab, d_model, max_len, (embed_key, position_key, head_key), positions, norm, eps,
             tie_embeddings, on_invalid, scanned(blocks) if scan_layers else blocks,
         )  # fmt: skip
-        for name, part in _stored(parts, param_dtype, quantize, quantize_embeddings).items():
+        for name, part in stored(parts, param_dtype, quantize, quantize_embeddings).items():
             setattr(self, name, part)
         self.compute_dtype, self.vocab, self.d_model = compute_dtype, vocab, d_model
         self.embed_scale, self.final_logit_softcap = embed_scale, check_softcap(final_logit_softcap)
