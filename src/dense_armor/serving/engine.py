@@ -37,6 +37,7 @@ from ..nn.models.generation import _prompts, check_kv_dtype, check_stop_tokens
 from ..nn.models.language_model import TransformerLM
 from ..nn.penalties import check_penalties
 from .grammar import Constraint
+from .paged_slots import PagedSlots
 from .records import (
     Completion,
     Event,
@@ -58,7 +59,7 @@ from .settings import (
     paging,
     request_key,
 )
-from .storage import Draw, FixedSlots, PagedSlots, bucket, prefill_pieces
+from .storage import Draw, FixedSlots, bucket, prefill_pieces
 
 __all__ = ["Completion", "Event", "QueueFull", "Sampling", "Server", "prefill_pieces"]
 
