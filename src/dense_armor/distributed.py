@@ -21,7 +21,6 @@ Optimizer states are placed like the parameters they belong to (`place_optimizer
 (`jax.make_array_from_process_local_data`). On CPU the collectives between processes use gloo.
 """
 
-import dataclasses
 import os
 import warnings
 from collections.abc import Sequence
@@ -32,10 +31,17 @@ import jax
 import numpy as np
 import optax
 from jax.experimental import multihost_utils
-from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .nn.core import Layer, is_integer, require_bool, require_int
+from .nn.core import is_integer, require_int
+from .nn.sharding import (
+    AXES,
+    ShardingWarning,
+    is_slot,
+    partition_specs,
+    shardings,
+)
 
 __all__ = [
     "ShardingWarning",
@@ -52,12 +58,6 @@ __all__ = [
     "replicated",
     "shardings",
 ]
-
-AXES = ("data", "model")
-
-
-class ShardingWarning(UserWarning):
-    """Arrays that `shard_params=True` could not split: no axis of theirs divides the mesh."""
 
 
 def initialize(
@@ -174,127 +174,8 @@ def device_mesh(model: int = 1, devices: Any = None) -> Mesh:
     return Mesh(np.asarray(devices).reshape(len(devices) // model, model), AXES)
 
 
-def check_mesh(caller: str, mesh: Any) -> None:
-    """A `ValueError` unless `mesh` is a `jax.sharding.Mesh` (or, to plan without devices, an
-    `AbstractMesh`) with a `"data"` axis and no axis but `"data"` and `"model"`."""
-    if not isinstance(mesh, Mesh | AbstractMesh):
-        raise TypeError(
-            f"{caller}: `mesh` must be a jax.sharding.Mesh (`data_mesh()`, `device_mesh()`); "
-            f"received {type(mesh).__name__}."
-        )
-    names = tuple(mesh.axis_names)
-    if "data" not in names or not set(names) <= set(AXES):
-        raise ValueError(
-            f'{caller}: a mesh\'s axes are `"data"` and, optionally, `"model"`; received {names}.'
-        )
-    if 0 in dict(mesh.shape).values():
-        raise ValueError(f"{caller}: the mesh holds no device (its shape is {dict(mesh.shape)}).")
-
-
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
-
-
-def _axis_size(mesh: Mesh | AbstractMesh, name: str) -> int:
-    return int(mesh.shape[name]) if name in mesh.axis_names else 1
-
-
-def _split_axes(tree: Any, model: int) -> dict[int, int]:
-    """`{id(array): axis}` for the arrays that tensor parallelism splits over `model` devices, from
-    the `tensor_parallel` declarations of the layers in `tree`; a `ValueError` where the axis
-    cannot be split into whole heads (or units)."""
-    found: dict[int, int] = {}
-
-    def visit(node: Any, where: str) -> None:
-        if isinstance(node, Layer):
-            for path, (axis, groups) in type(node).tensor_parallel.items():
-                param: Any = node
-                for part in path.split("."):
-                    param = getattr(param, part, None)
-                if param is None:  # an optional bias the layer was built without
-                    continue
-                value = param.value
-                count = value.shape[axis] if groups is None else getattr(node, groups)
-                if value.shape[axis] % model or count % model:
-                    what = f"{count} {groups or 'units'}"
-                    raise ValueError(
-                        f"tensor parallelism: {where}.{path} ({type(node).__name__}, {what}) "
-                        f'cannot be split over {model} `"model"` devices; choose a `model` '
-                        f"axis that divides {count}."
-                    )
-                found[id(value)] = axis
-        if isinstance(node, eqx.Module):
-            for field in dataclasses.fields(node):
-                visit(getattr(node, field.name, None), f"{where}.{field.name}")
-        elif isinstance(node, list | tuple):
-            for i, child in enumerate(node):
-                visit(child, f"{where}[{i}]")
-        elif isinstance(node, dict):
-            for name, child in node.items():
-                visit(child, f"{where}[{name!r}]")
-
-    visit(tree, "model")
-    return found
-
-
-def partition_specs(tree: Any, mesh: Mesh | AbstractMesh, shard_params: bool = False) -> Any:
-    """The `PartitionSpec` of every array (or `jax.ShapeDtypeStruct`) of `tree` (a model) on
-    `mesh` (a `Mesh`, or an `AbstractMesh((2, 2), ("data", "model"))` to plan without the
-    devices), `None` for the other leaves: its tensor-parallel axis (see the module's
-    docstring) on `"model"` when the mesh has that axis, and with `shard_params`, its first
-    other axis that the `"data"` devices divide on `"data"`. Arrays that `shard_params` cannot
-    split stay whole on every device, and a `ShardingWarning` lists them."""
-    check_mesh("partition_specs", mesh)
-    require_bool(shard_params=shard_params)
-    model, data = _axis_size(mesh, "model"), _axis_size(mesh, "data")
-    split = _split_axes(tree, model) if model > 1 else {}
-    whole: list[str] = []
-
-    def spec(path: Any, leaf: Any) -> P | None:
-        if not is_slot(leaf):
-            return None
-        axes: list[Any] = [None] * leaf.ndim
-        if id(leaf) in split:
-            axes[split[id(leaf)] % leaf.ndim] = "model"
-        if shard_params and data > 1:
-            free = [i for i, n in enumerate(leaf.shape) if axes[i] is None and n % data == 0]
-            both = [i for i, n in enumerate(leaf.shape) if axes[i] and n % (data * model) == 0]
-            if free:
-                axes[free[0]] = "data"
-            elif both:  # a vector split over "model" is split over both axes at once
-                axes[both[0]] = ("model", "data")
-            else:
-                whole.append(f"{jax.tree_util.keystr(path)} {tuple(leaf.shape)}")
-        while axes and axes[-1] is None:  # P("data") rather than P("data", None), as XLA says
-            axes.pop()
-        return P(*axes)
-
-    specs = jax.tree_util.tree_map_with_path(spec, tree, is_leaf=is_slot)
-    if whole:
-        warnings.warn(
-            f'shard_params: {len(whole)} arrays have no axis that the {data} `"data"` devices '
-            f"divide and stay whole on every device: {', '.join(whole[:8])}"
-            + (" ..." if len(whole) > 8 else ""),
-            ShardingWarning,
-            stacklevel=2,
-        )
-    return specs
-
-
-def is_slot(leaf: Any) -> bool:
-    """An array, or an abstract one (`jax.ShapeDtypeStruct`: a leaf of an `eqx.filter_eval_shape`
-    skeleton), the leaves that placement and checkpoints fill."""
-    return eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)
-
-
-def shardings(tree: Any, mesh: Mesh, shard_params: bool = False) -> Any:
-    """The `NamedSharding` of every array (or abstract array) of `tree` on `mesh`, by
-    `partition_specs`; `None` for the other leaves."""
-    return jax.tree.map(
-        lambda spec: None if spec is None else NamedSharding(mesh, spec),
-        partition_specs(tree, mesh, shard_params),
-        is_leaf=lambda x: x is None or isinstance(x, P),
-    )
 
 
 def optimizer_shardings(

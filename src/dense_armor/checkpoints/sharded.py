@@ -30,8 +30,9 @@ import optax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from ..distributed import check_mesh, is_slot, optimizer_shardings, shardings
+from ..distributed import optimizer_shardings
 from ..nn.core import require_bool, require_int
+from ..nn.sharding import check_mesh, is_slot, shardings
 from .single import (
     CheckpointError,
     ModelConfig,

@@ -10,7 +10,8 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from ..distributed import gather_to_host, is_slot
+from ..distributed import gather_to_host
+from ..nn.sharding import is_slot
 
 __all__ = [
     "CheckpointError",

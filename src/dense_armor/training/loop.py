@@ -24,8 +24,9 @@ from tqdm.auto import tqdm
 from ..checkpoints.single import (
     ModelConfig,
 )
-from ..distributed import check_mesh, global_batch, place, place_optimizer_state
+from ..distributed import global_batch, place, place_optimizer_state
 from ..nn.core import require_bool, require_int
+from ..nn.sharding import check_mesh
 from .data import ArraySource, BatchSource, process_rows
 from .losses import Loss, LossFn, as_loss, cross_entropy_loss
 from .run_checkpoints import CHECKPOINT_FORMATS, RunCheckpoints

@@ -13,8 +13,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from ..distributed import check_mesh, global_batch, global_replicated
+from ..distributed import global_batch, global_replicated
 from ..nn.core import require_int
+from ..nn.sharding import check_mesh
 from .data import process_rows
 from .losses import Loss, LossFn, as_loss, cross_entropy_loss
 
