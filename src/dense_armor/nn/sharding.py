@@ -11,7 +11,9 @@ heads it computes; every other piece of a cache (counters, tables, recurrent sta
 replicated."""
 
 import dataclasses
+import functools
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -28,9 +30,11 @@ __all__ = [
     "ShardingWarning",
     "axis_size",
     "cache_shardings",
+    "cache_specs",
     "check_mesh",
     "check_serving_mesh",
     "is_slot",
+    "laid_out",
     "partition_specs",
     "place_model",
     "shard_caches",
@@ -204,31 +208,55 @@ def _is_kv(node: Any) -> bool:
     return isinstance(node, FixedKVCache | RingKVCache | PagedKVCache)
 
 
-def cache_shardings(caches: Any, mesh: Mesh) -> Any:
-    """The `NamedSharding` of every array of `caches` (a model's caches, of any batch of streams
-    or stack of layers) on `mesh`: keys, values and their scales split over their key/value
-    heads (axis `-3`) on `"model"`, the rest replicated; `None` for the other leaves."""
-    whole = NamedSharding(mesh, P())
+def cache_specs(caches: Any) -> Any:
+    """The `PartitionSpec` of every array of `caches` (a model's caches, of any batch of streams
+    or stack of layers, or any tree holding them): keys, values and their scales split over
+    their key/value heads (axis `-3`) on `"model"`, every other array replicated; `None` for the
+    other leaves."""
 
     def one(node: Any) -> Any:
-        out = jax.tree.map(lambda leaf: whole if is_slot(leaf) else None, node)
+        out = jax.tree.map(lambda leaf: P() if is_slot(leaf) else None, node)
         if not _is_kv(node):
             return out
         for name in _SPLIT_BY_HEADS:
             buffer = getattr(node, name)
             if buffer is not None:
                 heads = P(*([None] * (buffer.ndim - 3)), "model", None, None)
-                out = eqx.tree_at(
-                    lambda n, name=name: getattr(n, name), out, NamedSharding(mesh, heads)
-                )
+                out = eqx.tree_at(lambda n, name=name: getattr(n, name), out, heads)
         return out
 
     return jax.tree.map(one, caches, is_leaf=_is_kv)
 
 
-def shard_caches(caches: Any, mesh: Mesh | None) -> Any:
-    """`caches` laid out as `cache_shardings` says (inside a compiled function, a sharding
-    constraint; outside, a placement); `caches` itself without a mesh."""
+def cache_shardings(caches: Any, mesh: Mesh) -> Any:
+    """`cache_specs` as `NamedSharding`s on `mesh`."""
+    return jax.tree.map(
+        lambda spec: None if spec is None else NamedSharding(mesh, spec),
+        cache_specs(caches),
+        is_leaf=lambda x: x is None or isinstance(x, P),
+    )
+
+
+def shard_caches(caches: Any, mesh: Mesh | None = None) -> Any:
+    """`caches` (or any tree holding them) laid out as `cache_specs` says, on `mesh` or, without
+    one, on the mesh that `jax.set_mesh` made current if it has a `"model"` axis (inside a
+    compiled function, a sharding constraint; outside, a placement); `caches` itself when
+    there is neither."""
     if mesh is None:
-        return caches
+        current = jax.sharding.get_abstract_mesh()
+        if current.empty or "model" not in current.axis_names:
+            return caches
+        return jax.lax.with_sharding_constraint(caches, cache_specs(caches))
     return jax.lax.with_sharding_constraint(caches, cache_shardings(caches, mesh))
+
+
+def laid_out(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function` with its outputs laid out by `shard_caches` on the current mesh (the
+    server's compiled functions, under `jax.set_mesh`): the same layout whatever the
+    inputs' came from, so that nothing compiles twice for a layout."""
+
+    @functools.wraps(function)
+    def inner(*args: Any, **kwargs: Any) -> Any:
+        return shard_caches(function(*args, **kwargs))
+
+    return inner

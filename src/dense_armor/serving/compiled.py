@@ -19,6 +19,7 @@ from jax import lax
 from ..nn.models.language_model import TransformerLM
 from ..nn.penalties import History, counted, penalised
 from ..nn.sampling import draw_rows, score_rows
+from ..nn.sharding import laid_out
 from ..nn.state.counter import Counter
 from ..nn.state.paged import PagedKVCache, pool_mask, stream_axes, with_tables
 from ..nn.state.streams import reset
@@ -82,12 +83,15 @@ def _trace_key() -> Any:
 
 
 def _jax_options() -> tuple[list[tuple[Any, Any]], Any]:
-    """This thread's own values of JAX's options (those its context managers set), and its
-    trace key; no values where JAX's configuration is not as known here."""
+    """This thread's own values of JAX's options (those its context managers set: the mesh of
+    `jax.set_mesh` too), and its trace key; no values where JAX's configuration is not as known
+    here."""
     try:
         from jax._src import config
 
-        return [(s, s.get_local()) for s in config.config_states.values()], _trace_key()
+        meshes = ("abstract_mesh_context_manager", "device_context", "mesh_context_manager")
+        states = [*config.config_states.values(), *(getattr(config, name) for name in meshes)]
+        return [(s, s.get_local()) for s in states], _trace_key()
     except (ImportError, AttributeError):  # pragma: no cover - another JAX's internals
         return [], None
 
@@ -100,8 +104,9 @@ def _jax_options_set(options: list[tuple[Any, Any]]) -> Iterator[None]:
 
     def put(state: Any, value: Any) -> Any:
         previous = state.swap_local(value)
-        if state._update_thread_local_hook:
-            state._update_thread_local_hook(None if value is config.config_ext.unset else value)
+        hook = getattr(state, "_update_thread_local_hook", None)  # (the meshes' have none)
+        if hook:
+            hook(None if value is config.config_ext.unset else value)
         return previous
 
     previous = [(state, put(state, value)) for state, value in options]
@@ -118,6 +123,7 @@ def _prefill(model: TransformerLM, ids: Any, cache: Any) -> tuple[jax.Array, Any
 
 
 @eqx.filter_jit(donate="all-except-first")  # the stream's cache in place
+@laid_out
 def prefill(inputs: tuple[TransformerLM, Any], cache: Any) -> tuple[jax.Array, Any]:
     """The last block's output after the last of `ids`, `(d_model,)` (after a prompt's last
     piece, `first_tokens` draws from it), and the cache after them (`inputs`: the model and
@@ -134,6 +140,7 @@ def _scored(model: TransformerLM, h: Any, following: Any, top: int) -> Any:
 
 
 @eqx.filter_jit(donate="all-except-first")  # the stream's cache in place
+@laid_out
 def prefill_scored(inputs: tuple[Any, ...], cache: Any) -> tuple[jax.Array, Any, Any]:
     """`prefill` that scores a prompt's tokens too (`inputs`: the model, `ids (K,)`, the token
     after each of them `following (K,)`, and `top`): the last output, the cache, and each next
@@ -144,6 +151,7 @@ def prefill_scored(inputs: tuple[Any, ...], cache: Any) -> tuple[jax.Array, Any,
 
 
 @eqx.filter_jit(donate="all-except-first")  # the streams' caches in place
+@laid_out
 def prefill_rows(inputs: tuple[TransformerLM, Any], caches: Any) -> tuple[jax.Array, Any]:
     """`prefill` of each row of `ids (R, n)` into its own stream of `caches` (a batch of `R`):
     the requests admitted together read the weights once per piece, not once each."""
@@ -152,12 +160,14 @@ def prefill_rows(inputs: tuple[TransformerLM, Any], caches: Any) -> tuple[jax.Ar
 
 
 @eqx.filter_jit
+@laid_out
 def fresh_rows(model: TransformerLM, count: int, capacity: int, kv_dtype: Any) -> Any:
     """`count` empty streams (written in place by the prefill that takes them)."""
     return model.init_streams(count, capacity, on_overflow="nan", kv_dtype=kv_dtype)
 
 
 @eqx.filter_jit(donate="all-except-first")  # the history in place
+@laid_out
 def first_tokens(
     model: TransformerLM, past: History, top: int, slots: Any, hidden: Any, *arrays: Any
 ) -> tuple[tuple[jax.Array, Any], History]:
@@ -175,12 +185,14 @@ def first_tokens(
 
 
 @eqx.filter_jit
+@laid_out
 def row_of(caches: Any, row: Any) -> Any:
     """Stream `row` of a batch of streams (a copy)."""
     return jax.tree.map(lambda a: a[row], caches)
 
 
 @eqx.filter_jit(donate="all-except-first")
+@laid_out
 def put_row(new: tuple[Any, Any], caches: Any) -> Any:
     """A batch of streams with stream `row` replaced by `cache` (`new`), in place."""
     cache, row = new
@@ -188,6 +200,7 @@ def put_row(new: tuple[Any, Any], caches: Any) -> Any:
 
 
 @eqx.filter_jit(donate="all-except-first")  # the pools and the stream's state in place
+@laid_out
 def paged_prefill(
     model: TransformerLM, ids: Any, pools: Any, own: Any, table: Any
 ) -> tuple[Any, Any]:
@@ -199,6 +212,7 @@ def paged_prefill(
 
 
 @eqx.filter_jit(donate="all-except-first")  # the pools and the stream's state in place
+@laid_out
 def paged_prefill_scored(
     model: TransformerLM, ids: Any, pools: Any, own: Any, table: Any, following: Any, top: int
 ) -> tuple[Any, Any, Any]:
@@ -217,6 +231,7 @@ def _parted(cache: Any, own: Any) -> tuple[Any, Any]:
 
 
 @eqx.filter_jit(donate="all-except-first")
+@laid_out
 def admit(new: tuple[jax.Array, Any], caches: Any) -> Any:
     """`caches` with the slots where `chosen` is true replaced by `cache` (`new`); the old
     caches' buffers donated, so the slots' memory is updated in place."""
@@ -225,6 +240,7 @@ def admit(new: tuple[jax.Array, Any], caches: Any) -> Any:
 
 
 @eqx.filter_jit(donate="all-except-first")
+@laid_out
 def admit_rows(new: tuple[Any, Any, Any], caches: Any) -> Any:
     """`caches` with slot `slots[j]` given row `j` of `rows` (a batch of streams) for each `j`
     below `count` (the rows past it pad the batch), in place: only the admitted slots are
@@ -271,6 +287,7 @@ def _ticks(
 
 
 @eqx.filter_jit(donate="all-except-first")  # the caches are updated in place
+@laid_out
 def tick(
     model: TransformerLM, state: tuple[Any, History], shape: tuple[int, int], *arrays: Any
 ) -> tuple[tuple[jax.Array, Any], tuple[Any, History]]:
@@ -283,6 +300,7 @@ def tick(
 
 
 @eqx.filter_jit(donate="all-except-first")  # the caches are updated in place
+@laid_out
 def tick_rows(
     model: TransformerLM, state: tuple[Any, History], shape: tuple[int, int], rows: Any,
     *arrays: Any,
@@ -302,6 +320,7 @@ def tick_rows(
 
 
 @eqx.filter_jit(donate="all-except-first")  # the pools and the slots' states in place
+@laid_out
 def paged_tick(
     model: TransformerLM,
     state: tuple[Any, Any, History],
@@ -329,6 +348,7 @@ def paged_tick(
 
 
 @eqx.filter_jit
+@laid_out
 def start_stream(fresh: Any, table: Any, index: Any) -> Any:
     """A paged stream's own state at its start: its `table`, every counter at `index` (past the
     shared prefix its pages hold already)."""

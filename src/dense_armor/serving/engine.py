@@ -24,6 +24,7 @@ The tokens depend neither on the slot, nor on the other requests, nor on when th
 """
 
 import collections
+import contextlib
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -36,6 +37,7 @@ from ..nn.core import require_int, require_key
 from ..nn.models.generation import _prompts, check_kv_dtype, check_stop_tokens
 from ..nn.models.language_model import TransformerLM
 from ..nn.penalties import check_penalties
+from ..nn.sharding import check_serving_mesh, place_model
 from .grammar import Constraint
 from .paged_slots import PagedSlots
 from .records import (
@@ -90,7 +92,9 @@ class Server:
     end dropped; default 1), `max_logprobs` (requests may ask for their tokens' scores, with up
     to that many alternatives each: computed in the tick only when a request asks, and a
     prompt's by its prefill; default None: no scores), `structured` (requests may carry a
-    grammar, `submit(constraint=)`: structured output, see `serving.grammar`; default False).
+    grammar, `submit(constraint=)`: structured output, see `serving.grammar`; default False),
+    `mesh` (a `jax.sharding.Mesh`: the model's heads and hidden units and the caches' key/value
+    heads split over its `"model"` axis, as `generate(mesh=)`; see `nn.sharding`).
 
     `warm_up()` compiles every function serving runs before the first request; `submit(prompt,
     max_new_tokens)` queues a request (its own `sampling`, `key` and
@@ -121,6 +125,7 @@ class Server:
         decode_steps: int | None = None,
         max_logprobs: int | None = None,
         structured: bool = False,
+        mesh: Any = None,
     ) -> None:
         if not isinstance(model, TransformerLM):
             raise TypeError(
@@ -129,7 +134,8 @@ class Server:
         require_int(1, caller="Server", slots=slots, chunk=chunk)
         if max_queue is not None:
             require_int(0, caller="Server", max_queue=max_queue)
-        self.model, self.slots, self.chunk = model, int(slots), int(chunk)
+        self.mesh = check_serving_mesh("Server", mesh)
+        self.model, self.slots, self.chunk = place_model(model, self.mesh), int(slots), int(chunk)
         check_kv_dtype("Server", kv_dtype)
         self._paging = paging(pages, page_size, share_prefixes)
         self.paged_attention = paged_attention_of(paged_attention)
@@ -203,9 +209,11 @@ class Server:
             number = self._submitted
             self._submitted += 1
             base, index = (self.key, number) if key is None else (key_data(key), 0)
+            with self._on_mesh():  # as in `warm_up`: one compilation
+                drawn = np.asarray(request_key(base, index))
             request = _Request(
                 number if id is None else id, number, padded, int(max_new_tokens),
-                time.perf_counter(), rules, np.asarray(request_key(base, index)),
+                time.perf_counter(), rules, drawn,
                 frozenset(stops), logprobs, bool(prompt_logprobs), penalties, constraint,
             )  # fmt: skip
             self._queue.append(request)
@@ -276,6 +284,10 @@ class Server:
             require_int(1, caller="Server.warm_up", threads=threads)
         if not self.idle:
             raise ValueError("Server.warm_up: call it before submitting requests.")
+        with self._on_mesh():
+            self._warm_up(threads)
+
+    def _warm_up(self, threads: int | None) -> None:
         if self.structured and self.decode_steps > 1:  # the one-step tick of constrained ones
             steps, self.decode_steps = self.decode_steps, 1
             try:
@@ -324,6 +336,15 @@ class Server:
         request's first token from its prefill: a round that drew some returns them at once and
         leaves its tick to the next round (unless the round before did too: ticks are never
         put off twice in a row, whatever keeps arriving)."""
+        with self._on_mesh():
+            return self._step()
+
+    def _on_mesh(self) -> contextlib.AbstractContextManager[Any]:
+        """The server's mesh made current (`jax.set_mesh`): the compiled functions lay out
+        their outputs on it (`nn.sharding.laid_out`)."""
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+    def _step(self) -> list[Event]:
         store = self._slots()
         self._drop_cancelled()
         self._admit(store)
@@ -411,11 +432,13 @@ class Server:
                 self.model, self.slots, self.capacity, self.kv_dtype, self.chunk
             )  # fmt: skip
             if self._paging is None:
-                self._store = FixedSlots(model, slots, capacity, kv, chunk, self.max_logprobs)
+                self._store = FixedSlots(
+                    model, slots, capacity, kv, chunk, self.max_logprobs, self.mesh
+                )  # fmt: skip
             else:
                 self._store = PagedSlots(
                     model, slots, capacity, kv, chunk, self.max_logprobs, *self._paging,
-                    read=self.paged_attention,
+                    read=self.paged_attention, mesh=self.mesh,
                 )  # fmt: skip
         return self._store
 

@@ -10,11 +10,13 @@ import jax
 import numpy as np
 
 from ..nn.penalties import History, Penalties, history, history_row, mask_words
+from ..nn.sharding import laid_out
 
 __all__ = ["Penalised", "history_off", "set_history", "set_masks"]
 
 
 @eqx.filter_jit(donate="all-except-first")
+@laid_out
 def set_history(row: tuple[Any, ...], past: History, slot: Any) -> History:
     """`past` with slot `slot`'s penalties replaced by `row` (`nn.penalties.history_row`'s), in
     place."""
@@ -25,6 +27,7 @@ def set_history(row: tuple[Any, ...], past: History, slot: Any) -> History:
 
 
 @functools.partial(jax.jit, donate_argnums=1)  # jax.jit's dispatch: a call every round
+@laid_out
 def set_masks(masks: tuple[Any, Any], past: History) -> History:
     """`past` with every slot's grammar mask replaced by `masks` (the words `(S, W)`, and which
     slots have one `(S,)`), in place."""
@@ -33,6 +36,7 @@ def set_masks(masks: tuple[Any, Any], past: History) -> History:
 
 
 @eqx.filter_jit(donate="all-except-first")
+@laid_out
 def history_off(_: Any, past: History, slot: Any) -> History:
     """`past` with slot `slot`'s penalties off, in place."""
     return past._replace(active=past.active.at[slot].set(False))

@@ -12,6 +12,7 @@ import numpy as np
 from ..nn.kernels.paged import kernel_fits
 from ..nn.layers.language import ids_checked
 from ..nn.models.language_model import TransformerLM
+from ..nn.sharding import shard_caches
 from ..nn.state.cache import PositionCache
 from ..nn.state.paged import PagedKVCache, copy_page, paged_cache, paged_streams, pool_mask
 from .compiled import (
@@ -59,13 +60,14 @@ class PagedSlots:
     def __init__(
         self, model: TransformerLM, slots: int, capacity: int, kv_dtype: Any, chunk: int,
         top: int | None, pages: int, page_size: int, share: bool | None, read: str = "auto",
+        mesh: Any = None,
     ) -> None:  # fmt: skip
         self.model, self.slots, self.chunk = model, slots, chunk
         self.top, self.scoring = top or 0, top is not None
         self.prompt_scores: dict[int, PromptScores] = {}  # by slot, until the engine takes them
         self.width = -(-capacity // page_size)
         one = model.init_cache(capacity, on_overflow="nan", kv_dtype=kv_dtype)
-        one = paged_cache(one, pages, page_size, self.width, read)
+        one = shard_caches(paged_cache(one, pages, page_size, self.width, read), mesh)
         # A tick that reads the pages in place (the TPU's kernel) costs the same at any table
         # width (it copies only the pages in use): one width, and a fifth of the compilations.
         self.one_width = _reads_in_place(one, self.width, read)
@@ -101,7 +103,7 @@ class PagedSlots:
         share = self.share and not draw.prompt_scored
         plan = self.book.take(context, len(context), share)
         if plan.copy is not None:
-            self.pools = copy_page(self.pools, *map(np.int32, plan.copy))
+            self.pools = shard_caches(copy_page(self.pools, *map(np.int32, plan.copy)))
             self.book.release([plan.copy[0]])
         self.held[i] = plan.pages
         self.tables[i] = 0  # unused entries: the null page (a step past the pages writes there)
@@ -178,7 +180,7 @@ class PagedSlots:
                     _, (self.pools, self.own, self.penalised.past) = function(*arguments)
                 else:
                     self.pools, own = function(*arguments)[:2]
-        self.pools = copy_page(self.pools, np.int32(0), np.int32(0))
+        self.pools = shard_caches(copy_page(self.pools, np.int32(0), np.int32(0)))
 
     def _warm_plan(self) -> list[tuple[Any, int, int]]:
         """`warm`'s calls: `(function, size, width)`, each prefill piece (and scored piece) of

@@ -27,6 +27,7 @@ import numpy as np
 from ..nn.layers.language import ids_checked
 from ..nn.models.language_model import TransformerLM
 from ..nn.penalties import Penalties
+from ..nn.sharding import shard_caches
 from .compiled import (
     admit_rows,
     first_tokens,
@@ -93,13 +94,15 @@ class FixedSlots:
 
     def __init__(
         self, model: TransformerLM, slots: int, capacity: int, kv_dtype: Any, chunk: int,
-        top: int | None,
+        top: int | None, mesh: Any = None,
     ) -> None:  # fmt: skip
-        """(`top`: the alternatives scored; None: no request asks for scores.)"""
+        """(`top`: the alternatives scored, None: no request asks for scores; `mesh`: where the
+        caches lie, `nn.sharding.shard_caches`.)"""
         self.model, self.slots, self.chunk, self.top = model, slots, chunk, top or 0
         self.capacity, self.kv_dtype = capacity, kv_dtype
         self.prompt_scores: dict[int, PromptScores] = {}  # by slot, until the engine takes them
-        self.caches = model.init_streams(slots, capacity, on_overflow="nan", kv_dtype=kv_dtype)
+        caches = model.init_streams(slots, capacity, on_overflow="nan", kv_dtype=kv_dtype)
+        self.caches = shard_caches(caches, mesh)
         self._slot_bytes = sum(a.nbytes for a in jax.tree.leaves(self.caches)) // slots
         self._weight_bytes = sum(a.nbytes for a in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
         self._waiting: list[tuple[int, np.ndarray, Draw]] = []  # admitted, not yet prefilled

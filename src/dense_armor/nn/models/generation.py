@@ -18,6 +18,7 @@ from ..layers.language import ids_checked
 from ..penalties import History, Penalties, check_penalties, counted, history_row, penalised
 from ..precision import KV_DTYPES
 from ..sampling import check_sampling, draw_tokens
+from ..sharding import check_serving_mesh, place_model, shard_caches
 from .language_model import TransformerLM
 
 __all__ = ["Generation", "generate", "stream_tokens"]
@@ -85,6 +86,7 @@ def generate(
     capacity: int | None = None,
     kv_dtype: str | None = None,
     penalties: Penalties | None = None,
+    mesh: Any = None,
 ) -> Generation:
     """Generate up to `max_new_tokens` tokens after each prompt, in one compiled function.
 
@@ -96,7 +98,9 @@ def generate(
     `kv_dtype`: the cache's keys and values in another dtype (`"int8"`, `"bfloat16"`, ...: see
     `TransformerLM.init_cache`); `penalties` (`nn.penalties.Penalties`: presence, frequency and
     repetition penalties, a logit bias), applied to every row's logits before the rules, each
-    row's from its own prompt and output.
+    row's from its own prompt and output; `mesh`: a `jax.sharding.Mesh` whose `"model"` axis
+    splits the model's heads and hidden units and the cache's key/value heads over its devices
+    (`distributed.device_mesh(model=N)`; see `nn.sharding`), the same tokens as on one device.
 
     Row `b` draws its token at position `p` with `fold_in(fold_in(key, b), p)`, so the same key
     gives the same tokens. Each row is its own stream: greedy generation of a prompt in a batch
@@ -110,8 +114,10 @@ def generate(
     stops = tuple(int(t) for t in stop_tokens)
     check_kv_dtype("generate", kv_dtype)
     penalties = check_penalties(penalties, model.vocab)
+    mesh = check_serving_mesh("generate", mesh)
     settings = (int(max_new_tokens), float(temperature), top_k, top_p, min_p, stops, capacity)
-    run = _compiled(*settings, kv_dtype, penalties if penalties.on else None)
+    run = _compiled(*settings, kv_dtype, penalties if penalties.on else None, mesh)
+    model = place_model(model, mesh)
     key = jax.random.PRNGKey(0) if key is None else key
     common = int(lengths.min())  # static: one compilation per common length
     with ids_checked():  # the prompts were checked above: no callback, so the compilation keeps
@@ -180,13 +186,15 @@ def check_stop_tokens(caller: str, model: TransformerLM, stop_tokens: Any) -> tu
 
 
 @eqx.filter_jit
-def _prefill(model: TransformerLM, ids: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
-    return model.prefill_last(ids, cache)
+def _prefill(model: TransformerLM, ids: jax.Array, cache: Any, mesh: Any) -> tuple[jax.Array, Any]:
+    logits, cache = model.prefill_last(ids, cache)
+    return logits, shard_caches(cache, mesh)
 
 
 @eqx.filter_jit
-def _step(model: TransformerLM, token: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
-    return model.step(token, cache)
+def _step(model: TransformerLM, token: jax.Array, cache: Any, mesh: Any) -> tuple[jax.Array, Any]:
+    logits, cache = model.step(token, cache)
+    return logits, shard_caches(cache, mesh)
 
 
 def stream_tokens(
@@ -202,11 +210,12 @@ def stream_tokens(
     stop_tokens: Sequence[int] = (),
     kv_dtype: str | None = None,
     penalties: Penalties | None = None,
+    mesh: Any = None,
 ) -> Iterator[int]:
     """The new tokens of one prompt, each as soon as it is chosen (for a person reading them):
     one compiled `prefill`, then one compiled `step` per token. The same tokens as
-    `generate([prompt], ...)` with the same settings, penalties and key; the iterator ends after
-    a stop token or `max_new_tokens`."""
+    `generate([prompt], ...)` with the same settings, penalties, key and `mesh`; the iterator
+    ends after a stop token or `max_new_tokens`."""
     padded, _ = _prompts(model, [prompt])
     capacity = _check_generation(
         model, padded.shape[1], max_new_tokens, key, temperature, top_k, top_p, min_p,
@@ -214,11 +223,13 @@ def stream_tokens(
     )  # fmt: skip
     check_kv_dtype("stream_tokens", kv_dtype)
     penalties = check_penalties(penalties, model.vocab)
+    mesh = check_serving_mesh("stream_tokens", mesh)
     choose = _chooser(float(temperature), top_k, top_p, min_p)
     key = jax.random.PRNGKey(0) if key is None else key
-    cache = model.init_cache(capacity, on_overflow="nan", kv_dtype=kv_dtype)
+    model = place_model(model, mesh)
+    cache = shard_caches(model.init_cache(capacity, on_overflow="nan", kv_dtype=kv_dtype), mesh)
     with ids_checked():
-        logits, cache = _prefill(model, jnp.asarray(padded[0]), cache)
+        logits, cache = _prefill(model, jnp.asarray(padded[0]), cache, mesh)
     position = padded.shape[1]
     past = None
     if penalties.on:
@@ -231,7 +242,7 @@ def stream_tokens(
         if token in stop_tokens or made + 1 == max_new_tokens:
             return
         with ids_checked():
-            logits, cache = _step(model, jnp.int32(token), cache)
+            logits, cache = _step(model, jnp.int32(token), cache, mesh)
         position += 1
 
 
@@ -275,8 +286,10 @@ def _compiled(
     capacity: int,
     kv_dtype: str | None,
     penalties: Penalties | None,
+    mesh: Any,
 ) -> Any:
-    """The compiled generation for these settings (one per distinct settings)."""
+    """The compiled generation for these settings (one per distinct settings), its caches laid
+    out on `mesh` (if any) by `shard_caches`."""
 
     choose = functools.partial(_choose, _chooser(temperature, top_k, top_p, min_p))
 
@@ -287,6 +300,7 @@ def _compiled(
         batch, longest = prompts.shape
         rows = jnp.arange(batch)
         caches = model.init_streams(batch, capacity, on_overflow="nan", kv_dtype=kv_dtype)
+        caches = shard_caches(caches, mesh)
         # The prompts' common length in one prefill; the loop feeds the rest of each prompt.
         logits, caches = jax.vmap(model.prefill_last)(prompts[:, :common], caches)
         stop_ids = jnp.asarray(stops or (-1,), jnp.int32)
@@ -309,6 +323,7 @@ def _compiled(
             # Each step follows a draw that left a row unfinished: no step after the last token.
             position, token, caches, chosen_so_far = state
             logits, caches = jax.vmap(model.step)(token, caches)
+            caches = shard_caches(caches, mesh)
             token, chosen_so_far = draw(position + 1, logits, chosen_so_far)
             return position + 1, token, caches, chosen_so_far
 
