@@ -82,3 +82,25 @@ def test_meshes_that_cannot_split_the_model_are_refused_by_name(runs):
     assert runs["data axis"].startswith("ValueError: generate:")
     assert '"data" axis holds 2 devices' in runs["data axis"]
     assert runs["not a mesh"].startswith("TypeError: Server: `mesh` must be a jax.sharding.Mesh")
+
+
+def test_the_commands_split_the_model_over_the_devices_they_are_given(runs):
+    """`dense-armor generate --mesh model=4` prints what one device does; `serve --mesh
+    model=4` answers each request with `generate`'s tokens; a mesh larger than the machine is a
+    usage error naming the devices there are."""
+    made = runs["cli generate"]
+    assert made["one"]["status"] == made["mesh"]["status"] == 0
+    assert made["mesh"]["out"] == made["one"]["out"]
+    assert made["one"]["out"].split() == list(map(str, runs["stream"]["one"][0]))
+    assert made["too many"]["status"] != 0
+    assert "--mesh model=16: this machine has 8 cpu device(s)" in made["too many"]["err"]
+    served = runs["cli serve"]
+    assert served["status"] == 0, served["err"]
+    answers = sorted((json.loads(line) for line in served["out"].splitlines()), key=_number)
+    assert [a["ids"] for a in answers] == [
+        row[:n] for row, n in zip(runs["reference"], [5, 6, 3], strict=True)
+    ]
+
+
+def _number(answer):
+    return answer["id"]

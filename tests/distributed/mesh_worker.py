@@ -9,6 +9,8 @@ the mesh, the compilations counted while a warm server serves, where the caches 
 one device holds, and the errors of meshes that cannot split a model.
 """
 
+import contextlib
+import io
 import json
 import os
 import pathlib
@@ -19,6 +21,8 @@ import jax
 import numpy as np
 from jax import monitoring
 
+from dense_armor.checkpoints import ModelConfig, save_checkpoint
+from dense_armor.cli import main as cli
 from dense_armor.distributed import device_mesh
 from dense_armor.nn.models.generation import generate, stream_tokens
 from dense_armor.nn.models.language_model import TransformerLM
@@ -26,6 +30,7 @@ from dense_armor.serving import Server
 
 assert jax.device_count() == 8, "run with --xla_force_host_platform_device_count=8"
 out, results = pathlib.Path(sys.argv[1]), {}
+work = out.parent
 KEY = jax.random.PRNGKey(3)
 rng = np.random.default_rng(0)
 PROMPTS = [rng.integers(0, 97, n).tolist() for n in (4, 9, 6)]
@@ -129,4 +134,30 @@ pair("experts", experts, MESH8)
 refusal("kv heads", lambda: generate(gqa, PROMPTS, 2, mesh=MESH8))
 refusal("data axis", lambda: generate(gqa, PROMPTS, 2, mesh=device_mesh(model=4)))
 refusal("not a mesh", lambda: Server(gqa, mesh="model=4"))
+
+
+def command(*args):
+    """`dense-armor ARGS` in this process: its exit status, standard output and error."""
+    printed, errors = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
+        status = cli([str(a) for a in args])
+    return {"status": status, "out": printed.getvalue(), "err": errors.getvalue()}
+
+
+ARGUMENTS = {"vocab": 97, "d_model": 64, "n_heads": 8, "d_ff": 128, "depth": 2, "max_len": 64}
+saved = save_checkpoint(
+    work / "ckpt", gqa, ModelConfig("transformer_lm", {**ARGUMENTS, "n_kv_heads": 4})
+)
+ids = ["--ids", ",".join(map(str, PROMPTS[2])), "--max-new-tokens", "12"]
+results["cli generate"] = {
+    "one": command("generate", saved, *ids),
+    "mesh": command("generate", saved, *ids, "--mesh", "model=4"),
+    "too many": command("generate", saved, *ids, "--mesh", "model=16"),
+}
+lines = [json.dumps({"ids": p, "max_new_tokens": n}) for p, n in zip(PROMPTS, NEW, strict=True)]
+(work / "requests.jsonl").write_text("\n".join(lines) + "\n")
+results["cli serve"] = command(
+    "serve", saved, "--input", work / "requests.jsonl", "--slots", 2, "--chunk", 4,
+    "--mesh", "model=4",
+)  # fmt: skip
 out.write_text(json.dumps(results))

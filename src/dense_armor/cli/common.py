@@ -5,7 +5,15 @@ import argparse
 import pathlib
 from typing import Any
 
-__all__ = ["UsageError", "add_kv_dtype", "add_sampling", "ids", "language_model", "or_default"]
+__all__ = [
+    "UsageError",
+    "add_kv_dtype",
+    "add_sampling",
+    "ids",
+    "language_model",
+    "mesh_of",
+    "or_default",
+]
 
 PARAM_DTYPES = ("float32", "bfloat16", "float16")  # nn.precision's, without importing JAX here
 KV_DTYPES = ("float32", "bfloat16", "float16", "int8")
@@ -20,6 +28,32 @@ def ids(text: str) -> list[int]:
         return [int(v) for v in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected token ids like 1,2,3; got {text!r}") from None
+
+
+def model_axis(text: str) -> int:
+    """`--mesh model=N`'s N, a positive integer."""
+    name, _, count = text.partition("=")
+    if name.strip() != "model" or not count.strip().isdigit() or int(count) < 1:
+        raise argparse.ArgumentTypeError(f"expected model=N (N devices, N >= 1); got {text!r}")
+    return int(count)
+
+
+def mesh_of(devices: int | None) -> Any:
+    """The mesh of `--mesh model=N`: this machine's first N devices on a `"model"` axis (None
+    without the flag); a `UsageError` when it has fewer."""
+    if devices is None:
+        return None
+    import jax
+
+    from ..distributed import device_mesh
+
+    available = jax.devices()
+    if devices > len(available):
+        raise UsageError(
+            f"--mesh model={devices}: this machine has {len(available)} "
+            f"{available[0].platform} device(s)."
+        )
+    return device_mesh(model=devices, devices=available[:devices])
 
 
 def add_kv_dtype(parser: Any) -> None:
@@ -49,6 +83,11 @@ def add_sampling(parser: Any) -> None:
     parser.add_argument("--stop", type=ids, default=[], help="stop tokens, comma separated")
     parser.add_argument("--seed", type=int, default=0, help="the sampling key's seed")
     add_kv_dtype(parser)
+    parser.add_argument(
+        "--mesh", type=model_axis, metavar="model=N", help="split the model over N devices "
+        "(tensor parallelism: its heads and hidden units, and the cache's key/value heads; "
+        "default: one device)",
+    )  # fmt: skip
 
 
 def language_model(args: argparse.Namespace) -> tuple[Any, Any]:

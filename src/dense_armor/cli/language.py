@@ -9,7 +9,15 @@ import pathlib
 import shutil
 from typing import Any
 
-from .common import PARAM_DTYPES, UsageError, add_sampling, ids, language_model, or_default
+from .common import (
+    PARAM_DTYPES,
+    UsageError,
+    add_sampling,
+    ids,
+    language_model,
+    mesh_of,
+    or_default,
+)
 
 __all__ = ["COMMANDS", "add_commands"]
 
@@ -122,7 +130,8 @@ def _generate(args: argparse.Namespace) -> None:
     try:
         tokens = stream_tokens(
             model, ids, or_default(args.max_new_tokens, 32), jax.random.PRNGKey(args.seed),
-            min_p=args.min_p, stop_tokens=args.stop, kv_dtype=args.kv_dtype, **settings,
+            min_p=args.min_p, stop_tokens=args.stop, kv_dtype=args.kv_dtype,
+            mesh=mesh_of(args.mesh), **settings,
         )  # fmt: skip
         shown, new = "", []
         for token in tokens:  # text as it comes: the decoded whole, less what is shown

@@ -8,7 +8,7 @@ import pathlib
 import sys
 from typing import Any
 
-from .common import UsageError, add_sampling, language_model, or_default
+from .common import UsageError, add_sampling, language_model, mesh_of, or_default
 
 __all__ = ["COMMANDS", "add_commands"]
 
@@ -202,10 +202,10 @@ def _eos(checkpoint: pathlib.Path) -> list[int]:
 
 
 def _paging(args: Any) -> dict[str, Any]:
-    """The `Server`'s paged cache and dispatch options from `serve`'s arguments."""
+    """The `Server`'s paged cache, dispatch and mesh options from `serve`'s arguments."""
     return dict(
         pages=args.pages, page_size=args.page_size, share_prefixes=args.share_prefixes,
-        decode_steps=args.decode_steps,
+        decode_steps=args.decode_steps, mesh=mesh_of(args.mesh),
         max_logprobs=None if args.max_logprobs == -1 else args.max_logprobs,
     )  # fmt: skip
 
