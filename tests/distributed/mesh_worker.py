@@ -87,9 +87,7 @@ def served(name, model, mesh, warm, **settings):
         before = compiles[0]
         done = server.serve(zip(PROMPTS, NEW, strict=True))
         passes.append({"compiles": compiles[0] - before, "tokens": [c.tokens for c in done]})
-    store = server._store
-    caches = store.pools if settings.get("pages") else store.caches
-    kv = [a for a in jax.tree.leaves(caches) if a.ndim >= 3]
+    kv = [a for a in jax.tree.leaves(server.caches) if a.ndim >= 3]
     results[name] = {
         "passes": [{**p, "tokens": [list(map(int, t)) for t in p["tokens"]]} for p in passes],
         "cache specs": sorted({str(a.sharding.spec) for a in kv}),

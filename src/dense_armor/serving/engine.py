@@ -261,6 +261,13 @@ class Server:
         return self._store.book.available, self._store.book.held
 
     @property
+    def caches(self) -> Any:
+        """The slots' caches as they lie on the device(s), for inspection: every slot's whole
+        cache, or a paged server's pools (made at the first step, or here)."""
+        store = self._slots()
+        return store.pools if isinstance(store, PagedSlots) else store.caches
+
+    @property
     def idle(self) -> bool:
         """True when no request waits and no slot is busy."""
         return not self._queue and self.busy == 0
