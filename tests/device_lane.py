@@ -480,6 +480,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     sv.add_argument("--compile-cache", help="JAX's persistent compilation cache (a restart's)")
     sv.add_argument("--no-generate", action="store_true", help="the Server's rows only")
     sv.add_argument("--tiny", action="store_true", help="a tiny shape (the suite's, on a CPU)")
+    sv.add_argument(
+        "--shape", choices=("llama-1b", "llama-8b-int8"), default="llama-1b",
+        help="Llama-3.2-1B's shape in bfloat16, or Llama-3.1-8B's with int8 projections",
+    )  # fmt: skip
     sv.add_argument("--budget", type=float, default=420.0, help="no configuration started after")
     rd = commands.add_parser("readme")
     rd.add_argument("report", type=pathlib.Path, nargs="?",
@@ -503,6 +507,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         import device_serving
 
         shape, sizes = device_serving.LLAMA_1B, SERVING_SIZES
+        if args.shape == "llama-8b-int8":
+            shape = device_serving.LLAMA_8B_INT8
         if args.tiny:
             shape, sizes = TINY_SERVING
         configs = device_serving.parse(args.configs)

@@ -13,6 +13,7 @@ for `slots` tokens. The suite runs the same code on the CPU with a tiny shape
 (tests/test_device_lane.py).
 """
 
+import functools
 import json
 import pathlib
 import time
@@ -22,24 +23,88 @@ from typing import Any
 import numpy as np
 
 LLAMA_1B = dict(vocab=128256, d_model=2048, n_heads=32, d_ff=8192, depth=16, n_kv_heads=8)
+# Llama-3.1-8B's shape, int8 (8.0 GB of projections, 2.1 GB of tables): what fits one v5e chip
+LLAMA_8B_INT8 = dict(
+    vocab=128256, d_model=4096, n_heads=32, d_ff=14336, depth=32, n_kv_heads=8, quantize="int8"
+)
 PROMPT, NEW, CAPACITY, PAGE_SIZE = 128, 128, 256, 16
 # the memory bandwidth of each device kind's chip, bytes per second (its maker's figure)
 BANDWIDTH = {"TPU v5 lite": 819e9, "TPU v5e": 819e9, "TPU v6 lite": 1640e9, "TPU v4": 1200e9}
 
 
 def model_of(shape: dict[str, int], max_len: int) -> Any:
-    """A `TransformerLM` of `shape` (random weights, layers scanned) in bfloat16."""
+    """A `TransformerLM` of `shape` (random weights, layers scanned) in bfloat16; with
+    `"quantize": "int8"` in `shape`, its projections int8 (per output channel, the embedding
+    tables bfloat16 and untied, as Llama-3.1-8B's), made on the device from the model's shapes
+    alone (no float copy of the weights: an 8B model's would not fit the chip)."""
     import jax
 
     from dense_armor.nn import precision
     from dense_armor.nn.models.language_model import TransformerLM
 
     s = shape
+    if s.get("quantize") == "int8":
+        return _int8_model(s, max_len)
     model = TransformerLM(
         s["vocab"], s["d_model"], s["n_heads"], s["d_ff"], s["depth"], jax.random.PRNGKey(0),
         max_len, n_kv_heads=s["n_kv_heads"], scan_layers=True,
     )  # fmt: skip
     return precision.cast(model, "bfloat16")
+
+
+@functools.cache
+def _drawn(shape: tuple[int, ...], dtype: str, kind: str) -> Any:
+    """A compiled draw of an array of `shape` and `dtype` for `_int8_model` (one per kind)."""
+    import jax
+    import jax.numpy as jnp
+
+    def one(key: Any) -> Any:
+        if kind == "int8":
+            return jax.random.randint(key, shape, -127, 128, jnp.int32).astype(dtype)
+        normal = jax.random.normal(key, shape, jnp.float32)
+        value = {"norm": 1.0 + 0.02 * normal, "scale": 0.02 / 127 * (1.0 + 0.1 * normal)}
+        return value.get(kind, 0.02 * normal).astype(dtype)
+
+    return jax.jit(one)
+
+
+def _int8_model(s: dict[str, Any], max_len: int) -> Any:
+    """`model_of`'s int8 model: every array of the model's shapes drawn on the device (int8
+    weights uniform in [-127, 127], scales and the rest normal with a small deviation, norms
+    near 1)."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    from dense_armor.nn.models.language_model import TransformerLM
+
+    def build() -> Any:
+        return TransformerLM(
+            s["vocab"], s["d_model"], s["n_heads"], s["d_ff"], s["depth"], jax.random.PRNGKey(0),
+            max_len, n_kv_heads=s["n_kv_heads"], scan_layers=True, tie_embeddings=False,
+            param_dtype="bfloat16", quantize="int8",
+        )  # fmt: skip
+
+    skeleton = eqx.filter_eval_shape(build)
+    leaves, treedef = jax.tree.flatten(skeleton)
+    keys = jax.random.split(jax.random.PRNGKey(0), len(leaves))
+
+    def draw(key: Any, leaf: Any) -> Any:
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            return leaf
+        if jnp.issubdtype(leaf.dtype, jnp.integer):
+            kind = "int8"
+        elif leaf.ndim == 1 or (leaf.ndim == 2 and leaf.shape[0] == s["depth"]):
+            kind = "norm"
+        elif leaf.ndim >= 2 and leaf.shape[-2] == 1:
+            kind = "scale"  # an int8 matrix's scales: weights of about 0.02
+        else:
+            kind = "float"
+        return _drawn(leaf.shape, jnp.dtype(leaf.dtype).name, kind)(key)
+
+    return jax.tree.unflatten(
+        treedef, [draw(k, leaf) for k, leaf in zip(keys, leaves, strict=True)]
+    )
 
 
 def _bytes(tree: Any) -> int:

@@ -12,6 +12,7 @@ replicated."""
 
 import dataclasses
 import functools
+import operator
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -222,7 +223,7 @@ def cache_specs(caches: Any) -> Any:
             buffer = getattr(node, name)
             if buffer is not None:
                 heads = P(*([None] * (buffer.ndim - 3)), "model", None, None)
-                out = eqx.tree_at(lambda n, name=name: getattr(n, name), out, heads)
+                out = eqx.tree_at(operator.attrgetter(name), out, heads)
         return out
 
     return jax.tree.map(one, caches, is_leaf=_is_kv)

@@ -288,8 +288,7 @@ def _compiled(
     penalties: Penalties | None,
     mesh: Any,
 ) -> Any:
-    """The compiled generation for these settings (one per distinct settings), its caches laid
-    out on `mesh` (if any) by `shard_caches`."""
+    """The compiled generation for these settings and `mesh` (one per distinct settings)."""
 
     choose = functools.partial(_choose, _chooser(temperature, top_k, top_p, min_p))
 
