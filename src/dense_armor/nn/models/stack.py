@@ -88,9 +88,10 @@ class Stack(Layer):
         return self._scan(body, x, keys)[0]
 
     def init_cache(self, *args: Any, **kwargs: Any) -> Any:
-        """The layers' caches (`init_cache(*args, **kwargs)` of each), stacked."""
-        caches = [layer.init_cache(*args, **kwargs) for layer in self.unstack()]
-        return jax.tree.map(lambda *leaves: jnp.stack(leaves), *caches)
+        """The layers' caches (`init_cache(*args, **kwargs)` of each), stacked: mapped over the
+        stacked layers, so that no layer's weights are copied out (an 8B model's layer is 250
+        MB that a chip full of weights and caches does not have)."""
+        return eqx.filter_vmap(lambda layer: layer.init_cache(*args, **kwargs))(self.stacked)
 
     def prefill(self, x: Array, cache: Any) -> tuple[Array, Any]:
         """`K` steps through every layer, each with its slice of the stacked `cache`.
