@@ -328,17 +328,18 @@ def serving_table(rows: list[dict[str, Any]]) -> list[str]:
         return "" if value is None else form.format(value)
 
     lines = [
-        "| what | slots | cache | steps per dispatch | new tokens/s (whole run) | decoding "
-        "tokens/s | roofline tokens/s | share | warm_up (s) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | what | slots | cache | steps per dispatch | new tokens/s (whole run) | "
+        "decoding tokens/s | roofline tokens/s | share | warm_up (s) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         share = cell(r["share"] and 100 * r["share"], "{:.0f}%")
         lines.append(
-            f"| {'Server' if r['kind'] == 'serve' else 'generate'} | {r['slots']} | "
+            f"| {r.get('model', 'Llama-3.2-1B bfloat16')} | "
+            f"{'Server' if r['kind'] == 'serve' else 'generate'} | {r['slots']} | "
             f"{r['cache']} | {cell(r['decode_steps'], '{}')} | {cell(r['tokens_per_s'])} | "
             f"{cell(r['decode_tokens_per_s'])} | {cell(r['roofline_tokens_per_s'])} | {share} | "
-            f"{cell(r['warm_up_s'], '{:.0f}')} |"
+            f"{cell(r['warm_up_s'], '{:.0f}')}{' (restarted)' if r.get('restarted') else ''} |"
         )
     return lines
 
@@ -388,8 +389,9 @@ def readme_section(report_file: pathlib.Path) -> str:
 
 
 SERVING_LINE = (
-    "Serving on {device}: a Llama-3.2-1B-shaped model in bfloat16 (random weights, layers "
-    "scanned), prompts of 128 tokens and 128 new tokens each, greedy, against the roofline of "
+    "Serving on {device}: a Llama-3.2-1B-shaped model in bfloat16, and a Llama-3.1-8B-shaped "
+    "one with int8 projections (random weights, layers scanned: the model column), prompts of "
+    "128 tokens and 128 new tokens each, greedy, against the roofline of "
     "the chip's memory bandwidth (the weights and the slots' key/value rows read once per "
     "decoding step; tests/device_serving.py)."
 )

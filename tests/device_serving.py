@@ -218,6 +218,12 @@ def parse(configs: str) -> list[tuple[int, str, int, bool]]:
     return found
 
 
+def label_of(shape: dict[str, Any]) -> str:
+    """A row's model: its shape's name and weights, as the report's table shows it."""
+    name = {2048: "Llama-3.2-1B", 4096: "Llama-3.1-8B"}.get(shape["d_model"], "tiny")
+    return f"{name} {shape.get('quantize', 'bfloat16')}"
+
+
 def run(
     rows: pathlib.Path, configs: Sequence[tuple[int, str, int, bool]], shape: dict[str, int],
     sizes: dict[str, int], budget_s: float, with_generate: bool = True,
@@ -226,14 +232,16 @@ def run(
     finishes; none started past `budget_s` seconds."""
     started = time.perf_counter()
     model = model_of(shape, sizes["capacity"])
+    label = {"model": label_of(shape)}
     if with_generate:
         with rows.open("a") as out:
-            out.write(json.dumps(generate_row(model, sizes["prompt"], sizes["new"])) + "\n")
+            row = {**label, **generate_row(model, sizes["prompt"], sizes["new"])}
+            out.write(json.dumps(row) + "\n")
     for slots, cache, steps, warm in configs:
         if time.perf_counter() - started > budget_s:
             print(f"serving: out of time before {slots}:{cache}:{steps}", flush=True)
             break
-        row = serve_row(model, slots, cache, steps, warm, **sizes)
+        row = {**label, **serve_row(model, slots, cache, steps, warm, **sizes)}
         print(json.dumps(row), flush=True)
         with rows.open("a") as out:
             out.write(json.dumps(row) + "\n")

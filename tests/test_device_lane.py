@@ -91,4 +91,5 @@ def test_the_serving_rows_run_here_and_make_their_table(tmp_path):
     written = json.loads((tmp_path / "report" / "cpu.json").read_text())
     assert (written["rows"], len(written["serving"])) == ([], 4)
     table = (tmp_path / "report" / "cpu.md").read_text()
-    assert table.count("| Server | 2 |") == 3 and "| generate | 1 | fixed |" in table
+    assert table.count("| tiny bfloat16 | Server | 2 |") == 3
+    assert "| tiny bfloat16 | generate | 1 | fixed |" in table
