@@ -340,3 +340,30 @@ def test_compile_now_compiles_in_threads_what_the_calls_then_run_as_traced_here(
         offset.reset(token)
     for x, y in zip(xs, got, strict=True):
         np.testing.assert_array_equal(y, x * 2 + 7.0)  # by hand: the caller's offset, not 0
+
+
+def test_the_fixed_slots_compile_the_warm_up_requests_functions_ahead(monkeypatch, caplog):
+    """`FixedSlots.warm` compiles, on threads, every function the warm-up's requests then run
+    (the batched prefill of each piece and batch size, a rest's prefill, admission, the first
+    draw, the tick): after it, those requests compile only the small calls that set a
+    request's key and its slot's history."""
+    from dense_armor.nn.models.language_model import TransformerLM
+    from dense_armor.serving import storage
+
+    # a shape of its own: nothing compiled by another test
+    model = TransformerLM(89, 24, 4, 48, 2, jax.random.PRNGKey(5), 48, n_kv_heads=2)
+    planned = storage.FixedSlots.warm
+
+    def then_log(self, *args, **kwargs):
+        planned(self, *args, **kwargs)
+        caplog.clear()
+        jax.config.update("jax_log_compiles", True)
+
+    monkeypatch.setattr(storage.FixedSlots, "warm", then_log)
+    try:
+        with caplog.at_level("WARNING"):
+            Server(model, slots=4, capacity=20, chunk=4).warm_up()
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    compiled = set(re.findall(r"Compiling jit\((\w+)\)", caplog.text))
+    assert compiled <= {"request_key", "set_history", "history_off", "set_masks"}, compiled

@@ -44,7 +44,9 @@ __all__ = [
 ]
 
 
-THREADS = 4  # `compile_now`'s default: compiles at once, at most
+# `compile_now`'s default: compiles at once, at most (a 1B model's 8-slot warm-up on a TPU v5e
+# host of 13 cores: 167 s one at a time, 67 s four at a time, 56 s eight)
+THREADS = 8
 
 
 def compile_now(

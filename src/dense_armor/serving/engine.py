@@ -283,10 +283,10 @@ class Server:
         """Compile now what serving will run, so that no request waits for a compilation: every
         prefill piece, the batched prefill and admission of each batch size the slots allow
         (requests admitted in one round are prefilled together), and the tick; a paged server's
-        prefill pieces and ticks at every table width too (`PagedSlots.warm`: compiled first,
-        `threads` at a time, default `compiled.THREADS` or the machine's cores, the fewer). It
-        serves a few two-token requests of zeros; later requests are numbered as if it had
-        not."""
+        prefill pieces and ticks at every table width too. They compile first, `threads` at a
+        time (default `compiled.THREADS` or the machine's cores, the fewer: `FixedSlots.warm`,
+        `PagedSlots.warm`); then it serves a few two-token requests of zeros, which find them
+        compiled; later requests are numbered as if it had not."""
         if threads is not None:
             require_int(1, caller="Server.warm_up", threads=threads)
         if not self.idle:
@@ -312,6 +312,8 @@ class Server:
         store = self._slots()
         if isinstance(store, PagedSlots):  # every table width a longer request reaches, first
             store.warm(tick_arrays(self._active), self._shape, threads)
+        else:  # the requests' functions compiled at once, first
+            store.warm(tick_arrays(self._active), self._shape, n, threads)
         submitted = self._submitted
         for count in sorted({bucket(k, self.slots) for k in range(1, self.slots + 1)}):
             # two new tokens each: the first drawn from the prefill, the second by a tick

@@ -30,6 +30,7 @@ from ..nn.penalties import Penalties
 from ..nn.sharding import shard_caches
 from .compiled import (
     admit_rows,
+    compile_now,
     first_tokens,
     fresh_rows,
     prefill,
@@ -208,6 +209,58 @@ class FixedSlots:
     def grow(self, i: int, rows: int) -> bool:
         return True
 
+    def warm(
+        self, arrays: tuple[np.ndarray, ...], shape: tuple[int, int], length: int,
+        threads: int | None = None,
+    ) -> None:  # fmt: skip
+        """Compile now, `threads` at a time (`compile_now`), what the warm-up's requests (of
+        `length` tokens and twice that, in batches of every power of two) will run: the
+        batched prefill of every piece of every batch size, a longer prompt's rest, the
+        admission, the first draw and the tick. Nothing runs but the empty streams' making
+        (`fresh_rows`, one per batch size); the requests then find every executable compiled
+        (`arrays`: the tick's arrays of idle slots)."""
+        calls: list[tuple[Any, tuple[Any, ...]]] = []
+        sizes = sorted(set(prefill_pieces(length, self.chunk)))
+        for count in sorted({bucket(k, self.slots) for k in range(1, self.slots + 1)}):
+            rows = fresh_rows(self.model, count, self.capacity, self.kv_dtype)
+            one = row_of(rows, np.int32(0))
+            ids = [np.zeros((count, size), np.int32) for size in sizes]
+            calls += [(prefill_rows, ((self.model, piece), rows)) for piece in ids]
+            calls += [(prefill, ((self.model, piece[0]), one)) for piece in ids]
+            calls += [(row_of, (rows, np.int32(0))), (put_row, ((one, np.int32(0)), rows))]
+            calls += [(admit_rows, ((np.zeros(count, np.int32), np.int32(count), rows),
+                                    self.caches))]  # fmt: skip
+            calls += [self._first_call(count, rows), self._tick_call(count, arrays, shape)]
+        with ids_checked():
+            compile_now(calls, threads)
+
+    def _first_call(self, count: int, rows: Any) -> tuple[Any, tuple[Any, ...]]:
+        """`first_tokens`' call for `count` requests (`_first_tokens`' arguments' kinds)."""
+        hidden = eqx.filter_eval_shape(
+            prefill_rows, (self.model, np.zeros((count, 1), np.int32)), rows
+        )[0]
+        last = np.zeros(hidden.shape, hidden.dtype)
+        zeros = lambda dtype: np.zeros(count, dtype)  # noqa: E731
+        rules = (zeros(np.float32), zeros(np.int32), np.ones(count, np.float32), zeros(np.float32))
+        return first_tokens, (
+            self.model, self.penalised.past, self.top, zeros(np.int32), last,
+            np.zeros((count, 2), np.uint32), zeros(np.int32), *rules, zeros(bool),
+        )  # fmt: skip
+
+    def _tick_call(
+        self, count: int, arrays: tuple[np.ndarray, ...], shape: tuple[int, int]
+    ) -> tuple[Any, tuple[Any, ...]]:
+        """`tick`'s call for `count` busy slots, as `tick` makes it."""
+        state = (self.caches, self.penalised.past)
+        if self._every_slot(count):
+            return tick, (self.model, state, shape, *arrays)
+        rows = np.arange(count, dtype=np.int32)
+        return tick_rows, (self.model, state, shape, rows, *(a[rows] for a in arrays))
+
+    def _every_slot(self, count: int) -> bool:
+        """Whether a tick of `count` busy slots steps every slot (see `tick`)."""
+        return count == self.slots or 2 * count * self._slot_bytes > self._weight_bytes
+
     def tick(self, arrays: tuple[np.ndarray, ...], busy: list[int], shape: tuple[int, int]) -> Any:
         """`steps` steps of the busy slots (`shape`: `(steps, top)`; padded with idle ones to a
         power of two: one busy slot of 8 costs a batch of 1, not 8), their caches taken out and
@@ -217,7 +270,7 @@ class FixedSlots:
         count = bucket(len(busy), self.slots)
         with ids_checked():  # prompts were checked by `submit`; the rest are sampled ids
             state = (self.caches, self.penalised.past)
-            if count == self.slots or 2 * count * self._slot_bytes > self._weight_bytes:
+            if self._every_slot(count):
                 every, (self.caches, self.penalised.past) = tick(self.model, state, shape, *arrays)
                 return spread(every, np.arange(self.slots), self.slots)
             idle = [i for i in range(self.slots) if i not in busy]
