@@ -92,7 +92,8 @@ def _jax_options() -> tuple[list[tuple[Any, Any]], Any]:
         from jax._src import config
 
         meshes = ("abstract_mesh_context_manager", "device_context", "mesh_context_manager")
-        states = [*config.config_states.values(), *(getattr(config, name) for name in meshes)]
+        states = [*config.config_states.values()]
+        states += [getattr(config, name) for name in meshes if hasattr(config, name)]
         return [(s, s.get_local()) for s in states], _trace_key()
     except (ImportError, AttributeError):  # pragma: no cover - another JAX's internals
         return [], None
