@@ -10,6 +10,7 @@ a page pool's `(..., pages, n_kv_heads, page_size, d_head)`), so each device kee
 heads it computes; every other piece of a cache (counters, tables, recurrent states) is
 replicated."""
 
+import contextlib
 import dataclasses
 import functools
 import operator
@@ -36,6 +37,7 @@ __all__ = [
     "check_serving_mesh",
     "is_slot",
     "laid_out",
+    "on_mesh",
     "partition_specs",
     "place_model",
     "shard_caches",
@@ -251,10 +253,17 @@ def shard_caches(caches: Any, mesh: Mesh | None = None) -> Any:
     return jax.lax.with_sharding_constraint(caches, cache_shardings(caches, mesh))
 
 
+def on_mesh(mesh: Mesh | None) -> contextlib.AbstractContextManager[Any]:
+    """`mesh` made current (`jax.set_mesh`) for generation over it, or nothing without one: the
+    functions `laid_out` lay out their outputs on it, and `shard_caches` without a mesh reads
+    it."""
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
 def laid_out(function: Callable[..., Any]) -> Callable[..., Any]:
-    """`function` with its outputs laid out by `shard_caches` on the current mesh (the
-    server's compiled functions, under `jax.set_mesh`): the same layout whatever the
-    inputs' came from, so that nothing compiles twice for a layout."""
+    """`function` with its outputs laid out by `shard_caches` on the current mesh (`on_mesh`;
+    generation's and the server's compiled functions): the same layout whatever the inputs
+    came from, so that nothing compiles twice for a layout."""
 
     @functools.wraps(function)
     def inner(*args: Any, **kwargs: Any) -> Any:

@@ -24,7 +24,6 @@ The tokens depend neither on the slot, nor on the other requests, nor on when th
 """
 
 import collections
-import contextlib
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -37,7 +36,7 @@ from ..nn.core import require_int, require_key
 from ..nn.models.generation import _prompts, check_kv_dtype, check_stop_tokens
 from ..nn.models.language_model import TransformerLM
 from ..nn.penalties import check_penalties
-from ..nn.sharding import check_serving_mesh, place_model
+from ..nn.sharding import check_serving_mesh, on_mesh, place_model
 from .grammar import Constraint
 from .paged_slots import PagedSlots
 from .records import (
@@ -209,7 +208,7 @@ class Server:
             number = self._submitted
             self._submitted += 1
             base, index = (self.key, number) if key is None else (key_data(key), 0)
-            with self._on_mesh():  # as in `warm_up`: one compilation
+            with on_mesh(self.mesh):  # as in `warm_up`: one compilation
                 drawn = np.asarray(request_key(base, index))
             request = _Request(
                 number if id is None else id, number, padded, int(max_new_tokens),
@@ -291,7 +290,7 @@ class Server:
             require_int(1, caller="Server.warm_up", threads=threads)
         if not self.idle:
             raise ValueError("Server.warm_up: call it before submitting requests.")
-        with self._on_mesh():
+        with on_mesh(self.mesh):
             self._warm_up(threads)
 
     def _warm_up(self, threads: int | None) -> None:
@@ -345,13 +344,8 @@ class Server:
         request's first token from its prefill: a round that drew some returns them at once and
         leaves its tick to the next round (unless the round before did too: ticks are never
         put off twice in a row, whatever keeps arriving)."""
-        with self._on_mesh():
+        with on_mesh(self.mesh):
             return self._step()
-
-    def _on_mesh(self) -> contextlib.AbstractContextManager[Any]:
-        """The server's mesh made current (`jax.set_mesh`): the compiled functions lay out
-        their outputs on it (`nn.sharding.laid_out`)."""
-        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
     def _step(self) -> list[Event]:
         store = self._slots()

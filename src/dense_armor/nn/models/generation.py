@@ -18,7 +18,7 @@ from ..layers.language import ids_checked
 from ..penalties import History, Penalties, check_penalties, counted, history_row, penalised
 from ..precision import KV_DTYPES
 from ..sampling import check_sampling, draw_tokens
-from ..sharding import check_serving_mesh, place_model, shard_caches
+from ..sharding import check_serving_mesh, laid_out, on_mesh, place_model, shard_caches
 from .language_model import TransformerLM
 
 __all__ = ["Generation", "generate", "stream_tokens"]
@@ -116,11 +116,12 @@ def generate(
     penalties = check_penalties(penalties, model.vocab)
     mesh = check_serving_mesh("generate", mesh)
     settings = (int(max_new_tokens), float(temperature), top_k, top_p, min_p, stops, capacity)
-    run = _compiled(*settings, kv_dtype, penalties if penalties.on else None, mesh)
+    run = _compiled(*settings, kv_dtype, penalties if penalties.on else None)
     model = place_model(model, mesh)
     key = jax.random.PRNGKey(0) if key is None else key
     common = int(lengths.min())  # static: one compilation per common length
-    with ids_checked():  # the prompts were checked above: no callback, so the compilation keeps
+    # the prompts were checked above: no callback, so the compilation keeps
+    with ids_checked(), on_mesh(mesh):
         return run(model, jnp.asarray(padded), jnp.asarray(lengths), key, common)
 
 
@@ -186,15 +187,15 @@ def check_stop_tokens(caller: str, model: TransformerLM, stop_tokens: Any) -> tu
 
 
 @eqx.filter_jit
-def _prefill(model: TransformerLM, ids: jax.Array, cache: Any, mesh: Any) -> tuple[jax.Array, Any]:
-    logits, cache = model.prefill_last(ids, cache)
-    return logits, shard_caches(cache, mesh)
+@laid_out
+def _prefill(model: TransformerLM, ids: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
+    return model.prefill_last(ids, cache)
 
 
 @eqx.filter_jit
-def _step(model: TransformerLM, token: jax.Array, cache: Any, mesh: Any) -> tuple[jax.Array, Any]:
-    logits, cache = model.step(token, cache)
-    return logits, shard_caches(cache, mesh)
+@laid_out
+def _step(model: TransformerLM, token: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
+    return model.step(token, cache)
 
 
 def stream_tokens(
@@ -228,8 +229,8 @@ def stream_tokens(
     key = jax.random.PRNGKey(0) if key is None else key
     model = place_model(model, mesh)
     cache = shard_caches(model.init_cache(capacity, on_overflow="nan", kv_dtype=kv_dtype), mesh)
-    with ids_checked():
-        logits, cache = _prefill(model, jnp.asarray(padded[0]), cache, mesh)
+    with ids_checked(), on_mesh(mesh):
+        logits, cache = _prefill(model, jnp.asarray(padded[0]), cache)
     position = padded.shape[1]
     past = None
     if penalties.on:
@@ -241,8 +242,8 @@ def stream_tokens(
         yield token
         if token in stop_tokens or made + 1 == max_new_tokens:
             return
-        with ids_checked():
-            logits, cache = _step(model, jnp.int32(token), cache, mesh)
+        with ids_checked(), on_mesh(mesh):
+            logits, cache = _step(model, jnp.int32(token), cache)
         position += 1
 
 
@@ -286,9 +287,9 @@ def _compiled(
     capacity: int,
     kv_dtype: str | None,
     penalties: Penalties | None,
-    mesh: Any,
 ) -> Any:
-    """The compiled generation for these settings and `mesh` (one per distinct settings)."""
+    """The compiled generation for these settings (one per distinct settings), its caches laid
+    out on the current mesh (`on_mesh`), if any."""
 
     choose = functools.partial(_choose, _chooser(temperature, top_k, top_p, min_p))
 
@@ -299,7 +300,7 @@ def _compiled(
         batch, longest = prompts.shape
         rows = jnp.arange(batch)
         caches = model.init_streams(batch, capacity, on_overflow="nan", kv_dtype=kv_dtype)
-        caches = shard_caches(caches, mesh)
+        caches = shard_caches(caches)
         # The prompts' common length in one prefill; the loop feeds the rest of each prompt.
         logits, caches = jax.vmap(model.prefill_last)(prompts[:, :common], caches)
         stop_ids = jnp.asarray(stops or (-1,), jnp.int32)
@@ -322,7 +323,7 @@ def _compiled(
             # Each step follows a draw that left a row unfinished: no step after the last token.
             position, token, caches, chosen_so_far = state
             logits, caches = jax.vmap(model.step)(token, caches)
-            caches = shard_caches(caches, mesh)
+            caches = shard_caches(caches)
             token, chosen_so_far = draw(position + 1, logits, chosen_so_far)
             return position + 1, token, caches, chosen_so_far
 
