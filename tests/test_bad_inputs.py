@@ -53,7 +53,7 @@ from dense_armor.nn.layers.language import (
 )
 from dense_armor.nn.mixers.convolution import ShortConv
 from dense_armor.nn.mixers.deltanet import GatedDeltaNet
-from dense_armor.nn.models.generation import generate
+from dense_armor.nn.models.generation import generate, stream_tokens
 from dense_armor.nn.models.language_model import TransformerLM
 from dense_armor.nn.penalties import Penalties
 from dense_armor.nn.sampling import greedy, sample
@@ -788,6 +788,9 @@ BAD = [
     ("cli-serve-mesh-past-the-devices", lambda tmp, capsys: cli_serve(tmp, capsys, "--mesh", "model=2"), SystemExit, r"dense-armor serve: error: --mesh model=2: this machine has 1 cpu device\(s\)"),
     ("generate-mesh-a-string", lambda: generate(TINY_LM, [[1]], 2, mesh="model=2"), TypeError, r"generate: `mesh` must be a jax.sharding.Mesh"),
     ("generate-mesh-abstract", lambda: generate(TINY_LM, [[1]], 2, mesh=jax.sharding.AbstractMesh((1, 1), ("data", "model"))), TypeError, r"generate: `mesh` must hold devices; received an abstract mesh"),
+    ("server-mesh-true", lambda: Server(TINY_LM, capacity=8, mesh=True), TypeError, r"Server: `mesh` must be a jax.sharding.Mesh .*; received bool"),
+    ("stream-tokens-mesh-a-device", lambda: list(stream_tokens(TINY_LM, [1], 2, mesh=jax.devices()[0])), TypeError, r"stream_tokens: `mesh` must be a jax.sharding.Mesh"),
+    ("cli-serve-mesh-not-a-number", lambda tmp, capsys: cli_serve(tmp, capsys, "--mesh", "model=two"), SystemExit, r"argument --mesh: expected model=N .*; got 'model=two'"),
     ("generate-mesh-other-axes", lambda: generate(TINY_LM, [[1]], 2, mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("heads",))), ValueError, r"generate: a mesh's axes are `\"data\"` and, optionally, `\"model\"`; received \('heads',\)"),
     ("cli-serve-share-prefixes-without-pages", lambda tmp, capsys: cli_serve(tmp, capsys, "--share-prefixes"), SystemExit, r"dense-armor serve: error: Server: `share_prefixes` shares pages: give `pages` too"),
     ("cli-serve-request-larger-than-the-pool", lambda tmp, capsys: cli_serve(tmp, capsys, "--pages", "2", "--page-size", "1"), SystemExit, r"dense-armor serve: error: request 1 \(0\): Server.submit: .* 3 pages of 1; the pool has 1"),
