@@ -72,7 +72,7 @@ NOT_QUICK = {
     "test_architecture_artifacts.py", "test_docs.py", "test_examples.py", "test_iree.py",
     "test_distributed.py", "test_runner.py", "test_index_safety.py", "test_device_lane.py",
     "test_http.py", "test_benchmark_table.py", "test_sharded_checkpoint.py",
-    "test_mesh_generation.py",
+    "test_mesh_generation.py", "test_sharded_export.py",
 }  # fmt: skip
 # ... and these tests of other files: artifacts through IREE or C, killed processes.
 NOT_QUICK_TESTS = {

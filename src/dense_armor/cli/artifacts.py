@@ -9,7 +9,7 @@ import pathlib
 import sys
 from typing import Any
 
-from .common import add_kv_dtype
+from .common import add_kv_dtype, model_axis
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -67,6 +67,9 @@ def _inspect(directory: pathlib.Path) -> str:
         f"overflow: {streaming['overflow']}"
     )
     lines.append(f"  static modules: {len(manifest['static'])} (text and bytecode) in static/")
+    if manifest.get("mesh"):
+        mesh = manifest["mesh"]
+        lines.append(f"  laid out over {mesh['devices']} devices: mesh {mesh['axes']}")
     compiled = manifest.get("compiled", [])
     if compiled:
         targets = sorted({c["target"] for c in compiled})
@@ -126,6 +129,10 @@ def _add_export(commands: Any) -> None:
     ex.add_argument("--top-p", type=float)
     ex.add_argument("--min-p", type=float)
     add_kv_dtype(ex)
+    ex.add_argument(
+        "--mesh", type=model_axis, metavar="model=N", help="lay the modules out over N devices "
+        "(heads and hidden units split; any machine exports, N devices run it)",
+    )  # fmt: skip
 
 
 def _add_compile(commands: Any) -> None:
@@ -197,8 +204,18 @@ def _export(args: argparse.Namespace) -> None:
         matmul_precision=args.matmul_precision,
         sampling=_export_sampling(args),
         kv_dtype=args.kv_dtype,
+        mesh=_export_mesh(args.mesh),
     )
     print(summary)
+
+
+def _export_mesh(devices: int | None) -> Any:
+    """`export --mesh model=N`: an abstract mesh of N devices (none are needed to export)."""
+    if devices is None:
+        return None
+    from jax.sharding import AbstractMesh
+
+    return AbstractMesh((1, devices), ("data", "model"))
 
 
 def _export_sampling(args: argparse.Namespace) -> dict[str, Any] | None:

@@ -61,6 +61,7 @@ from ..nn.models.generation import check_kv_dtype
 from ..nn.sampling import check_sampling
 from . import standalone
 from .golden import golden
+from .layout import export_mesh
 from .lowering import GREEDY, Lowering
 from .manifest import accelerator_tolerance, created, half_tolerance
 from .manifest import manifest as describe
@@ -106,6 +107,7 @@ def export_model(
     matmul_precision: str = "highest",
     sampling: dict[str, Any] | None = None,
     kv_dtype: str | None = None,
+    mesh: Any = None,
 ) -> ExportSummary:
     """Export `model` (built from `config`) to the directory `out`.
 
@@ -131,6 +133,12 @@ def export_model(
       layout in the manifest says each array's dtype. The weights are exported as the model
       holds them (bfloat16, int8 with their scales: `TransformerLM`'s `param_dtype` and
       `quantize`), the dequantization in the graph.
+    - `mesh`: a model larger than one device, its modules laid out over `N` devices: a
+      `jax.sharding.Mesh` or `AbstractMesh((N,), ("model",))` (no devices needed to export). The
+      weights split as generation and the server split them (`nn.sharding.partition_specs`:
+      heads and hidden units over `"model"`), the cache by its key/value heads, everything else
+      whole; the StableHLO carries the shardings (`sdy.sharding`, `mhlo.num_partitions = N`) and
+      the manifest's `mesh` says so. The golden outputs are still one device's.
 
     Nothing is left half-written: the directory is assembled beside `out` and renamed into place.
     """
@@ -141,11 +149,14 @@ def export_model(
     )
     sampling = _check_sampling(config, sampling)
     _check_kv_dtype(config, kv_dtype)
+    abstract = export_mesh(mesh)
     check_fits(config, tree_arrays(model))  # the config and the weights must agree
     # cuDNN's attention lowers as XLA's (jax.export refuses its custom call), the golden outputs
     # too; every product traced (and so written into the modules) at `matmul_precision`
     with exporting(), jax.default_matmul_precision(matmul_precision):
-        lowering = Lowering(model, _causal(model, config), config, capacity, sampling, kv_dtype)
+        lowering = Lowering(
+            model, _causal(model, config), config, capacity, sampling, kv_dtype, abstract
+        )
         functions = lowering.functions(platforms)
         plan = _Plan(lowering, functions, config, platforms, shapes, seed, matmul_precision)
         atomic.write_directory(target, plan.fill)

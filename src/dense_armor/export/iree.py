@@ -29,7 +29,14 @@ from typing import Any, NamedTuple
 
 from ..checkpoints import atomic
 from ..nn.core import require_int
-from .standalone import MANIFEST, ArtifactError, file_table, read_manifest, verify_files
+from .standalone import (
+    MANIFEST,
+    ArtifactError,
+    file_table,
+    read_manifest,
+    require_one_device,
+    verify_files,
+)
 
 __all__ = ["TARGETS", "CompileSummary", "compile_artifact", "host_cpu", "target_flags"]
 
@@ -165,6 +172,7 @@ def compile_artifact(
         raise ArtifactError(f"targets must be a non-empty list of {TARGETS}; got {targets!r}.")
     flags = {t: target_flags(t, cpu, cuda_arch) for t in targets}
     manifest = read_manifest(target)
+    require_one_device(manifest, "IREE (compile)")
     verify_files(target, manifest)
     tools = _compiler()
     modules = _static_modules(target, manifest, functions)

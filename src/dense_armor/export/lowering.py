@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import export
+from jax.sharding import AbstractMesh
 from jax.tree_util import GetAttrKey
 
 from ..checkpoints.families import FAMILIES
@@ -42,6 +43,7 @@ from ..nn import precision
 from ..nn.sampling import draw_tokens
 from ..nn.state.counter import Counter
 from ..nn.state.streams import reset as reset_streams
+from .layout import Layout
 
 __all__ = ["DIMS", "GREEDY", "Function", "Lowering", "Spec"]
 
@@ -81,9 +83,14 @@ class Function:
     # locations were stripped: traced once, its outputs read from it
     portable: Any = None
     stripped: bool = False
-    # its `jax.jit` wrappers by whether the cache is donated: one per function, so that the
-    # golden outputs computed at a static module's shape reuse that module's trace
-    _jitted: dict[bool, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    # its `in_shardings` and `out_shardings` over several devices (`layout.Layout`), or None
+    layout: tuple[Any, Any] | None = None
+    # its `jax.jit` wrappers by whether the cache is donated and whether they are laid out: one
+    # each per function, so that the golden outputs computed at a static module's shape reuse
+    # that module's trace
+    _jitted: dict[tuple[bool, bool], Any] = dataclasses.field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     @property
     def plain(self) -> list[Spec]:
@@ -99,16 +106,20 @@ class Function:
         used = {d for i in self.inputs for d in i["shape"] if isinstance(d, str)}
         return [d for d in DIMS if d in used]
 
-    def jitted(self, donate: bool = True) -> Any:  # a jax.stages.Wrapped
+    def jitted(self, donate: bool = True, laid_out: bool = False) -> Any:  # jax.stages.Wrapped
         """The function under `jax.jit`, its cache donated (so a step under JAX updates it in
         place) unless `donate=False`: the static modules for other runtimes are lowered without
         donation, because IREE (3.x, llvm-cpu) computes wrong results from a module whose
-        inputs alias its outputs; such a runtime reuses buffers itself."""
-        donated = bool(self.cache) and donate
-        if donated not in self._jitted:
-            donating = (1 + len(self.plain),) if donated else ()
-            self._jitted[donated] = jax.jit(self.fn, donate_argnums=donating)
-        return self._jitted[donated]
+        inputs alias its outputs; such a runtime reuses buffers itself. `laid_out`: with its
+        `layout`'s shardings (what is exported), where it has one."""
+        key = (bool(self.cache) and donate, laid_out and self.layout is not None)
+        if key not in self._jitted:
+            donating = (1 + len(self.plain),) if key[0] else ()
+            shardings = {}
+            if key[1] and self.layout is not None:
+                shardings = {"in_shardings": self.layout[0], "out_shardings": self.layout[1]}
+            self._jitted[key] = jax.jit(self.fn, donate_argnums=donating, **shardings)
+        return self._jitted[key]
 
     def arguments(self, weights: list[Any], sizes: dict[str, Any]) -> list[Any]:
         """`(weight avals, *plain avals, [cache avals])` at `sizes`."""
@@ -189,6 +200,7 @@ class Lowering:
         capacity: int,
         sampling: dict[str, Any] | None = None,
         kv_dtype: str | None = None,
+        mesh: AbstractMesh | None = None,
     ):
         self.family = FAMILIES[config.factory]
         self.kv_dtype = kv_dtype
@@ -201,6 +213,16 @@ class Lowering:
         self._take_weights(model, causal_model)
         self._input_specs()
         self._cache_specs()
+        self.layout = None if mesh is None else Layout(mesh, model, self.weights, self._shapes())
+
+    def _shapes(self) -> Any:
+        """The cache's tree of one stream per batch (every symbolic dimension 1): its arrays'
+        ranks and types, all `layout.Layout` reads."""
+        leaves = [
+            jax.ShapeDtypeStruct(concrete(s["shape"], dict.fromkeys(DIMS, 1)), s["dtype"])
+            for s in self.cache
+        ]
+        return jax.tree_util.tree_unflatten(self.cache_treedef, leaves)
 
     def _take_weights(self, model: Any, causal_model: Any) -> None:
         """The model's arrays as named host copies (a model trained sharded exports exactly as
@@ -383,10 +405,21 @@ class Lowering:
                 True,
                 {},
             )
-        return {
-            name: (Function(fn, inputs, [], bounds), leading, streaming)
-            for name, (fn, inputs, leading, streaming, bounds) in plans.items()
-        }
+        functions = {}
+        for name, (fn, inputs, leading, streaming, bounds) in plans.items():
+            layout = self._layout(inputs, leading, streaming)
+            functions[name] = (Function(fn, inputs, [], bounds, layout=layout), leading, streaming)
+        return functions
+
+    def _layout(
+        self, inputs: list[Spec], leading: list[str], streaming: bool
+    ) -> tuple[Any, Any] | None:
+        """A function's `in_shardings` and `out_shardings` over the export's mesh, or None."""
+        if self.layout is None:
+            return None
+        plain = len([i for i in inputs if i["role"] != "cache"])
+        cache = len(inputs) > plain
+        return self.layout.inputs(plain, cache), self.layout.outputs(len(leading), streaming)
 
     def functions(self, platforms: Sequence[str]) -> dict[str, Function]:
         """Every exported function, exported for `platforms` on symbolic shapes (its portable
@@ -394,7 +427,7 @@ class Lowering:
         functions = {}
         weight_avals = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in self.weights]
         for name, (function, leading, streaming) in self.plans().items():
-            traced = export.export(function.jitted(), platforms=tuple(platforms))(
+            traced = export.export(function.jitted(laid_out=True), platforms=tuple(platforms))(
                 *function.arguments(weight_avals, function.symbolic_sizes())
             )
             function.portable, function.stripped = strip_locations(traced)

@@ -12,9 +12,11 @@ import jax
 import jaxlib
 import numpy as np
 from jax import export
+from jax.sharding import NamedSharding
 
 from .. import __version__
 from ..checkpoints.single import ModelConfig
+from .layout import sharding_entry
 from .lowering import Function, Lowering, spec
 from .standalone import FORMAT, FORMAT_VERSION, ArtifactError
 
@@ -100,7 +102,30 @@ def manifest(
         },
         "static": static_entries,
         "compatibility": _compatibility(exported),
+        **_mesh(lowering, described, exported),
     }
+
+
+def _mesh(
+    lowering: Lowering, described: dict[str, Any], exported: dict[str, export.Exported]
+) -> dict[str, Any]:
+    """A laid-out artifact's `mesh`, and each function's inputs and outputs marked with their
+    `sharding` (read from its module's own shardings); nothing for one device."""
+    if lowering.layout is None:
+        return {}
+    mesh = lowering.layout.mesh
+    for name, entry in described.items():
+        module = exported[name]
+        entry["inputs"] = [dict(s) for s in entry["inputs"]]
+        entry["outputs"] = [dict(s) for s in entry["outputs"]]
+        for specs, shardings in (
+            (entry["inputs"], module.in_shardings_jax(mesh)),
+            (entry["outputs"], module.out_shardings_jax(mesh)),
+        ):
+            for s, sharding in zip(specs, shardings, strict=True):
+                assert isinstance(sharding, NamedSharding), (name, s["name"], sharding)
+                s["sharding"] = sharding_entry(sharding.spec, len(s["shape"]))
+    return {"mesh": lowering.layout.manifest()}
 
 
 INVALID_IDS = (

@@ -55,9 +55,9 @@ def write_static(
                     continue
                 seen.add(tuple(sizes.items()))
                 module, done = strip_locations(
-                    export.export(function.jitted(donate=False), platforms=(platform,))(
-                        *function.arguments(weights, sizes)
-                    )
+                    export.export(
+                        function.jitted(donate=False, laid_out=True), platforms=(platform,)
+                    )(*function.arguments(weights, sizes))
                 )
                 stripped.append(done)
                 stem = ".".join([name, platform, *(f"{d}{v}" for d, v in sizes.items())])

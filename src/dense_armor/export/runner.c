@@ -1291,6 +1291,12 @@ int main(int argc, char **argv) {
   if (need_int(m, "format_version", "") != FORMAT_VERSION)
     fail("%s has format version %ld; this runner reads version %d: export the model again.",
          manifest_path, need_int(m, "format_version", ""), FORMAT_VERSION);
+  Json *mesh = json_get(m, "mesh"); /* a model laid out over several devices: not one's runner */
+  if (mesh && mesh->type != J_NULL && need_int(mesh, "devices", "mesh.") > 1)
+    fail("%s: this artifact's modules are laid out for %ld devices (manifest.json's mesh); this "
+         "runner runs one device's modules. Check it with `python run.py %s` (jax, the devices "
+         "simulated on the CPU where there are fewer), or export the model without a mesh for "
+         "this runtime.", run.directory, need_int(mesh, "devices", "mesh."), run.directory);
   Json *weights = need(m, "weights", J_OBJECT, ""), *golden = need(m, "golden", J_OBJECT, "");
   Json *static_entries = need(m, "static", J_ARRAY, "");
   Json *cases = need(golden, "static", J_ARRAY, "golden.");

@@ -207,7 +207,12 @@ class Artifact:
             raise ArtifactError(f"the weights file lacks {missing[:3]}.")
         if jax is None:
             raise ArtifactError("loading an artifact's functions needs jax (pip install jax).")
-        self.weights = [jax.numpy.asarray(weights[n]) for n in names]
+        self.mesh, self._unplaced = None, None
+        try:  # without the devices of its mesh, an artifact loads (to inspect) but cannot run
+            self.mesh = device_mesh(self.manifest)
+        except ArtifactError as error:
+            self._unplaced = error
+        self.platform = jax.default_backend() if self.mesh is None else _platform(self.mesh)
         self.functions = {}
         self._calls = {}
         for name, spec in self.manifest["functions"].items():
@@ -222,6 +227,11 @@ class Artifact:
             self._calls[name] = jax.jit(
                 self.functions[name].call,
                 donate_argnums=(1 + n_plain,) if spec.get("donated") else (),
+                **_laid_out(self.functions[name], self.mesh),
+            )
+        if self._unplaced is None:
+            self.weights = _placed(
+                [weights[n] for n in names], self.functions["forward"], self.mesh
             )
 
     def _cross_check(self, name: str, exported: Any, weights: dict[str, np.ndarray]) -> None:
@@ -304,6 +314,8 @@ class Artifact:
     def call(self, function: str, *inputs: Any) -> Any:
         if function not in self._calls:
             raise ArtifactError(f"this artifact has no function {function!r}.")
+        if self._unplaced is not None:
+            raise self._unplaced
         self._check(function, inputs)
         specs = self.inputs(function)
         plain = [x for x, s in zip(inputs, specs, strict=True) if s["role"] != "cache"]
@@ -375,6 +387,75 @@ def _cache_list(function: str, cache: Any) -> Sequence[Any]:
             f"call) returned; received {type(cache).__name__}."
         )
     return cache
+
+
+def device_mesh(manifest: dict[str, Any]) -> Any:
+    """The mesh a laid-out artifact runs on (None for one device): the manifest's `mesh.axes`
+    over the first devices of JAX's default backend, or of the CPU where the default has fewer
+    (`main` simulates them there: `--xla_force_host_platform_device_count`)."""
+    axes = (manifest.get("mesh") or {}).get("axes")
+    if not axes:
+        return None
+    count = int(np.prod(list(axes.values())))
+    devices = jax.devices()
+    if len(devices) < count:
+        devices = jax.devices("cpu")
+    if len(devices) < count:
+        raise ArtifactError(
+            f"this artifact's modules are laid out for {count} devices (mesh {axes}); this "
+            f"process's jax has {len(jax.devices())} {jax.default_backend()} device(s) and "
+            f"{len(jax.devices('cpu'))} CPU device(s). Run `python run.py DIRECTORY`, which "
+            f"simulates them on the CPU, or start jax with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={count}."
+        )
+    grid = np.array(devices[:count], dtype=object).reshape(tuple(axes.values()))
+    return jax.sharding.Mesh(grid, tuple(axes))
+
+
+def _platform(mesh: Any) -> str:
+    return str(mesh.devices.flat[0].platform)
+
+
+def _laid_out(exported: Any, mesh: Any) -> dict[str, Any]:
+    """`jax.jit`'s shardings for a laid-out module's call on `mesh` (none for one device)."""
+    if mesh is None:
+        return {}
+    (args, _) = jax.tree_util.tree_unflatten(exported.in_tree, exported.in_shardings_jax(mesh))
+    outputs = jax.tree_util.tree_unflatten(exported.out_tree, exported.out_shardings_jax(mesh))
+    return {"in_shardings": args, "out_shardings": outputs}
+
+
+def _placed(weights: list[np.ndarray], exported: Any, mesh: Any) -> list[Any]:
+    """The weights on the device, or split over `mesh` as the module's first input says."""
+    if mesh is None:
+        return [jax.numpy.asarray(w) for w in weights]
+    shardings = exported.in_shardings_jax(mesh)[: len(weights)]
+    return [jax.device_put(w, where) for w, where in zip(weights, shardings, strict=True)]
+
+
+def require_one_device(manifest: dict[str, Any], what: str) -> None:
+    """An `ArtifactError` naming `what` for an artifact laid out over several devices: its
+    static modules run on that many devices at once, which `what` does not."""
+    count = (manifest.get("mesh") or {}).get("devices", 1)
+    if count > 1:
+        raise ArtifactError(
+            f"this artifact's modules are laid out for {count} devices "
+            f"(mesh {manifest['mesh'].get('axes')}); {what} runs one device's modules. Check it "
+            "with `python run.py DIRECTORY` (jax, the devices simulated on the CPU where "
+            "there are fewer), or export the model without a mesh for this runtime."
+        )
+
+
+def simulate_devices(directory: str | pathlib.Path) -> None:
+    """Before jax starts: as many CPU devices as a laid-out artifact's mesh has (only where
+    `XLA_FLAGS` names no count), so that a machine with fewer devices checks it on its CPU."""
+    try:
+        count = (read_manifest(pathlib.Path(directory)).get("mesh") or {}).get("devices", 1)
+    except ArtifactError:
+        return  # reported when the artifact loads
+    flags = os.environ.get("XLA_FLAGS", "")
+    if isinstance(count, int) and count > 1 and "host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}"
 
 
 def load(directory: str | pathlib.Path, verify: bool = True) -> Artifact:
@@ -745,6 +826,7 @@ def check_iree_with(
     _check_runner(runner, device)
     directory = pathlib.Path(directory)
     manifest = read_manifest(directory)
+    require_one_device(manifest, "IREE (--iree)")
     verify_files(directory, manifest)
     compiled = {
         c["module"]: c["file"] for c in manifest.get("compiled", []) if c["target"] == "llvm-cpu"
@@ -978,6 +1060,8 @@ def run_pjrt(
         raise ArtifactError(
             f"`tolerance` must be a non-negative finite number or None; received {tolerance!r}."
         )
+    if (pathlib.Path(directory) / MANIFEST).is_file():  # else the runner says what is missing
+        require_one_device(read_manifest(pathlib.Path(directory)), "the C runner (--pjrt)")
     plugin = pathlib.Path(plugin) if plugin is not None else default_plugin()
     with tempfile.TemporaryDirectory() as work:
         runner = pathlib.Path(work) / "runner"
@@ -992,20 +1076,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         _check_flags(args)
+        if not (args.pjrt or args.iree):
+            simulate_devices(args.directory)
         if args.pjrt:
             return _from_c(args)
         if args.iree:
             runner, errors = check_iree_with(
                 args.directory, args.steps, args.device or "local-task", args.iree_runner or "auto"
             )
-            where = f"IREE llvm-cpu modules through {runner}"
+            where, platform = f"IREE llvm-cpu modules through {runner}", "cpu"
         else:
-            errors = check_golden(load(args.directory), args.steps)
-            where = f"{jax.default_backend()} (jax {jax.__version__})"
+            artifact = load(args.directory)
+            errors = check_golden(artifact, args.steps)
+            platform = artifact.platform
+            where = f"{platform} (jax {jax.__version__})"
+            if artifact.mesh is not None:
+                where = f"{artifact.mesh.size} {platform} devices (jax {jax.__version__})"
     except ArtifactError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    return _verdict(args, errors, where)
+    return _verdict(args, errors, where, platform)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -1069,7 +1159,7 @@ def _from_c(args: argparse.Namespace) -> int:
     return done.returncode
 
 
-def _verdict(args: argparse.Namespace, errors: dict[str, float], where: str) -> int:
+def _verdict(args: argparse.Namespace, errors: dict[str, float], where: str, platform: str) -> int:
     """Each check's largest error printed against the tolerance (the manifest's for the
     platform, unless `--tolerance`), written to `--report`; 0 when all pass, else 1."""
     print(f"artifact {args.directory} on {where}")
@@ -1079,7 +1169,7 @@ def _verdict(args: argparse.Namespace, errors: dict[str, float], where: str) -> 
     tolerance = args.tolerance
     if tolerance is None:  # half precision is compared with half-precision round-off
         manifest = read_manifest(pathlib.Path(args.directory))
-        tolerance = checkers_tolerance(manifest, "cpu" if args.iree else jax.default_backend())
+        tolerance = checkers_tolerance(manifest, platform)
     if args.report is not None:
         args.report.write_text(json.dumps({"errors": errors, "max": worst}, indent=2) + "\n")
     print(f"  {'all':<36} max |error| = {worst:.3e} ({'ok' if worst <= tolerance else 'FAILED'})")
