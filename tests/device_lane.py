@@ -487,6 +487,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="Llama-3.2-1B's shape in bfloat16, or Llama-3.1-8B's with int8 projections",
     )  # fmt: skip
     sv.add_argument("--budget", type=float, default=420.0, help="no configuration started after")
+    sv.add_argument(
+        "--profile", type=pathlib.Path, help="trace one more run of each load and sum its events "
+        "into DIR/SLOTS-CACHE-STEPS.json (tests/device_profile.py)",
+    )  # fmt: skip
     rd = commands.add_parser("readme")
     rd.add_argument("report", type=pathlib.Path, nargs="?",
                     default=ROOT / "docs" / "devices" / "tpu-v5e.json")  # fmt: skip
@@ -518,7 +522,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             from dense_armor.serving.settings import enable_compile_cache
 
             enable_compile_cache(args.compile_cache)
-        device_serving.run(args.rows, configs, shape, sizes, args.budget, not args.no_generate)
+        device_serving.run(
+            args.rows, configs, shape, sizes, args.budget, not args.no_generate, args.profile
+        )
     elif args.command == "readme":
         write_readme(args.report, args.readme)
     else:

@@ -136,10 +136,15 @@ def _load(server: Any, prompts: np.ndarray, new: int) -> tuple[float, float]:
     return end - begin, end - (first or begin)
 
 
-def serve_row(model: Any, slots: int, cache: str, steps: int, warm_up: bool, **sizes: int) -> Any:
+def serve_row(
+    model: Any, slots: int, cache: str, steps: int, warm_up: bool,
+    profile: pathlib.Path | None = None, **sizes: int,
+) -> Any:  # fmt: skip
     """One configuration's row (see the module; `cache`: "fixed", "paged", or "paged-gather", the
     paged cache read by its gather instead of the TPU's kernel): `warm_up` times
-    `Server.warm_up()`, else one run of the same load compiles what the measured run needs."""
+    `Server.warm_up()`, else one run of the same load compiles what the measured run needs.
+    `profile`: a third run of the load, traced, summed into `profile/SLOTS-CACHE-STEPS.json`
+    (`device_profile`)."""
     import jax
 
     from dense_armor.serving import Server
@@ -158,6 +163,8 @@ def serve_row(model: Any, slots: int, cache: str, steps: int, warm_up: bool, **s
     _load(server, prompts, new)  # (with warm_up: compiles nothing)
     warm = time.perf_counter() - begin
     whole, decoding = _load(server, (prompts + 1) % model.vocab, new)
+    if profile is not None:
+        _profiled(server, (prompts + 2) % model.vocab, new, profile / f"{slots}-{cache}-{steps}")
     device = jax.devices()[0]
     bandwidth = BANDWIDTH.get(getattr(device, "device_kind", ""), 0.0)
     ceiling = roofline(model, slots, bandwidth, prompt, new) if bandwidth else None
@@ -170,6 +177,17 @@ def serve_row(model: Any, slots: int, cache: str, steps: int, warm_up: bool, **s
         "share": None if not (ceiling and decode_rate) else round(decode_rate / ceiling, 3),
         "warm_up_s": round(warmed, 1) if warm_up else None, "first_run_s": round(warm, 1),
     }  # fmt: skip
+
+
+def _profiled(server: Any, prompts: np.ndarray, new: int, where: pathlib.Path) -> None:
+    """The load once more under the profiler, its trace summed into `where.json`."""
+    import device_profile
+
+    with device_profile.traced(where):
+        seconds, _ = _load(server, prompts, new)
+    summary = device_profile.summarize(where, seconds)
+    device_profile.write(summary, where.with_suffix(".json"))
+    print(device_profile.brief(summary), flush=True)
 
 
 def generate_row(model: Any, prompt: int, new: int) -> dict[str, Any]:
@@ -227,6 +245,7 @@ def label_of(shape: dict[str, Any]) -> str:
 def run(
     rows: pathlib.Path, configs: Sequence[tuple[int, str, int, bool]], shape: dict[str, int],
     sizes: dict[str, int], budget_s: float, with_generate: bool = True,
+    profile: pathlib.Path | None = None,
 ) -> None:  # fmt: skip
     """`generate`'s row (`with_generate`), then each configuration's, appended to `rows` as each
     finishes; none started past `budget_s` seconds."""
@@ -241,7 +260,7 @@ def run(
         if time.perf_counter() - started > budget_s:
             print(f"serving: out of time before {slots}:{cache}:{steps}", flush=True)
             break
-        row = {**label, **serve_row(model, slots, cache, steps, warm, **sizes)}
+        row = {**label, **serve_row(model, slots, cache, steps, warm, profile, **sizes)}
         print(json.dumps(row), flush=True)
         with rows.open("a") as out:
             out.write(json.dumps(row) + "\n")

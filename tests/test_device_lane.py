@@ -76,7 +76,10 @@ def test_the_serving_rows_run_here_and_make_their_table(tmp_path):
     positive rates; the report's serving table lists them."""
     rows = tmp_path / "rows.jsonl"
     configs = "2:fixed:3:warm,2:paged:2,2:paged-gather:1"
-    device_lane.main(["serve", "--rows", str(rows), "--tiny", "--configs", configs])
+    profiles = tmp_path / "profiles"
+    device_lane.main(
+        ["serve", "--rows", str(rows), "--tiny", "--configs", configs, "--profile", str(profiles)]
+    )
     found = [json.loads(line) for line in rows.read_text().splitlines()]
     assert [(r["kind"], r["slots"], r["cache"], r["decode_steps"]) for r in found] == [
         ("generate", 1, "fixed", None), ("serve", 2, "fixed", 3), ("serve", 2, "paged", 2),
@@ -85,6 +88,12 @@ def test_the_serving_rows_run_here_and_make_their_table(tmp_path):
     assert all(r["decode_tokens_per_s"] > 0 for r in found)
     assert all(r["tokens_per_s"] > 0 for r in found[1:])
     assert [r["warm_up_s"] is not None for r in found] == [False, True, False, False]
+    # each configuration's traced run, summed by line: the host's executions of the tick
+    summary = json.loads((profiles / "2-paged-2.json").read_text())
+    lines = [line for plane in summary["planes"].values() for line in plane.values()]
+    names = {t["name"] for line in lines for t in line["top"]}
+    assert summary["wall_ms"] > 0 and any("paged_tick" in name for name in names), names
+    assert any(line["busy_ms"] > 0 for line in lines)
     info = {"platform": "cpu", "device": "cpu", "date": "2026-12-07", "host": "x86_64",
             "cores": 2, "versions": {"jax": jax.__version__}}  # fmt: skip
     device_lane.report(rows, tmp_path / "report", "cpu", info)

@@ -113,13 +113,12 @@ def export_model(
 
     **Arguments:**
 
-    - `capacity`: the step function's cache capacity (default `max_len`).
+    - `capacity`: the step function's cache capacity (default `max_len`; past it only with a
+      `window`: the positions stop at `max_len`, so a larger cache could never fill).
     - `platforms`: any of `cpu`, `cuda`, `tpu`; lowered here whatever machine this is.
     - `static_shapes`: `(B, T)` pairs for the static modules (`(B, T, S)` for a decoder; default
       `(1, max_len)` and `(8, max_len)`, with `S = max_len`; `[]`: none); the streaming functions
       use each `B` (and `S`), `prefill` also each `T`.
-    - `capacity` may not pass `max_len` unless the model has a `window` (its positions stop
-      at `max_len`, so a larger cache could never fill).
     - `force`: replace `out` if it exists (otherwise that is an error).
     - `matmul_precision`: the precision of float32 matrix products in every exported function,
       `"highest"` (default: full float32, so the artifact matches its golden outputs on GPUs and
@@ -129,27 +128,20 @@ def export_model(
       `temperature`, `top_k`, `top_p`, `min_p` as in `generate` (default greedy); fixed in the
       graph and recorded in the manifest.
     - `kv_dtype`: a language model's cache keys and values in another dtype (`"int8"`: int8
-      rows with a float32 scale per head and position; `"bfloat16"`, `"float16"`); the cache's
-      layout in the manifest says each array's dtype. The weights are exported as the model
-      holds them (bfloat16, int8 with their scales: `TransformerLM`'s `param_dtype` and
-      `quantize`), the dequantization in the graph.
-    - `mesh`: a model larger than one device, its modules laid out over `N` devices: a
-      `jax.sharding.Mesh` or `AbstractMesh((N,), ("model",))` (no devices needed to export). The
-      weights split as generation and the server split them (`nn.sharding.partition_specs`:
-      heads and hidden units over `"model"`), the cache by its key/value heads, everything else
-      whole; the StableHLO carries the shardings (`sdy.sharding`, `mhlo.num_partitions = N`) and
-      the manifest's `mesh` says so. The golden outputs are still one device's.
+      rows with a float32 scale per head and position; `"bfloat16"`, `"float16"`), as the
+      manifest's cache layout says. The weights are exported as the model holds them (bfloat16,
+      int8 with their scales), the dequantization in the graph.
+    - `mesh`: the modules laid out over `N` devices (`AbstractMesh((N,), ("model",))` or a
+      `Mesh`), split as generation splits the model (`export.layout`); golden outputs one device's.
 
     Nothing is left half-written: the directory is assembled beside `out` and renamed into place.
     """
-    started = time.perf_counter()
-    target = pathlib.Path(out)
+    started, target = time.perf_counter(), pathlib.Path(out)
     capacity, shapes = _check_export(
         config, target, capacity, platforms, static_shapes, force, seed, matmul_precision
     )
-    sampling = _check_sampling(config, sampling)
+    sampling, abstract = _check_sampling(config, sampling), export_mesh(mesh)
     _check_kv_dtype(config, kv_dtype)
-    abstract = export_mesh(mesh)
     check_fits(config, tree_arrays(model))  # the config and the weights must agree
     # cuDNN's attention lowers as XLA's (jax.export refuses its custom call), the golden outputs
     # too; every product traced (and so written into the modules) at `matmul_precision`
