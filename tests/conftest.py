@@ -127,6 +127,18 @@ NOT_QUICK_TESTS = {
     "test_a_mixture_of_experts_model_trains_with_its_balance_term",
     "test_checkpoints_and_artifacts_get_the_usual_permissions",
     "test_a_large_step_on_the_cpu_runs_in_micro_batches_with_the_whole_batch_gradient",
+    # the warm-up's plan and counts of compilations beyond test_logprobs.py's (quick), the
+    # kernel's batch of streams beyond its steps against the gather path (quick), the export for
+    # every platform at once beyond the CPU's (quick)
+    "test_the_fixed_slots_compile_the_warm_up_requests_functions_ahead",
+    "test_requests_with_and_without_penalties_compile_nothing_after_warm_up",
+    "test_a_batch_of_streams_runs_one_kernel_over_the_shared_pool",
+    "test_every_platform_lowers_from_this_machine",
+    "test_an_accelerator_is_held_to_the_manifest_s_own_tolerance",
+    # a family's tokens through the server beside other requests (its logits against
+    # transformers stay quick), sampled pages against the fixed slots (greedy pages stay quick)
+    "test_the_server_gives_transformers_tokens_beside_other_requests",
+    "test_sampled_paged_tokens_equal_the_fixed_slot_servers",
 }
 
 
@@ -157,6 +169,14 @@ def pytest_addoption(parser):
         help="the quick tier: NOT_QUICK's files left out, a parametrized test's first case only "
         "(tests/conftest.py)",
     )  # fmt: skip
+
+
+def pytest_ignore_collect(collection_path, config):
+    """With `--quick`, the files of `NOT_QUICK` not even imported (their modules bring the HTTP
+    server's, IREE's and the distributed runs' imports: seconds of each worker's start)."""
+    if config.getoption("quick") and collection_path.name in NOT_QUICK:
+        return True
+    return None
 
 
 def pytest_collection_modifyitems(session, config, items):
