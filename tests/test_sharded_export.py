@@ -4,6 +4,7 @@ against one device's golden outputs, and the runtimes of one device refuse it by
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -110,6 +111,25 @@ def test_run_py_replays_it_over_four_simulated_devices(laid_out, tmp_path):
     assert errors["decode B=2, 8 tokens (tokens that differ)"] == 0
     assert any(name.startswith("step B=2, 2 steps past") for name in errors)
     assert max(errors.values()) < 1e-5, errors
+
+
+def test_too_few_devices_or_an_edited_mesh_is_refused_by_name(laid_out, tmp_path):
+    """Two simulated devices for a four-device artifact: run.py exits 2 naming the count; a
+    manifest whose mesh was removed no longer matches its modules."""
+    done = subprocess.run(
+        [sys.executable, str(laid_out / "run.py"), str(laid_out)], capture_output=True,
+        text=True, timeout=300,
+        env=child_env(XLA_FLAGS="--xla_force_host_platform_device_count=2"),
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"laid out for {DEVICES} devices" in done.stderr and "2 CPU device(s)" in done.stderr
+    edited = tmp_path / "edited"
+    shutil.copytree(laid_out, edited)
+    manifest = json.loads((edited / "manifest.json").read_text())
+    del manifest["mesh"]
+    (edited / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=rf"run on 1 device\(s\); .* laid out for {DEVICES}"):
+        load(edited)
 
 
 def test_a_process_with_one_device_loads_it_but_cannot_call_it(laid_out, capsys):

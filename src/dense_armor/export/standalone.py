@@ -238,6 +238,12 @@ class Artifact:
         """The manifest must say what the module and the weights file hold: every input and
         output of `name` (shape, with symbolic dimensions by name, and dtype), and every weight."""
         spec = self.manifest["functions"][name]
+        devices = (self.manifest.get("mesh") or {}).get("devices", 1)
+        if exported.nr_devices != devices:
+            raise ArtifactError(
+                f"{name}: the manifest says its modules run on {devices} device(s); the exported "
+                f"module was laid out for {exported.nr_devices} (manifest edited?)."
+            )
         for side, specs, avals in (
             ("input", spec["inputs"], exported.in_avals),
             ("output", spec["outputs"], exported.out_avals),
