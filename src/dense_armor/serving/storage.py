@@ -226,7 +226,8 @@ class FixedSlots:
             one = row_of(rows, np.int32(0))
             ids = [np.zeros((count, size), np.int32) for size in sizes]
             calls += [(prefill_rows, ((self.model, piece), rows)) for piece in ids]
-            calls += [(prefill, ((self.model, piece[0]), one)) for piece in ids]
+            if count == 1:  # one row's prefill (a longer prompt's rest): the same at any count
+                calls += [(prefill, ((self.model, piece[0]), one)) for piece in ids]
             calls += [(row_of, (rows, np.int32(0))), (put_row, ((one, np.int32(0)), rows))]
             calls += [(admit_rows, ((np.zeros(count, np.int32), np.int32(count), rows),
                                     self.caches))]  # fmt: skip
