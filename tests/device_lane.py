@@ -486,6 +486,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--shape", choices=("llama-1b", "llama-8b-int8"), default="llama-1b",
         help="Llama-3.2-1B's shape in bfloat16, or Llama-3.1-8B's with int8 projections",
     )  # fmt: skip
+    sv.add_argument("--unrolled", action="store_true", help="the 1B shape's layers unrolled")
     sv.add_argument("--budget", type=float, default=420.0, help="no configuration started after")
     sv.add_argument(
         "--profile", type=pathlib.Path, help="trace one more run of each load and sum its events "
@@ -517,6 +518,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             shape = device_serving.LLAMA_8B_INT8
         if args.tiny:
             shape, sizes = TINY_SERVING
+        if args.unrolled:
+            shape = {**shape, "unrolled": True}
         configs = device_serving.parse(args.configs)
         if args.compile_cache:
             from dense_armor.serving.settings import enable_compile_cache

@@ -47,7 +47,7 @@ def model_of(shape: dict[str, int], max_len: int) -> Any:
         return _int8_model(s, max_len)
     model = TransformerLM(
         s["vocab"], s["d_model"], s["n_heads"], s["d_ff"], s["depth"], jax.random.PRNGKey(0),
-        max_len, n_kv_heads=s["n_kv_heads"], scan_layers=True,
+        max_len, n_kv_heads=s["n_kv_heads"], scan_layers=not s.get("unrolled", False),
     )  # fmt: skip
     return precision.cast(model, "bfloat16")
 
@@ -239,7 +239,8 @@ def parse(configs: str) -> list[tuple[int, str, int, bool]]:
 def label_of(shape: dict[str, Any]) -> str:
     """A row's model: its shape's name and weights, as the report's table shows it."""
     name = {2048: "Llama-3.2-1B", 4096: "Llama-3.1-8B"}.get(shape["d_model"], "tiny")
-    return f"{name} {shape.get('quantize', 'bfloat16')}"
+    unrolled = ", layers unrolled" if shape.get("unrolled") else ""
+    return f"{name} {shape.get('quantize', 'bfloat16')}{unrolled}"
 
 
 def run(
