@@ -139,6 +139,10 @@ NOT_QUICK_TESTS = {
     # transformers stay quick), sampled pages against the fixed slots (greedy pages stay quick)
     "test_the_server_gives_transformers_tokens_beside_other_requests",
     "test_sampled_paged_tokens_equal_the_fixed_slot_servers",
+    # a scanned stack's pages (its kernel twin waits too; unrolled pages stay quick), a windowed
+    # model's whole export past max_len (the refusal's cheap half is in the sweep of bad inputs)
+    "test_a_scanned_model_serves_from_pages_token_exact",
+    "test_export_refuses_a_capacity_past_max_len_unless_windowed",
 }
 
 
