@@ -209,7 +209,7 @@ class Artifact:
             raise ArtifactError("loading an artifact's functions needs jax (pip install jax).")
         self.mesh, self._unplaced = None, None
         try:  # without the devices of its mesh, an artifact loads (to inspect) but cannot run
-            self.mesh = device_mesh(self.manifest)
+            self.mesh = _artifact_mesh(self.manifest)
         except ArtifactError as error:
             self._unplaced = error
         self.platform = jax.default_backend() if self.mesh is None else _platform(self.mesh)
@@ -395,7 +395,7 @@ def _cache_list(function: str, cache: Any) -> Sequence[Any]:
     return cache
 
 
-def device_mesh(manifest: dict[str, Any]) -> Any:
+def _artifact_mesh(manifest: dict[str, Any]) -> Any:
     """The mesh a laid-out artifact runs on (None for one device): the manifest's `mesh.axes`
     over the first devices of JAX's default backend, or of the CPU where the default has fewer
     (`main` simulates them there: `--xla_force_host_platform_device_count`)."""
