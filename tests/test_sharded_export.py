@@ -130,6 +130,21 @@ def test_too_few_devices_or_an_edited_mesh_is_refused_by_name(laid_out, tmp_path
     (edited / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ArtifactError, match=rf"run on 1 device\(s\); .* laid out for {DEVICES}"):
         load(edited)
+    # a mesh entry of the wrong kinds: refused by name, by run.py and the runtimes alike
+    for mesh in (
+        {"axes": {"model": "four"}, "devices": 4},
+        {"axes": {"model": 4}, "devices": 2},
+        {"axes": [4], "devices": 4},
+        "model=4",
+        {"axes": {"model": True}, "devices": 1},
+    ):
+        manifest["mesh"] = mesh
+        (edited / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(ArtifactError, match=r"`mesh` must give `axes`"):
+            load(edited)
+        assert standalone.main([str(edited)]) == 2
+        with pytest.raises(ArtifactError, match=r"`mesh` must give `axes`"):
+            run_pjrt(edited)
 
 
 def test_a_process_with_one_device_loads_it_but_cannot_call_it(laid_out, capsys):

@@ -109,7 +109,30 @@ def read_manifest(directory: pathlib.Path) -> dict[str, Any]:
         _require(entry, ("sha256", "bytes"), path, f"files[{name!r}].")
     for i, entry in enumerate(manifest["static"]):
         _require(entry, ("function", "shape", "bytecode", "kept_inputs"), path, f"static[{i}].")
+    _check_mesh_entry(manifest.get("mesh"), path)
     return manifest
+
+
+def _check_mesh_entry(mesh: Any, path: pathlib.Path) -> None:
+    """A laid-out artifact's `mesh`: `axes`, each a positive count of devices, and `devices`,
+    their product (absent: one device)."""
+    if mesh is None:
+        return
+    axes = mesh.get("axes") if isinstance(mesh, dict) else None
+    devices = mesh.get("devices") if isinstance(mesh, dict) else None
+    axes = axes if isinstance(axes, dict) else {}
+    counts = list(axes.values())
+    if not (
+        counts
+        and all(isinstance(name, str) for name in axes)
+        and all(_is_integer(n) and n >= 1 for n in counts)
+        and _is_integer(devices)
+        and devices == int(np.prod(counts))
+    ):
+        raise ArtifactError(
+            f"{path}: `mesh` must give `axes` (each a positive count of devices) and `devices`, "
+            f"their product; received {mesh!r} (edited?)."
+        )
 
 
 # The manifest's keys a loader reads; a manifest without one of them is refused by name.
@@ -208,6 +231,7 @@ class Artifact:
         if jax is None:
             raise ArtifactError("loading an artifact's functions needs jax (pip install jax).")
         self.mesh, self._unplaced = None, None
+        self.weights = [weights[n] for n in names]  # on the host until placed below
         try:  # without the devices of its mesh, an artifact loads (to inspect) but cannot run
             self.mesh = _artifact_mesh(self.manifest)
         except ArtifactError as error:
@@ -230,9 +254,7 @@ class Artifact:
                 **_laid_out(self.functions[name], self.mesh),
             )
         if self._unplaced is None:
-            self.weights = _placed(
-                [weights[n] for n in names], self.functions["forward"], self.mesh
-            )
+            self.weights = _placed(self.weights, self.functions["forward"], self.mesh)
 
     def _cross_check(self, name: str, exported: Any, weights: dict[str, np.ndarray]) -> None:
         """The manifest must say what the module and the weights file hold: every input and
