@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..nn.sampling import draw_tokens
-from .lowering import Function, Lowering
+from .functions import Function
+from .lowering import Lowering
 
 __all__ = ["GOLDEN_STEPS", "golden"]
 

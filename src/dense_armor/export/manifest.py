@@ -16,8 +16,9 @@ from jax.sharding import NamedSharding
 
 from .. import __version__
 from ..checkpoints.single import ModelConfig
+from .functions import Function, spec
 from .layout import sharding_entry
-from .lowering import Function, Lowering, spec
+from .lowering import Lowering
 from .standalone import FORMAT, FORMAT_VERSION, ArtifactError
 
 __all__ = ["created", "manifest"]

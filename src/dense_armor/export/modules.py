@@ -14,7 +14,8 @@ import jax
 from jax import export
 
 from . import standalone
-from .lowering import Function, Lowering, strip_locations
+from .functions import Function, strip_locations
+from .lowering import Lowering
 
 __all__ = ["write_portable", "write_runner", "write_static"]
 
